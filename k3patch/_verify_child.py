@@ -1,0 +1,131 @@
+"""Runs inside the tree's own interpreter for `k3patch verify`. Standard library only: this
+interpreter may not have k3patch's dependencies. It imports the modules it is given, then runs
+each patch's probe, and prints one JSON line after MARKER.
+
+argv[1] is a JSON object: {"model": path of k3patch/model.py, "patches": {id: file},
+"modules": [...], "probes": [ids], "overlay": {abs path of a source: abs path of the text
+to import instead}}. With an overlay, the listed sources are imported from other text (the
+originals, to tell "broken by the patch" from "blocked by the environment").
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+import traceback
+import types
+from typing import Any
+
+MARKER = "K3PATCH-VERIFY-RESULT "
+
+
+class _OverlayLoader(importlib.abc.SourceLoader):
+    def __init__(self, fullname: str, path: str, text_path: str) -> None:
+        self.fullname = fullname
+        self.path = path
+        self.text_path = text_path
+
+    def get_filename(self, fullname: str) -> str:
+        return self.path
+
+    def get_data(self, path: str) -> bytes:
+        if path == self.path:
+            with open(self.text_path, "rb") as handle:
+                return handle.read()
+        with open(path, "rb") as handle:
+            return handle.read()
+
+
+class _OverlayFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, overlay: dict[str, str]) -> None:
+        self.overlay = {os.path.realpath(k): v for k, v in overlay.items()}
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.origin is None:
+            return spec
+        real = os.path.realpath(spec.origin)
+        if real not in self.overlay:
+            return spec
+        loader = _OverlayLoader(fullname, spec.origin, self.overlay[real])
+        return importlib.util.spec_from_file_location(
+            fullname,
+            spec.origin,
+            loader=loader,
+            submodule_search_locations=spec.submodule_search_locations,
+        )
+
+
+def _load_file(name: str, path: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _failure(exc: BaseException) -> dict[str, Any]:
+    frames = [
+        {"file": os.path.realpath(f.filename), "line": f.lineno}
+        for f in traceback.extract_tb(exc.__traceback__)
+    ]
+    if isinstance(exc, SyntaxError) and exc.filename:
+        frames.append({"file": os.path.realpath(exc.filename), "line": exc.lineno or 0})
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc).splitlines()[0][:500] if str(exc) else "",
+        "frames": frames,
+    }
+
+
+def main() -> int:
+    args = json.loads(sys.argv[1])
+    if args.get("overlay"):
+        sys.meta_path.insert(0, _OverlayFinder(args["overlay"]))
+    out: dict[str, Any] = {"python": sys.version.split()[0], "imports": {}, "probes": {}}
+    for name in args["modules"]:
+        try:
+            module = importlib.import_module(name)
+            out["imports"][name] = {"ok": True, "file": getattr(module, "__file__", None)}
+        except BaseException as exc:  # a module may raise anything, SystemExit included
+            out["imports"][name] = {"ok": False, **_failure(exc)}
+    if args.get("probes"):
+        package = types.ModuleType("k3patch")
+        package.__path__ = []
+        sys.modules.setdefault("k3patch", package)
+        patches_pkg = types.ModuleType("k3patch.patches")
+        patches_pkg.__path__ = []
+        sys.modules.setdefault("k3patch.patches", patches_pkg)
+        _load_file("k3patch.model", args["model"])
+        for patch_id in args["probes"]:
+            try:
+                module = _load_file(
+                    f"k3patch.patches._probe_{len(out['probes'])}", args["patches"][patch_id]
+                )
+                outcome = module.PATCH.probe()
+                if outcome is None:
+                    continue
+                out["probes"][patch_id] = {
+                    "ok": bool(outcome.ok),
+                    "summary": outcome.summary,
+                    "checks": list(outcome.checks),
+                }
+            except BaseException as exc:
+                out["probes"][patch_id] = {
+                    "ok": False,
+                    "error": _failure(exc),
+                    "summary": f"probe raised {type(exc).__name__}: {exc}",
+                }
+    sys.stdout.flush()
+    print("\n" + MARKER + json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,389 @@
+"""The library API under the CLI: scan (classify), apply, revert.
+
+Data flows one way: tree.locate -> read target files -> each patch classifies its sites ->
+apply plans the edits in memory, compiles and re-classifies them -> transaction commits them ->
+the state record is written in the same transaction. Nothing here prints.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from k3patch import __version__
+from k3patch.model import Patch, SiteResult, SourceError, Sources, Verdict, summarise
+from k3patch.registry import all_patches, patch_set_digest
+from k3patch.state import STATE_REL, FileState, StateRecord, load
+from k3patch.transaction import (
+    EnvironmentProblem,
+    FaultHook,
+    FileEdit,
+    Transaction,
+    locked,
+    sha256,
+)
+from k3patch.tree import VllmTree
+
+DEFAULT_LOCK_TIMEOUT = 120.0
+
+
+class PatchBug(Exception):
+    """A patch produced code that does not compile or does not classify as applied.
+    This is k3patch's fault, never the tree's: nothing was written."""
+
+
+@dataclass
+class Report:
+    """The classification of every selected patch's sites in one tree."""
+
+    tree: VllmTree
+    patches: tuple[Patch, ...]
+    results: list[SiteResult]
+    hashes: dict[str, str | None]  # every target file read -> sha256 (None: absent)
+    from_record: bool = False
+    interrupted: str | None = None  # an interrupted commit's journal is present
+
+    def for_patch(self, patch_id: str) -> list[SiteResult]:
+        return [r for r in self.results if r.patch_id == patch_id]
+
+    def verdict(self, patch_id: str) -> Verdict:
+        return summarise(r.verdict for r in self.for_patch(patch_id))
+
+    def verdicts(self) -> dict[str, Verdict]:
+        return {p.id: self.verdict(p.id) for p in self.patches}
+
+    @property
+    def pending(self) -> list[SiteResult]:
+        return [r for r in self.results if r.verdict is Verdict.PENDING]
+
+    @property
+    def drifted(self) -> list[SiteResult]:
+        return [r for r in self.results if r.verdict is Verdict.DRIFTED]
+
+    @property
+    def digest(self) -> str:
+        """One value two nodes can compare: vLLM version, every target file's hash, verdicts."""
+        h = hashlib.sha256()
+        h.update(f"vllm={self.tree.version}\n".encode())
+        for rel, digest in sorted(self.hashes.items()):
+            h.update(f"{rel}={digest}\n".encode())
+        for result in sorted(self.results, key=lambda r: (r.patch_id, r.site, r.file)):
+            h.update(f"{result.patch_id}|{result.site}|{result.verdict.value}\n".encode())
+        return h.hexdigest()[:16]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "vllm": {
+                "package_dir": str(self.tree.package_dir),
+                "kind": self.tree.kind,
+                "version": self.tree.version,
+                "version_source": self.tree.version_source,
+            },
+            "digest": self.digest,
+            "from_record": self.from_record,
+            "interrupted": self.interrupted,
+            "patches": [
+                {
+                    "id": p.id,
+                    "title": p.title,
+                    "verdict": self.verdict(p.id).value,
+                    "caveat": p.caveat,
+                    "sites": [r.to_json() for r in self.for_patch(p.id)],
+                }
+                for p in self.patches
+            ],
+        }
+
+
+def target_files(patches: Iterable[Patch]) -> list[str]:
+    seen: dict[str, None] = {}
+    for patch in patches:
+        for rel in patch.files:
+            seen.setdefault(rel)
+    return list(seen)
+
+
+def _classify(patch: Patch, sources: Sources) -> list[SiteResult]:
+    try:
+        return patch.classify(sources)
+    except SourceError as exc:
+        rel = str(exc).split(":", 1)[0]
+        return [
+            SiteResult(
+                patch_id=patch.id,
+                site="(file)",
+                file=rel,
+                verdict=Verdict.DRIFTED,
+                detail=str(exc),
+            )
+        ]
+
+
+def _hashes(sources: Sources, files: Iterable[str]) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for rel in files:
+        data = sources[rel].data
+        out[rel] = None if data is None else sha256(data)
+    return out
+
+
+def scan(
+    tree: VllmTree, patches: tuple[Patch, ...] | None = None, *, use_record: bool = True
+) -> Report:
+    """Classify every site of `patches` (default: all). With a state record whose file hashes
+    all match, its classification is reused without parsing anything."""
+    patches = all_patches() if patches is None else patches
+    sources = Sources(tree.read)
+    files = target_files(all_patches())
+    hashes = _hashes(sources, files)
+    journal = Transaction(tree.package_dir).pending_journal()
+    interrupted = str(journal.get("op")) if journal else None
+    if use_record and interrupted is None:
+        record = load(tree.state_dir)
+        if (
+            record is not None
+            and record.patch_set == patch_set_digest()
+            and record.k3patch_version == __version__
+            and record.scan == hashes
+        ):
+            wanted = {p.id for p in patches}
+            results = [r for r in record.results if r.patch_id in wanted]
+            return Report(tree, patches, results, hashes, from_record=True)
+    results = [r for patch in patches for r in _classify(patch, sources)]
+    return Report(tree, patches, results, hashes, interrupted=interrupted)
+
+
+# ----------------------------------------------------------------------------------------
+# apply
+
+
+@dataclass
+class Plan:
+    """Every edit of an apply, made in memory and checked before anything is written."""
+
+    before: Report
+    after_results: list[SiteResult]
+    new_texts: dict[str, str]  # rel -> new text
+    old_texts: dict[str, str]
+
+    def diff(self) -> str:
+        chunks = []
+        for rel, new in self.new_texts.items():
+            chunks.extend(
+                difflib.unified_diff(
+                    self.old_texts[rel].splitlines(keepends=True),
+                    new.splitlines(keepends=True),
+                    fromfile=f"a/vllm/{rel}",
+                    tofile=f"b/vllm/{rel}",
+                )
+            )
+        return "".join(chunks)
+
+
+def plan(report: Report) -> Plan:
+    """Rewrite every pending site in memory, compile the results and re-classify them: every
+    pending site must now read as applied and no other verdict may change."""
+    sources = Sources(report.tree.read)
+    changes: dict[str, str] = {}
+    for patch in report.patches:
+        pending = [r for r in report.for_patch(patch.id) if r.verdict is Verdict.PENDING]
+        if not pending:
+            continue
+        current = sources.with_changes(changes)
+        try:
+            rewritten = patch.rewrite(current, pending)
+        except Exception as exc:
+            raise PatchBug(f"{patch.id}: rewrite failed: {exc!r}") from exc
+        changes.update(rewritten)
+    for rel, text in changes.items():
+        try:
+            compile(text, f"vllm/{rel}", "exec", dont_inherit=True)
+        except SyntaxError as exc:
+            raise PatchBug(f"rewritten vllm/{rel} does not compile: {exc}") from exc
+    after_sources = sources.with_changes(changes)
+    after = [r for p in report.patches for r in _classify(p, after_sources)]
+    before_by_key = {(r.patch_id, r.site, r.file): r for r in report.results}
+    after_keys = {(r.patch_id, r.site, r.file) for r in after}
+    for result in after:
+        old = before_by_key.get((result.patch_id, result.site, result.file))
+        want = Verdict.APPLIED if old and old.verdict is Verdict.PENDING else (old and old.verdict)
+        if want != result.verdict:
+            raise PatchBug(
+                f"{result.patch_id}: after the rewrite {result.site} in vllm/{result.file} reads "
+                f"{result.verdict.value}, expected {want.value if want else 'no such site'}"
+            )
+    if after_keys != set(before_by_key):
+        raise PatchBug("the rewrite changed which sites exist; nothing was written")
+    old_texts = {rel: sources[rel].text for rel in changes}
+    return Plan(report, after, changes, old_texts)
+
+
+@dataclass
+class ApplyOutcome:
+    report: Report  # the classification the outcome rests on (after the commit, if any)
+    plan: Plan | None = None
+    written: list[str] = field(default_factory=list)  # files replaced by this run
+    refused: bool = False  # drift: nothing written
+    recovered: list[str] = field(default_factory=list)
+    pycache: list[str] = field(default_factory=list)
+    check: bool = False
+
+
+def _record(
+    tree: VllmTree,
+    results: list[SiteResult],
+    hashes: dict[str, str | None],
+    files: dict[str, FileState],
+) -> StateRecord:
+    return StateRecord(
+        patch_set=patch_set_digest(),
+        vllm_version=tree.version,
+        files=files,
+        scan=hashes,
+        results=results,
+    )
+
+
+def apply(
+    tree: VllmTree,
+    patches: tuple[Patch, ...] | None = None,
+    *,
+    check: bool = False,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    fault: FaultHook | None = None,
+) -> ApplyOutcome:
+    """Bring every selected patch to applied (or leave it satisfied / not applicable).
+    Refuses, writing nothing, when any selected site has drifted."""
+    patches = all_patches() if patches is None else patches
+    report = scan(tree, patches)
+    if report.drifted:
+        return ApplyOutcome(report, refused=True, check=check)
+    if not report.pending and report.interrupted is None:
+        return ApplyOutcome(report, check=check)
+    if check:
+        return ApplyOutcome(report, plan=plan(report) if report.pending else None, check=True)
+
+    txn = Transaction(tree.package_dir, fault)
+    with locked(tree.state_dir, lock_timeout):
+        recovered = txn.recover()
+        # Another run may have finished the work while we waited for the lock.
+        full = scan(tree, all_patches(), use_record=False)
+        selected = [r for r in full.results if r.patch_id in {p.id for p in patches}]
+        report = Report(tree, patches, selected, full.hashes)
+        if report.drifted:
+            return ApplyOutcome(report, refused=True, recovered=recovered)
+        if not report.pending:
+            return ApplyOutcome(report, recovered=recovered)
+        the_plan = plan(report)
+        sources = Sources(tree.read)
+        old = load(tree.state_dir)
+        files = dict(old.files) if old else {}
+        edits = []
+        for rel, text in the_plan.new_texts.items():
+            before = sources[rel].data
+            after = text.encode("utf-8")
+            edits.append(FileEdit(rel, before, after))
+            prior = files.get(rel)
+            touched = {r.patch_id for r in the_plan.before.pending if r.file == rel}
+            files[rel] = FileState(
+                original=prior.original if prior else (None if before is None else sha256(before)),
+                applied=sha256(after),
+                patches=tuple(sorted(touched | set(prior.patches if prior else ()))),
+            )
+        after_hashes = dict(full.hashes)
+        for rel, text in the_plan.new_texts.items():
+            after_hashes[rel] = sha256(text.encode("utf-8"))
+        unselected = [r for r in full.results if r.patch_id not in {p.id for p in patches}]
+        record = _record(tree, the_plan.after_results + unselected, after_hashes, files)
+        state_path = tree.state_dir / "state.json"
+        old_state = state_path.read_bytes() if state_path.exists() else None
+        edits.append(FileEdit(STATE_REL, old_state, record.to_bytes()))
+        pycache = txn.commit(edits, "apply")
+        keep = {fs.original for fs in files.values() if fs.original}
+        txn.prune_blobs(keep)
+        final = Report(tree, patches, the_plan.after_results, after_hashes)
+        return ApplyOutcome(
+            final,
+            plan=the_plan,
+            written=list(the_plan.new_texts),
+            recovered=recovered,
+            pycache=pycache,
+        )
+
+
+# ----------------------------------------------------------------------------------------
+# revert
+
+
+@dataclass
+class RevertOutcome:
+    restored: list[str] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)  # changed since k3patch wrote them
+    nothing_recorded: bool = False
+    recovered: list[str] = field(default_factory=list)
+    pycache: list[str] = field(default_factory=list)
+
+
+def revert(
+    tree: VllmTree, *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT, fault: FaultHook | None = None
+) -> RevertOutcome:
+    """Put back the recorded originals, byte for byte, where each file still holds exactly what
+    k3patch wrote. Any file changed since: refuse and write nothing."""
+    if not tree.state_dir.exists():
+        return RevertOutcome(nothing_recorded=True)
+    txn = Transaction(tree.package_dir, fault)
+    with locked(tree.state_dir, lock_timeout):
+        recovered = txn.recover()
+        record = load(tree.state_dir)
+        if record is None and (tree.state_dir / "state.json").exists():
+            raise EnvironmentProblem(
+                f"{tree.state_dir / 'state.json'} is unreadable; revert cannot tell what k3patch "
+                "changed. Reinstall vLLM to get the original files back"
+            )
+        changed = {rel: fs for rel, fs in (record.files.items() if record else []) if fs.applied}
+        if record is None or not changed:
+            _remove_state_dir(tree, txn)
+            return RevertOutcome(nothing_recorded=True, recovered=recovered)
+        conflicts = []
+        edits = []
+        sources = Sources(tree.read)
+        for rel, fs in sorted(changed.items()):
+            data = sources[rel].data
+            current = None if data is None else sha256(data)
+            if current != fs.applied:
+                conflicts.append(
+                    f"vllm/{rel} changed since k3patch applied it "
+                    f"(now {current and current[:12]}, recorded {fs.applied and fs.applied[:12]})"
+                )
+                continue
+            original = None if fs.original is None else txn.load_blob(fs.original)
+            edits.append(FileEdit(rel, data, original))
+        if conflicts:
+            return RevertOutcome(conflicts=conflicts, recovered=recovered)
+        state_bytes = (tree.state_dir / "state.json").read_bytes()
+        edits.append(FileEdit(STATE_REL, state_bytes, None))
+        pycache = txn.commit(edits, "revert")
+        _remove_state_dir(tree, txn)
+        return RevertOutcome(
+            restored=[e.rel for e in edits[:-1]], recovered=recovered, pycache=pycache
+        )
+
+
+def _remove_state_dir(tree: VllmTree, txn: Transaction) -> None:
+    """A reverted tree carries nothing of k3patch's."""
+    txn.prune_blobs(set())
+    for sub in (tree.state_dir / "blobs", tree.state_dir / "state.json"):
+        try:
+            if sub.is_dir():
+                sub.rmdir()
+            else:
+                sub.unlink()
+        except FileNotFoundError:
+            pass
+    try:
+        tree.state_dir.rmdir()
+    except OSError:
+        pass

@@ -1,0 +1,59 @@
+"""The one place where outcomes become exit codes. The README's table is this file."""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from k3patch.engine import ApplyOutcome, Report, RevertOutcome
+    from k3patch.verify import VerifyReport
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0  # every selected patch is applied, satisfied or not applicable
+    ATTENTION = 1  # something needs a person: pending (status, --check), drift, revert conflict
+    USAGE = 2  # bad arguments or a path that is not a vLLM tree; also k3patch's own bugs
+    ENVIRONMENT = 3  # no vLLM found, not writable, disk full, lock timeout, bad --python
+
+
+def for_status(report: Report) -> ExitCode:
+    if report.pending or report.drifted or report.interrupted:
+        return ExitCode.ATTENTION
+    return ExitCode.OK
+
+
+def for_apply(outcome: ApplyOutcome) -> ExitCode:
+    if outcome.refused:
+        return ExitCode.ATTENTION
+    if outcome.check and outcome.report.pending:
+        return ExitCode.ATTENTION
+    return for_status(outcome.report) if not outcome.check else ExitCode.OK
+
+
+def for_revert(outcome: RevertOutcome) -> ExitCode:
+    return ExitCode.ATTENTION if outcome.conflicts else ExitCode.OK
+
+
+def for_verify(report: VerifyReport) -> ExitCode:
+    return ExitCode.OK if report.ok else ExitCode.ATTENTION
+
+
+def for_exception(exc: BaseException) -> ExitCode:
+    """Errors raised below the CLI. Anything not listed is an internal error: it must never
+    read as drift (ATTENTION)."""
+    from k3patch.engine import PatchBug
+    from k3patch.registry import UnknownPatchError
+    from k3patch.transaction import ConcurrentChange, EnvironmentProblem
+    from k3patch.tree import TreeError
+    from k3patch.verify import VerifyError
+
+    if isinstance(exc, TreeError):
+        return ExitCode.USAGE if exc.usage else ExitCode.ENVIRONMENT
+    if isinstance(exc, UnknownPatchError):
+        return ExitCode.USAGE
+    if isinstance(exc, EnvironmentProblem | ConcurrentChange | VerifyError):
+        return ExitCode.ENVIRONMENT
+    if isinstance(exc, PatchBug):
+        return ExitCode.USAGE
+    return ExitCode.USAGE

@@ -1,0 +1,358 @@
+"""The vocabulary every patch and every command shares: verdicts, shapes, site results.
+
+This module is imported by the patch modules, by the fast path and by the verify child, so it
+uses the standard library only (no libcst, no typer, no rich).
+"""
+
+from __future__ import annotations
+
+import ast
+import enum
+import hashlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Verdict(str, enum.Enum):
+    """What k3patch knows about one site. Every command speaks this vocabulary."""
+
+    PENDING = "pending"
+    APPLIED = "applied"
+    SATISFIED = "satisfied"
+    NOT_APPLICABLE = "not applicable"
+    DRIFTED = "drifted"
+
+    @property
+    def is_good(self) -> bool:
+        """True for a site that is in a known good state (nothing left to do)."""
+        return self in (Verdict.APPLIED, Verdict.SATISFIED, Verdict.NOT_APPLICABLE)
+
+
+# The order in which site verdicts win when summarised into one verdict per patch:
+# any drift makes the patch drifted, otherwise any pending site makes it pending, and so on.
+_SUMMARY_ORDER = (
+    Verdict.DRIFTED,
+    Verdict.PENDING,
+    Verdict.APPLIED,
+    Verdict.SATISFIED,
+    Verdict.NOT_APPLICABLE,
+)
+
+
+def summarise(verdicts: Iterable[Verdict]) -> Verdict:
+    """One verdict for a patch from the verdicts of its sites."""
+    seen = set(verdicts)
+    for verdict in _SUMMARY_ORDER:
+        if verdict in seen:
+            return verdict
+    return Verdict.NOT_APPLICABLE
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One known shape of a site: the code as it appears in some tree, declared as source text.
+
+    `source` is compared by `site_fingerprint`, so formatting, comments, quote style and
+    docstrings do not matter; names, operators and structure do.
+    """
+
+    name: str
+    verdict: Verdict
+    source: str
+    origin: str = ""
+
+    @property
+    def fingerprint(self) -> str:
+        return source_fingerprint(self.source)
+
+
+@dataclass(frozen=True)
+class SiteResult:
+    """The classification of one site in one file."""
+
+    patch_id: str
+    site: str
+    file: str
+    verdict: Verdict
+    shape: str = ""
+    detail: str = ""
+    line: int | None = None
+    found: str = ""
+    expected: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "patch": self.patch_id,
+            "site": self.site,
+            "file": self.file,
+            "verdict": self.verdict.value,
+            "shape": self.shape,
+            "detail": self.detail,
+            "line": self.line,
+            "found": self.found,
+            "expected": list(self.expected),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SiteResult:
+        return cls(
+            patch_id=data["patch"],
+            site=data["site"],
+            file=data["file"],
+            verdict=Verdict(data["verdict"]),
+            shape=data.get("shape", ""),
+            detail=data.get("detail", ""),
+            line=data.get("line"),
+            found=data.get("found", ""),
+            expected=tuple(data.get("expected", ())),
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Fingerprints: the AST with positions, comments and docstrings removed. Two pieces of code
+# have the same fingerprint exactly when Python reads them as the same statements.
+
+
+def _strip_docstrings(node: ast.AST) -> ast.AST:
+    for child in ast.walk(node):
+        body = getattr(child, "body", None)
+        if (
+            isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Module)
+            and isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            child.body = body[1:] or [ast.Pass()]
+    return node
+
+
+def normalised_dump(node: ast.AST | list[ast.stmt]) -> str:
+    """A formatting-insensitive text of a node (or a list of statements)."""
+    import copy
+
+    if isinstance(node, list):
+        node = ast.Module(body=node, type_ignores=[])
+    node = _strip_docstrings(copy.deepcopy(node))
+    return ast.dump(node, annotate_fields=True, include_attributes=False)
+
+
+def site_fingerprint(node: ast.AST | list[ast.stmt]) -> str:
+    """The fingerprint of a site: 16 hex digits of sha256 over its normalised AST."""
+    return hashlib.sha256(normalised_dump(node).encode()).hexdigest()[:16]
+
+
+def source_fingerprint(source: str) -> str:
+    """The fingerprint of a code snippet (a whole definition or a run of statements)."""
+    module = ast.parse(_dedent(source))
+    body: list[ast.stmt] = module.body
+    return site_fingerprint(body[0] if len(body) == 1 else body)
+
+
+def _dedent(source: str) -> str:
+    import textwrap
+
+    return textwrap.dedent(source).strip("\n") + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# The sources a patch reads: a read-only view over the target files of one tree.
+
+
+class SourceError(Exception):
+    """A target file exists but cannot be read as Python source (binary junk, syntax error)."""
+
+
+@dataclass
+class SourceFile:
+    """One target file as bytes, with its text and AST computed on first use."""
+
+    rel: str
+    data: bytes | None
+    _text: str | None = field(default=None, repr=False)
+    _tree: ast.Module | None = field(default=None, repr=False)
+
+    @property
+    def exists(self) -> bool:
+        return self.data is not None
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            if self.data is None:
+                raise SourceError(f"{self.rel}: file is absent")
+            try:
+                self._text = self.data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise SourceError(
+                    f"{self.rel}: not UTF-8 text (byte {exc.start}); restore it from the wheel"
+                ) from None
+            if "\x00" in self._text:
+                raise SourceError(f"{self.rel}: contains NUL bytes; restore it from the wheel")
+        return self._text
+
+    @property
+    def tree(self) -> ast.Module:
+        if self._tree is None:
+            try:
+                self._tree = ast.parse(self.text, filename=self.rel)
+            except SyntaxError as exc:
+                raise SourceError(
+                    f"{self.rel}: does not parse ({exc.msg}, line {exc.lineno}); "
+                    "restore it from the wheel"
+                ) from None
+        return self._tree
+
+    def segment(self, node: ast.AST) -> str:
+        """The exact source text of a node, for reports."""
+        return ast.get_source_segment(self.text, node) or ast.unparse(node)
+
+
+class Sources:
+    """The target files of a tree, read once and shared by every patch in one run."""
+
+    def __init__(self, reader: Callable[[str], bytes | None]) -> None:
+        self._reader = reader
+        self._files: dict[str, SourceFile] = {}
+
+    def __getitem__(self, rel: str) -> SourceFile:
+        if rel not in self._files:
+            self._files[rel] = SourceFile(rel, self._reader(rel))
+        return self._files[rel]
+
+    def with_changes(self, changes: Mapping[str, str]) -> Sources:
+        """A view of the same tree with some files replaced by new text (nothing is written)."""
+        base = self
+
+        def reader(rel: str) -> bytes | None:
+            if rel in changes:
+                return changes[rel].encode("utf-8")
+            return base[rel].data
+
+        return Sources(reader)
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers that patches use to find their sites.
+
+
+def find_class(module: ast.Module, name: str) -> ast.ClassDef | None:
+    for node in module.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    return None
+
+
+def find_method(cls: ast.ClassDef, name: str) -> ast.FunctionDef | None:
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+    return None
+
+
+def find_function(module: ast.Module, name: str) -> ast.FunctionDef | None:
+    for node in module.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+    return None
+
+
+def module_binds(module: ast.Module, name: str) -> bool:
+    """Whether the module binds `name` at top level (an import, a def, a class or an assignment)."""
+    for node in module.body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            for alias in node.names:
+                bound = alias.asname or alias.name.split(".")[0]
+                if bound == name:
+                    return True
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            if node.name == name:
+                return True
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name) and target.id == name:
+                    return True
+    return False
+
+
+def match_shapes(
+    patch_id: str,
+    site: str,
+    source: SourceFile,
+    node: ast.AST,
+    shapes: Iterable[Shape],
+) -> SiteResult:
+    """Classify a located node against a table of known shapes; anything else is drift."""
+    shapes = tuple(shapes)
+    found = site_fingerprint(node)
+    for shape in shapes:
+        if shape.fingerprint == found:
+            return SiteResult(
+                patch_id=patch_id,
+                site=site,
+                file=source.rel,
+                verdict=shape.verdict,
+                shape=shape.name,
+                detail=shape.origin,
+                line=getattr(node, "lineno", None),
+            )
+    return SiteResult(
+        patch_id=patch_id,
+        site=site,
+        file=source.rel,
+        verdict=Verdict.DRIFTED,
+        detail="the site is in no shape k3patch knows; nothing will be written",
+        line=getattr(node, "lineno", None),
+        found=source.segment(node),
+        expected=tuple(f"{s.name} ({s.verdict.value})" for s in shapes),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# What a patch module provides.
+
+
+@dataclass(frozen=True)
+class ProbeOutcome:
+    """What a behaviour probe found on the real (patched) code."""
+
+    ok: bool
+    summary: str
+    checks: tuple[str, ...] = ()
+
+
+class Patch:
+    """Base class of every module in `patches/`: a module defines one subclass and `PATCH`.
+
+    A patch reads its sites from `Sources` (classification must not need libcst), and rewrites
+    pending sites into new file texts (it may use libcst there). The engine knows no patch by name.
+    """
+
+    id: str = ""
+    title: str = ""
+    # Paths of every file the patch reads, relative to the `vllm` package dir.
+    files: tuple[str, ...] = ()
+    # Dotted module names that `verify` imports once the patch is in place.
+    modules: tuple[str, ...] = ()
+    # One line for `status --help`-like listings: what the patch does not cover.
+    caveat: str = ""
+
+    def classify(self, sources: Sources) -> list[SiteResult]:
+        raise NotImplementedError
+
+    def rewrite(self, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
+        """New texts for the files that hold `pending` sites (rel path -> text)."""
+        raise NotImplementedError
+
+    def probe(self) -> ProbeOutcome | None:
+        """Exercise the patched behaviour in the verify child (vLLM importable, no GPU)."""
+        return None
+
+    def result(
+        self, site: str, file: str, verdict: Verdict, detail: str = "", shape: str = ""
+    ) -> SiteResult:
+        return SiteResult(
+            patch_id=self.id, site=site, file=file, verdict=verdict, detail=detail, shape=shape
+        )

@@ -1,0 +1,74 @@
+"""Brings `__pycache__` in line with an edited source file.
+
+pip writes timestamp pycs, which notice an edit; but images built with
+`compileall --invalidation-mode unchecked-hash` keep running the old code after the source
+changes. Each pyc of an edited file is recompiled in the invalidation mode it had, when it
+belongs to this interpreter; a pyc of another interpreter (another cache tag or magic number)
+cannot be rebuilt here and is removed, so that interpreter reads the new source.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import py_compile
+import re
+import sys
+from pathlib import Path
+
+_PYC_NAME = re.compile(r"^(?P<stem>.+?)\.(?P<tag>[^.]+)(?:\.opt-(?P<opt>\d+))?\.pyc$")
+
+_MODE_BY_FLAGS = {
+    0: py_compile.PycInvalidationMode.TIMESTAMP,
+    1: py_compile.PycInvalidationMode.UNCHECKED_HASH,
+    3: py_compile.PycInvalidationMode.CHECKED_HASH,
+}
+
+
+def pycs_for(source: Path) -> list[Path]:
+    cache_dir = source.parent / "__pycache__"
+    if not cache_dir.is_dir():
+        return []
+    found = []
+    for entry in cache_dir.iterdir():
+        match = _PYC_NAME.match(entry.name)
+        if match and match.group("stem") == source.stem:
+            found.append(entry)
+    return sorted(found)
+
+
+def invalidation_mode(pyc: Path) -> py_compile.PycInvalidationMode | None:
+    """The mode a pyc was written in, or None when it is not this interpreter's pyc."""
+    try:
+        with pyc.open("rb") as handle:
+            header = handle.read(8)
+    except OSError:
+        return None
+    if len(header) < 8 or header[:4] != importlib.util.MAGIC_NUMBER:
+        return None
+    return _MODE_BY_FLAGS.get(int.from_bytes(header[4:8], "little"))
+
+
+def sync_pycache(source: Path) -> list[str]:
+    """Recompile or remove every pyc of `source`; returns one line per action, for reports."""
+    actions = []
+    for pyc in pycs_for(source):
+        match = _PYC_NAME.match(pyc.name)
+        assert match is not None
+        mode = invalidation_mode(pyc)
+        ours = match.group("tag") == sys.implementation.cache_tag and mode is not None
+        if ours and source.exists():
+            assert mode is not None
+            optimize = int(match.group("opt") or 0)
+            py_compile.compile(
+                str(source),
+                cfile=str(pyc),
+                doraise=True,
+                optimize=optimize,
+                invalidation_mode=mode,
+            )
+            actions.append(f"recompiled {pyc.name} ({mode.name.lower()})")
+        else:
+            os.unlink(pyc)
+            actions.append(f"removed {pyc.name}")
+    return actions

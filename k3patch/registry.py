@@ -1,0 +1,57 @@
+"""Finds the patches: every module in `k3patch.patches` (the repository's `patches/`) that
+defines `PATCH`. Adding a patch is adding a module; nothing here names one."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import pkgutil
+from functools import cache
+from pathlib import Path
+
+from k3patch.model import Patch
+
+
+class UnknownPatchError(ValueError):
+    pass
+
+
+@cache
+def all_patches() -> tuple[Patch, ...]:
+    package = importlib.import_module("k3patch.patches")
+    found: list[Patch] = []
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        patch = getattr(module, "PATCH", None)
+        if isinstance(patch, Patch):
+            found.append(patch)
+    return tuple(found)
+
+
+def select(only: list[str] | None = None, skip: list[str] | None = None) -> tuple[Patch, ...]:
+    """The patches named by `--only`/`--skip`; an unknown id is a usage error."""
+    patches = all_patches()
+    known = {p.id for p in patches}
+    for patch_id in [*(only or []), *(skip or [])]:
+        if patch_id not in known:
+            raise UnknownPatchError(
+                f"unknown patch {patch_id!r}; known: {', '.join(sorted(known))}"
+            )
+    chosen = [p for p in patches if not only or p.id in only]
+    return tuple(p for p in chosen if not skip or p.id not in skip)
+
+
+def patch_module_file(patch: Patch) -> Path:
+    import sys
+
+    return Path(sys.modules[type(patch).__module__].__file__ or "")
+
+
+@cache
+def patch_set_digest() -> str:
+    """A hash of the patch modules' own source: a state record made by other patch code is stale."""
+    digest = hashlib.sha256()
+    for patch in all_patches():
+        digest.update(patch.id.encode())
+        digest.update(patch_module_file(patch).read_bytes())
+    return digest.hexdigest()[:16]

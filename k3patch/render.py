@@ -1,0 +1,216 @@
+"""Human output (Rich) and the JSON envelope. Only the CLI calls this module.
+
+Readable in `docker logs`: plain box characters, no path ever cut short (long cells fold
+instead), colour off under NO_COLOR or when not a terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from k3patch import __version__
+from k3patch.engine import ApplyOutcome, Report, RevertOutcome
+from k3patch.model import Patch, SiteResult, Verdict
+from k3patch.verify import BROKEN, IMPORT_OK, VerifyReport
+
+JSON_SCHEMA_VERSION = 1
+
+_STYLE = {
+    Verdict.PENDING: "yellow",
+    Verdict.APPLIED: "green",
+    Verdict.SATISFIED: "green",
+    Verdict.NOT_APPLICABLE: "dim",
+    Verdict.DRIFTED: "bold red",
+}
+
+
+def console(stderr: bool = False) -> Console:
+    tty = (sys.stderr if stderr else sys.stdout).isatty()
+    width = None if tty else max(int(os.environ.get("COLUMNS", "0") or 0), 160)
+    return Console(stderr=stderr, highlight=False, width=width, soft_wrap=not tty)
+
+
+def emit_json(command: str, exit_code: int, payload: dict[str, Any]) -> None:
+    envelope = {
+        "schema_version": JSON_SCHEMA_VERSION,
+        "k3patch_version": __version__,
+        "command": command,
+        "exit_code": exit_code,
+        **payload,
+    }
+    sys.stdout.write(json.dumps(envelope, indent=2) + "\n")
+
+
+def error_line(message: str) -> None:
+    console(stderr=True).print(f"[bold red]k3patch: error:[/] {escape(message)}")
+
+
+def _header(out: Console, report: Report) -> None:
+    tree = report.tree
+    version = tree.version or "unknown version"
+    out.print(
+        f"[bold]vLLM {escape(version)}[/] ({escape(tree.kind)}, version from "
+        f"{escape(tree.version_source)}) at {escape(str(tree.package_dir))}"
+    )
+
+
+def _site_reason(result: SiteResult) -> str:
+    parts = [p for p in (result.shape, result.detail) if p]
+    return " - ".join(parts)
+
+
+def sites_table(report: Report) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, show_lines=False, pad_edge=False)
+    table.add_column("patch", overflow="fold")
+    table.add_column("verdict", no_wrap=True)
+    table.add_column("site", overflow="fold")
+    table.add_column("file", overflow="fold")
+    table.add_column("shape / reason", overflow="fold")
+    for patch in report.patches:
+        for result in report.for_patch(patch.id):
+            line = f":{result.line}" if result.line else ""
+            table.add_row(
+                escape(patch.id),
+                f"[{_STYLE[result.verdict]}]{result.verdict.value}[/]",
+                escape(result.site),
+                escape(f"vllm/{result.file}{line}"),
+                escape(_site_reason(result)),
+            )
+    return table
+
+
+def _drift_details(out: Console, report: Report) -> None:
+    for result in report.drifted:
+        if not result.found:
+            continue
+        out.print(
+            f"\n[bold red]drifted[/] {escape(result.patch_id)} {escape(result.site)} in "
+            f"vllm/{escape(result.file)}:{result.line}; found:"
+        )
+        out.print(escape(result.found), markup=True)
+        if result.expected:
+            out.print("expected one of: " + escape(", ".join(result.expected)))
+
+
+def print_status(report: Report, quiet: bool = False) -> None:
+    out = console()
+    if quiet:
+        for patch in report.patches:
+            out.print(f"{patch.id}: {report.verdict(patch.id).value}")
+        return
+    _header(out, report)
+    out.print(sites_table(report))
+    _drift_details(out, report)
+    if report.interrupted:
+        out.print(
+            f"[bold red]an interrupted k3patch {escape(report.interrupted)} left a journal;[/] "
+            "the next apply or revert rolls it back first"
+        )
+    out.print(
+        f"digest {report.digest}" + ("  (from the state record)" if report.from_record else "")
+    )
+
+
+def print_apply(outcome: ApplyOutcome, *, quiet: bool, diff: bool) -> None:
+    out = console()
+    report = outcome.report
+    if diff and outcome.plan is not None:
+        sys.stdout.write(outcome.plan.diff())
+    if quiet:
+        # One line per patch, for entrypoint logs.
+        for patch in report.patches:
+            verdict = report.verdict(patch.id)
+            note = " (refused: drift)" if outcome.refused and verdict is Verdict.DRIFTED else ""
+            out.print(f"k3patch: {patch.id}: {verdict.value}{note}")
+        for line in outcome.recovered:
+            out.print(f"k3patch: recovered: {line}")
+        return
+    _header(out, report)
+    out.print(sites_table(report))
+    _drift_details(out, report)
+    for line in outcome.recovered:
+        out.print(f"recovered: {escape(line)}")
+    if outcome.refused:
+        out.print("[bold red]refused:[/] a site has drifted; nothing was written")
+    elif outcome.check:
+        pending = sorted({r.patch_id for r in report.pending})
+        if pending:
+            out.print("would apply: " + ", ".join(pending) + " (--check: nothing written)")
+        else:
+            out.print("nothing to do")
+    elif outcome.written:
+        out.print("wrote " + ", ".join(f"vllm/{rel}" for rel in outcome.written))
+        for line in outcome.pycache:
+            out.print(f"bytecode: {escape(line)}")
+    else:
+        out.print("nothing to do")
+
+
+def print_revert(outcome: RevertOutcome) -> None:
+    out = console()
+    for line in outcome.recovered:
+        out.print(f"recovered: {escape(line)}")
+    if outcome.conflicts:
+        for line in outcome.conflicts:
+            out.print(f"[bold red]refused:[/] {escape(line)}")
+        out.print("nothing was written; reinstall vLLM to return to the original files")
+    elif outcome.nothing_recorded:
+        out.print("nothing to revert: no k3patch state record in this tree")
+    else:
+        out.print("restored " + ", ".join(f"vllm/{rel}" for rel in outcome.restored))
+
+
+def print_verify(report: VerifyReport) -> None:
+    out = console()
+    _header(out, report.report)
+    out.print(f"imports with {escape(report.python)} (Python {escape(report.python_version)})")
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("patch", overflow="fold")
+    table.add_column("verdict", no_wrap=True)
+    table.add_column("module / probe", overflow="fold")
+    table.add_column("result", overflow="fold")
+    for check in report.patches:
+        table.add_row(
+            escape(check.patch_id), f"[{_STYLE[check.verdict]}]{check.verdict.value}[/]", "", ""
+        )
+        for module in check.modules:
+            style = (
+                "green"
+                if module.status == IMPORT_OK
+                else ("bold red" if module.status == BROKEN else "yellow")
+            )
+            text = module.status
+            if module.reason:
+                text += f": {module.reason} ({module.decided_by})"
+            table.add_row("", "", escape(module.module), f"[{style}]{escape(text)}[/]")
+        if check.probe_ok is not None or check.probe_summary:
+            style = (
+                "green" if check.probe_ok else ("bold red" if check.probe_ok is False else "dim")
+            )
+            table.add_row("", "", "probe", f"[{style}]{escape(check.probe_summary)}[/]")
+    for module in report.extra:
+        table.add_row("(--module)", "", escape(module.module), escape(module.status))
+    out.print(table)
+    out.print("[green]verified[/]" if report.ok else "[bold red]verify found problems[/]")
+
+
+def print_list(patches: tuple[Patch, ...]) -> None:
+    out = console()
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("patch", no_wrap=True)
+    table.add_column("what it does", overflow="fold")
+    table.add_column("files (under vllm/)", overflow="fold")
+    for patch in patches:
+        title = patch.title + (
+            f" [dim](not covered: {escape(patch.caveat)})[/]" if patch.caveat else ""
+        )
+        table.add_row(patch.id, title, ", ".join(patch.files))
+    out.print(table)

@@ -1,0 +1,265 @@
+"""`verify`: import what the patches touch, with the tree's own interpreter, and run each
+patch's behaviour probe against the real patched code.
+
+A module that fails to import is either broken by the patch or blocked by this environment (no
+GPU, a missing optional dependency). k3patch decides by evidence, in this order:
+1. the failure points into a line k3patch wrote (a SyntaxError there, or a traceback frame
+   inside a patched site) -> broken by the patch;
+2. the same module imported from the original text of the patched files (a second child with
+   an import overlay; the originals come from the state record) -> if the original imports, the
+   patch broke it; if the original fails the same way, the environment blocks it;
+3. with no original to compare against, a failure outside the patched files -> blocked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3patch import _verify_child
+from k3patch.engine import Report, scan
+from k3patch.model import Patch, Verdict
+from k3patch.registry import all_patches, patch_module_file
+from k3patch.state import load
+from k3patch.transaction import Transaction
+from k3patch.tree import VllmTree
+
+IMPORT_OK = "ok"
+BROKEN = "broken by the patch"
+BLOCKED = "blocked by the environment"
+
+
+class VerifyError(Exception):
+    """The verify child could not run at all (bad --python, crash before reporting)."""
+
+
+@dataclass
+class ModuleCheck:
+    module: str
+    status: str  # IMPORT_OK, BROKEN or BLOCKED
+    reason: str = ""
+    decided_by: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "module": self.module,
+            "status": self.status,
+            "reason": self.reason,
+            "decided_by": self.decided_by,
+        }
+
+
+@dataclass
+class PatchCheck:
+    patch_id: str
+    verdict: Verdict
+    modules: list[ModuleCheck] = field(default_factory=list)
+    probe_ok: bool | None = None  # None: not run
+    probe_summary: str = ""
+    probe_checks: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        if self.verdict in (Verdict.PENDING, Verdict.DRIFTED):
+            return False
+        if any(m.status == BROKEN for m in self.modules):
+            return False
+        return self.probe_ok is not False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.patch_id,
+            "verdict": self.verdict.value,
+            "ok": self.ok,
+            "modules": [m.to_json() for m in self.modules],
+            "probe": {
+                "ran": self.probe_ok is not None,
+                "ok": self.probe_ok,
+                "summary": self.probe_summary,
+                "checks": self.probe_checks,
+            },
+        }
+
+
+@dataclass
+class VerifyReport:
+    report: Report
+    python: str
+    python_version: str
+    patches: list[PatchCheck]
+    extra: list[ModuleCheck] = field(default_factory=list)  # --module: imported, not judged
+
+    @property
+    def ok(self) -> bool:
+        return all(p.ok for p in self.patches) and all(m.status != BROKEN for m in self.extra)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "python": self.python,
+            "python_version": self.python_version,
+            "ok": self.ok,
+            "patches": [p.to_json() for p in self.patches],
+            "modules": [m.to_json() for m in self.extra],
+        }
+
+
+def tree_python(tree: VllmTree) -> str:
+    """The interpreter that owns the tree: the venv or prefix around a site-packages dir,
+    else the running one."""
+    root = tree.root
+    if tree.kind == "site-packages" and root.parent.name.startswith("python"):
+        prefix = root.parent.parent.parent  # <prefix>/lib/pythonX.Y/site-packages
+        for name in (root.parent.name, "python3", "python"):
+            candidate = prefix / "bin" / name
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
+    return sys.executable
+
+
+def _run_child(python: str, tree: VllmTree, args: dict[str, Any]) -> dict[str, Any]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tree.root), *filter(None, [env.get("PYTHONPATH")])])
+    # Verifying must not change the tree: no pycs written next to the patched sources.
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    try:
+        proc = subprocess.run(
+            [python, _verify_child.__file__, json.dumps(args)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tempfile.gettempdir(),
+            timeout=600,
+        )
+    except FileNotFoundError:
+        raise VerifyError(f"{python}: no such interpreter; pass --python PATH") from None
+    except subprocess.TimeoutExpired:
+        raise VerifyError(f"importing the patched modules with {python} took over 600 s") from None
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(_verify_child.MARKER):
+            result: dict[str, Any] = json.loads(line[len(_verify_child.MARKER) :])
+            return result
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    raise VerifyError(f"the verify child under {python} exited {proc.returncode}: {tail[0]}")
+
+
+def _patched_files(tree: VllmTree, report: Report) -> set[str]:
+    """Real paths of the files that hold a site in k3patch's shape."""
+    return {
+        os.path.realpath(tree.path(r.file)) for r in report.results if r.verdict is Verdict.APPLIED
+    }
+
+
+def verify(
+    tree: VllmTree,
+    patches: tuple[Patch, ...] | None = None,
+    *,
+    python: str | None = None,
+    extra_modules: tuple[str, ...] = (),
+) -> VerifyReport:
+    patches = all_patches() if patches is None else patches
+    report = scan(tree, patches, use_record=False)
+    python = python or tree_python(tree)
+    verdicts = report.verdicts()
+    live = [p for p in patches if verdicts[p.id] in (Verdict.APPLIED, Verdict.SATISFIED)]
+    modules = list(dict.fromkeys([m for p in live for m in p.modules] + list(extra_modules)))
+    from k3patch import model
+
+    args = {
+        "model": model.__file__,
+        "patches": {p.id: str(patch_module_file(p)) for p in patches},
+        "modules": modules,
+        "probes": [p.id for p in live],
+    }
+    result = _run_child(python, tree, args) if modules or live else {"imports": {}, "probes": {}}
+    patched_files = _patched_files(tree, report)
+    failed = [m for m, r in result["imports"].items() if not r["ok"]]
+    original_imports = _import_originals(python, tree, failed, patched_files)
+
+    checks = []
+    for patch in patches:
+        check = PatchCheck(patch.id, verdicts[patch.id])
+        wanted = patch.modules if patch in live else ()
+        for name in wanted:
+            got = result["imports"][name]
+            check.modules.append(_judge(name, got, patched_files, original_imports))
+        probe = result["probes"].get(patch.id)
+        if probe is not None:
+            check.probe_ok = probe["ok"]
+            check.probe_summary = probe["summary"]
+            check.probe_checks = probe.get("checks", [])
+        elif patch in live and any(m.status != IMPORT_OK for m in check.modules):
+            check.probe_summary = "not run: its module did not import"
+        checks.append(check)
+    extra = [
+        _judge(name, result["imports"][name], patched_files, original_imports)
+        for name in extra_modules
+    ]
+    return VerifyReport(report, python, result.get("python", ""), checks, extra)
+
+
+def _import_originals(
+    python: str, tree: VllmTree, failed: list[str], patched_files: set[str]
+) -> dict[str, Any] | None:
+    """Import the failed modules again from the original text of every patched file."""
+    record = load(tree.state_dir)
+    if not failed or not patched_files or record is None:
+        return None
+    txn = Transaction(tree.package_dir)
+    with tempfile.TemporaryDirectory(prefix="k3patch-verify-") as tmp:
+        overlay = {}
+        for rel, fs in record.files.items():
+            if fs.original is None:
+                continue
+            path = os.path.realpath(tree.path(rel))
+            if path not in patched_files:
+                continue
+            copy = Path(tmp) / rel.replace("/", "__")
+            copy.write_bytes(txn.load_blob(fs.original))
+            overlay[path] = str(copy)
+        if not overlay:
+            return None
+        result = _run_child(python, tree, {"modules": failed, "overlay": overlay})
+        imports: dict[str, Any] = result["imports"]
+        return imports
+
+
+def _judge(
+    name: str,
+    got: dict[str, Any],
+    patched_files: set[str],
+    original_imports: dict[str, Any] | None,
+) -> ModuleCheck:
+    if got["ok"]:
+        return ModuleCheck(name, IMPORT_OK)
+    reason = f"{got['type']}: {got['message']}"
+    frames = got.get("frames", [])
+    innermost = frames[-1]["file"] if frames else ""
+    if got["type"] in ("SyntaxError", "IndentationError", "TabError") and (
+        innermost in patched_files
+    ):
+        return ModuleCheck(name, BROKEN, reason, "the error is a syntax error in a patched file")
+    if original_imports is not None and name in original_imports:
+        original = original_imports[name]
+        if original["ok"]:
+            return ModuleCheck(name, BROKEN, reason, "the original files import; the patched fail")
+        return ModuleCheck(
+            name,
+            BLOCKED,
+            reason,
+            f"the original files fail too ({original['type']}: {original['message']})",
+        )
+    if innermost in patched_files:
+        return ModuleCheck(name, BROKEN, reason, "the failure is raised inside a patched file")
+    return ModuleCheck(
+        name,
+        BLOCKED,
+        reason,
+        "the failure is raised outside the patched files (no original to compare against)",
+    )

@@ -1,0 +1,203 @@
+"""aiter-mla-gfx942: AITER MLA is off on gfx942 (MI300X) unless the user explicitly asks for it.
+
+Symptom: Kimi-K3 serves on MI300X only while every launcher remembers
+`VLLM_ROCM_USE_AITER_MLA=0`; a launcher that forgets it dies at the first decode with an
+assertion inside the AITER MLA decode kernel.
+Cause: the AITER MLA decode kernel that K3's small head counts need is built for gfx950 only,
+and `rocm_aiter_ops.is_mla_enabled` (the switch every consumer of AITER MLA goes through, read at
+call time) says yes on any gfx9 when the two AITER flags are on, which they are by default.
+Fix: `is_mla_enabled` keeps both flags and also requires that the GPU is not gfx942, unless the
+user set `VLLM_ROCM_USE_AITER_MLA` explicitly (then their choice stands). The arch helper is
+imported inside the method because `vllm.platforms.rocm` cannot be imported without a GPU.
+Check: `k3patch verify` runs the truth table against the patched module: unset on gfx942 -> off,
+`=1` on gfx942 -> on, `=0` -> off, unset on gfx950 -> on, either AITER flag off -> off.
+Not covered: `--attention-backend ROCM_AITER_MLA` selects the backend without asking
+`is_mla_enabled`; this patch cannot stop an explicit backend choice.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+from k3patch.model import (
+    Patch,
+    ProbeOutcome,
+    Shape,
+    SiteResult,
+    Sources,
+    Verdict,
+    find_class,
+    find_function,
+    find_method,
+    match_shapes,
+    module_binds,
+)
+
+FILE = "_aiter_ops.py"
+ROCM_FILE = "platforms/rocm.py"
+CLASS = "rocm_aiter_ops"
+METHOD = "is_mla_enabled"
+SITE = f"{CLASS}.{METHOD}"
+
+# Every upstream vLLM from 0.12.0 to 0.33.0 (0.12.0-0.13.0 add a docstring, which the
+# fingerprint ignores).
+UPSTREAM_BUGGY = Shape(
+    "upstream (0.12.0-0.33.0)",
+    Verdict.PENDING,
+    """
+    @classmethod
+    @if_aiter_supported
+    def is_mla_enabled(cls) -> bool:
+        return cls._AITER_ENABLED and cls._MLA_ENABLED
+    """,
+    origin="both AITER flags only; gfx942 is not excluded",
+)
+
+POST_IMAGE = """
+@classmethod
+@if_aiter_supported
+def is_mla_enabled(cls) -> bool:
+    # k3patch aiter-mla-gfx942: the AITER MLA decode kernel that Kimi-K3 needs is gfx950-only
+    # and asserts on gfx942 (MI300X). Off there unless VLLM_ROCM_USE_AITER_MLA is set explicitly.
+    if not (cls._AITER_ENABLED and cls._MLA_ENABLED):
+        return False
+    if envs.is_set("VLLM_ROCM_USE_AITER_MLA"):
+        return True
+    # Imported here: vllm.platforms.rocm cannot be imported on a machine without a GPU.
+    from vllm.platforms.rocm import on_gfx942
+
+    return not on_gfx942()
+"""
+
+APPLIED = Shape("k3patch", Verdict.APPLIED, POST_IMAGE, origin="gfx942 excluded unless explicit")
+
+SHAPES = (UPSTREAM_BUGGY, APPLIED)
+
+
+class AiterMlaGfx942(Patch):
+    id = "aiter-mla-gfx942"
+    title = "AITER MLA off on gfx942 unless VLLM_ROCM_USE_AITER_MLA is set explicitly"
+    files = (FILE, ROCM_FILE)
+    modules = ("vllm._aiter_ops",)
+    caveat = (
+        "an explicit --attention-backend ROCM_AITER_MLA bypasses is_mla_enabled and is not covered"
+    )
+
+    def classify(self, sources: Sources) -> list[SiteResult]:
+        src = sources[FILE]
+        if not src.exists:
+            return [self.result(SITE, FILE, Verdict.NOT_APPLICABLE, "vllm/_aiter_ops.py is absent")]
+        cls = find_class(src.tree, CLASS)
+        method = find_method(cls, METHOD) if cls else None
+        if method is None:
+            return [
+                self.result(
+                    SITE, FILE, Verdict.NOT_APPLICABLE, f"{SITE} is absent: no AITER MLA switch"
+                )
+            ]
+        result = match_shapes(self.id, SITE, src, method, SHAPES)
+        if result.verdict is Verdict.PENDING:
+            missing = self._missing_preconditions(sources)
+            if missing:
+                return [
+                    SiteResult(
+                        patch_id=self.id,
+                        site=SITE,
+                        file=FILE,
+                        verdict=Verdict.DRIFTED,
+                        shape=result.shape,
+                        line=result.line,
+                        detail="known buggy shape, but the fix needs " + "; ".join(missing),
+                    )
+                ]
+        return [result]
+
+    def _missing_preconditions(self, sources: Sources) -> list[str]:
+        # The post-image calls `envs.is_set` and imports `on_gfx942`; both exist from 0.15.1 on.
+        missing = []
+        if not module_binds(sources[FILE].tree, "envs"):
+            missing.append("`import vllm.envs as envs` in _aiter_ops.py")
+        rocm = sources[ROCM_FILE]
+        if not rocm.exists or find_function(rocm.tree, "on_gfx942") is None:
+            missing.append("`on_gfx942()` in vllm/platforms/rocm.py (vLLM 0.15.1 or later)")
+        return missing
+
+    def rewrite(self, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
+        from k3patch.codemod import replace_method
+
+        return {FILE: replace_method(sources[FILE].text, CLASS, METHOD, POST_IMAGE)}
+
+    def probe(self) -> ProbeOutcome:
+        return probe_truth_table()
+
+
+PATCH = AiterMlaGfx942()
+
+
+# --------------------------------------------------------------------------------------------
+# The behaviour probe. It runs in the verify child against the real, imported module; it needs
+# no GPU because it stands in `vllm.platforms.rocm` with a module whose `on_gfx942` it controls.
+
+_ENV = "VLLM_ROCM_USE_AITER_MLA"
+
+# (env value or None for unset, on gfx942, AITER flag, MLA flag) -> expected is_mla_enabled
+TRUTH_TABLE: tuple[tuple[str | None, bool, bool, bool, bool], ...] = (
+    (None, True, True, True, False),
+    ("1", True, True, True, True),
+    ("0", True, True, False, False),
+    ("0", False, True, False, False),
+    (None, False, True, True, True),
+    (None, False, False, True, False),
+    (None, False, True, False, False),
+    ("1", True, False, True, False),
+)
+
+
+def probe_truth_table() -> ProbeOutcome:
+    from vllm._aiter_ops import rocm_aiter_ops  # type: ignore[import-not-found]
+
+    # `if_aiter_supported` returns None off ROCm; the probe calls the function it wraps.
+    raw = rocm_aiter_ops.__dict__[METHOD].__func__
+    func = getattr(raw, "__wrapped__", raw)
+
+    saved_modules = {name: sys.modules.get(name) for name in ("vllm.platforms.rocm",)}
+    saved_env = os.environ.get(_ENV)
+    saved_flags = (rocm_aiter_ops._AITER_ENABLED, rocm_aiter_ops._MLA_ENABLED)
+    fake_rocm = types.ModuleType("vllm.platforms.rocm")
+    checks: list[str] = []
+    failures: list[str] = []
+    try:
+        sys.modules["vllm.platforms.rocm"] = fake_rocm
+        for env, gfx942, aiter, mla, expected in TRUTH_TABLE:
+            fake_rocm.on_gfx942 = lambda gfx942=gfx942: gfx942  # type: ignore[attr-defined]
+            if env is None:
+                os.environ.pop(_ENV, None)
+            else:
+                os.environ[_ENV] = env
+            rocm_aiter_ops._AITER_ENABLED = aiter
+            rocm_aiter_ops._MLA_ENABLED = mla
+            got = bool(func(rocm_aiter_ops))
+            case = (
+                f"{_ENV}={'unset' if env is None else env} "
+                f"{'gfx942' if gfx942 else 'gfx950'} aiter={int(aiter)} mla={int(mla)}"
+                f" -> {got}"
+            )
+            checks.append(case)
+            if got != expected:
+                failures.append(f"{case}, expected {expected}")
+    finally:
+        for name, module in saved_modules.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+        if saved_env is None:
+            os.environ.pop(_ENV, None)
+        else:
+            os.environ[_ENV] = saved_env
+        rocm_aiter_ops._AITER_ENABLED, rocm_aiter_ops._MLA_ENABLED = saved_flags
+    if failures:
+        return ProbeOutcome(False, "truth table broken: " + "; ".join(failures), tuple(checks))
+    return ProbeOutcome(True, f"truth table holds ({len(checks)} cases)", tuple(checks))

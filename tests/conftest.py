@@ -1,0 +1,155 @@
+"""Shared test fixtures: real vLLM wheels, downloaded once and cached, and trees made from them.
+
+Wheels come from the package registry with `pip download --no-deps vllm==X` into
+$K3PATCH_WHEEL_CACHE (default ~/.cache/k3patch/wheels); the `.py` files and METADATA are
+extracted once per version into a pristine cache beside it. Tests work on copies.
+Nothing of vLLM is committed to this repository.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "fixtures"
+CACHE = Path(os.environ.get("K3PATCH_WHEEL_CACHE", Path.home() / ".cache" / "k3patch" / "wheels"))
+TREES = CACHE.parent / "trees"
+
+
+@contextmanager
+def _cache_lock() -> Iterator[None]:
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / ".lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def vllm_wheel(version: str) -> Path:
+    """The cached wheel of vllm==version, downloaded on first use."""
+    with _cache_lock():
+        found = sorted(CACHE.glob(f"vllm-{version}-*.whl"))
+        if not found:
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--quiet",
+                    f"vllm=={version}",
+                    "-d",
+                    str(CACHE),
+                ],
+                check=True,
+            )
+            found = sorted(CACHE.glob(f"vllm-{version}-*.whl"))
+        assert found, f"pip download of vllm=={version} produced no wheel"
+        return found[0]
+
+
+def pristine_tree(version: str) -> Path:
+    """A read-only cache of every .py file and the METADATA of the wheel (a site-packages dir)."""
+    target = TREES / version
+    done = target / ".complete"
+    if done.exists():
+        return target
+    wheel = vllm_wheel(version)
+    with _cache_lock():
+        if done.exists():
+            return target
+        if target.exists():
+            shutil.rmtree(target)
+        with zipfile.ZipFile(wheel) as archive:
+            names = [
+                n
+                for n in archive.namelist()
+                if n.endswith(".py") or n.endswith(".dist-info/METADATA")
+            ]
+            archive.extractall(target, names)
+        done.write_text("ok\n")
+    return target
+
+
+def _copy_minimal(src: Path, dst: Path, rels: list[str]) -> None:
+    (dst / "vllm").mkdir(parents=True)
+    for name in ("__init__.py", "envs.py"):
+        shutil.copy2(src / "vllm" / name, dst / "vllm" / name)
+    for rel in rels:
+        source = src / "vllm" / rel
+        if source.exists():
+            (dst / "vllm" / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dst / "vllm" / rel)
+    for dist_info in src.glob("vllm-*.dist-info"):
+        shutil.copytree(dist_info, dst / dist_info.name)
+
+
+@pytest.fixture
+def make_tree(tmp_path: Path) -> Callable[..., Path]:
+    """make_tree("0.31.0") -> a writable site-packages dir holding a real vLLM tree.
+
+    full=False copies only vllm/__init__.py, envs.py, the dist-info and every patch's target
+    files (what the engine reads); full=True copies every .py file (for verify)."""
+    from k3patch.engine import target_files
+    from k3patch.registry import all_patches
+
+    counter = iter(range(1000))
+
+    def make(version: str, full: bool = False) -> Path:
+        src = pristine_tree(version)
+        dst = tmp_path / f"site-{version}-{next(counter)}"
+        if full:
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".complete"))
+        else:
+            _copy_minimal(src, dst, target_files(all_patches()))
+        return dst
+
+    return make
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    """sha256 of every file under root (relative path -> hex), to prove what changed."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            out[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None):
+    """Run the installed CLI as a user would (a subprocess), returning CompletedProcess."""
+    full_env = {**os.environ, "NO_COLOR": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "k3patch", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+    )
+
+
+VERIFY_PYTHON_ENV = "K3PATCH_TEST_VLLM_PYTHON"
+
+
+@pytest.fixture
+def verify_python() -> str:
+    """An interpreter with torch (CPU) and vLLM's pure-Python deps (see .ci/run). CI sets it;
+    running the suite without it is an error, not a skip, so a green run always imported vLLM."""
+    python = os.environ.get(VERIFY_PYTHON_ENV)
+    if not python:
+        pytest.fail(
+            f"{VERIFY_PYTHON_ENV} is not set: run .ci/run, or point it at an interpreter "
+            "with torch==2.13.0 and shared/cpu-import-deps.txt installed"
+        )
+    return python
