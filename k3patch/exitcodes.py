@@ -24,11 +24,9 @@ def for_status(report: Report) -> ExitCode:
 
 
 def for_apply(outcome: ApplyOutcome) -> ExitCode:
-    if outcome.refused:
-        return ExitCode.ATTENTION
-    if outcome.check and outcome.report.pending:
-        return ExitCode.ATTENTION
-    return for_status(outcome.report) if not outcome.check else ExitCode.OK
+    # Pending after a real apply cannot happen (the plan re-checks); under --check it means
+    # "would change". Drift is refused, and an interrupted journal needs a real run.
+    return ExitCode.ATTENTION if outcome.refused else for_status(outcome.report)
 
 
 def for_revert(outcome: RevertOutcome) -> ExitCode:

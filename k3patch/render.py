@@ -197,7 +197,8 @@ def print_verify(report: VerifyReport) -> None:
             )
             table.add_row("", "", "probe", f"[{style}]{escape(check.probe_summary)}[/]")
     for module in report.extra:
-        table.add_row("(--module)", "", escape(module.module), escape(module.status))
+        text = module.status + (f": {module.reason} ({module.decided_by})" if module.reason else "")
+        table.add_row("(--module)", "", escape(module.module), escape(text))
     out.print(table)
     out.print("[green]verified[/]" if report.ok else "[bold red]verify found problems[/]")
 

@@ -1,0 +1,189 @@
+"""aiter-mla-gfx942 on real vLLM wheels: the full pending -> apply -> applied -> revert cycle,
+formatting insensitivity, marker comments, semantic drift, and missing preconditions."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli, tree_hashes
+from k3patch.model import Verdict, source_fingerprint
+from k3patch.patches import aiter_mla_gfx942 as aiter
+
+VERSIONS = ["0.29.0", "0.31.0", "0.33.0"]
+ONLY = ["--only", "aiter-mla-gfx942"]
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def status_json(site: Path) -> dict:
+    proc = run_cli("status", "--vllm", str(site), "--json", *ONLY)
+    data = json.loads(proc.stdout)
+    data["_rc"] = proc.returncode
+    return data
+
+
+def verdict_of(site: Path) -> str:
+    return status_json(site)["patches"][0]["verdict"]
+
+
+@pytest.mark.wheel
+@pytest.mark.parametrize("version", VERSIONS)
+def test_full_cycle_on_real_wheel(make_tree, version):
+    site = make_tree(version)
+    target = site / "vllm" / "_aiter_ops.py"
+    original = tree_hashes(site)
+
+    before = status_json(site)
+    assert before["_rc"] == 1
+    assert before["vllm"]["version"] == version
+    assert before["patches"][0]["verdict"] == "pending"
+    assert before["patches"][0]["sites"][0]["shape"] == "upstream (0.12.0-0.33.0)"
+
+    check = run_cli("apply", "--vllm", str(site), "--check", *ONLY)
+    assert check.returncode == 1
+    assert tree_hashes(site) == original, "--check wrote something"
+
+    first = run_cli("apply", "--vllm", str(site), *ONLY)
+    assert first.returncode == 0, first.stderr
+    assert sha(target) != original["vllm/_aiter_ops.py"]
+    after = status_json(site)
+    assert after["_rc"] == 0
+    assert after["patches"][0]["verdict"] == "applied"
+
+    once = tree_hashes(site)
+    second = run_cli("apply", "--vllm", str(site), *ONLY)
+    assert second.returncode == 0
+    assert tree_hashes(site) == once, "a second apply changed bytes"
+
+    back = run_cli("revert", "--vllm", str(site))
+    assert back.returncode == 0, back.stderr
+    assert tree_hashes(site) == original, "revert is not byte-identical"
+
+
+@pytest.mark.wheel
+def test_only_the_site_changes(make_tree):
+    site = make_tree("0.31.0")
+    target = site / "vllm" / "_aiter_ops.py"
+    before = target.read_text()
+    assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
+    after = target.read_text()
+    # Everything outside is_mla_enabled is byte-identical.
+    start = before.index("    def is_mla_enabled(cls) -> bool:")
+    end = before.index("\n    @classmethod", start)
+    assert after.startswith(before[:start])
+    assert after.endswith(before[end:])
+    assert 'envs.is_set("VLLM_ROCM_USE_AITER_MLA")' in after[start : len(after) - len(before[end:])]
+
+
+@pytest.mark.wheel
+def test_ruff_reformatted_post_image_still_applied(make_tree, tmp_path):
+    site = make_tree("0.31.0")
+    assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
+    target = site / "vllm" / "_aiter_ops.py"
+    text_before = target.read_text()
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    subprocess.run([ruff, "format", "--line-length", "120", "--no-cache", str(target)], check=True)
+    assert target.read_text() != text_before, "ruff changed nothing: the test proves nothing"
+    assert verdict_of(site) == "applied"
+    # Quote style and comments do not matter either.
+    text = target.read_text().replace('"VLLM_ROCM_USE_AITER_MLA"', "'VLLM_ROCM_USE_AITER_MLA'")
+    text = text.replace("# Imported here:", "# (a rewritten comment)\n        # Imported here:")
+    target.write_text(text)
+    assert verdict_of(site) == "applied"
+
+
+@pytest.mark.wheel
+def test_marker_comment_on_unpatched_code_is_not_applied(make_tree):
+    site = make_tree("0.31.0")
+    target = site / "vllm" / "_aiter_ops.py"
+    text = target.read_text().replace(
+        "    def is_mla_enabled(cls) -> bool:\n",
+        "    def is_mla_enabled(cls) -> bool:\n        # k3patch aiter-mla-gfx942 applied\n",
+    )
+    target.write_text(text)
+    assert verdict_of(site) == "pending"
+
+
+@pytest.mark.wheel
+def test_semantic_mutation_is_drift_and_nothing_is_written(make_tree):
+    site = make_tree("0.31.0")
+    target = site / "vllm" / "_aiter_ops.py"
+    target.write_text(
+        target.read_text().replace(
+            "return cls._AITER_ENABLED and cls._MLA_ENABLED",
+            "return cls._AITER_ENABLED or cls._MLA_ENABLED",
+        )
+    )
+    before = tree_hashes(site)
+    data = status_json(site)
+    assert data["_rc"] == 1
+    site_result = data["patches"][0]["sites"][0]
+    assert site_result["verdict"] == "drifted"
+    assert "cls._AITER_ENABLED or cls._MLA_ENABLED" in site_result["found"]
+    assert site_result["expected"], "a drift report must say what was expected"
+    proc = run_cli("apply", "--vllm", str(site), *ONLY)
+    assert proc.returncode == 1
+    assert "drifted" in proc.stdout
+    assert tree_hashes(site) == before
+
+
+@pytest.mark.wheel
+def test_missing_arch_helper_is_refused(make_tree):
+    # Before 0.15.1 there is no on_gfx942(): the fix cannot be written safely.
+    site = make_tree("0.31.0")
+    rocm = site / "vllm" / "platforms" / "rocm.py"
+    rocm.write_text(rocm.read_text().replace("def on_gfx942()", "def on_gfx942_renamed()"))
+    before = tree_hashes(site)
+    data = status_json(site)
+    assert data["patches"][0]["verdict"] == "drifted"
+    assert "on_gfx942" in data["patches"][0]["sites"][0]["detail"]
+    assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 1
+    assert tree_hashes(site) == before
+
+
+# Table of shapes: every declared shape reads as its verdict; near misses never do.
+MUST_NOT_MATCH = [
+    "return cls._AITER_ENABLED or cls._MLA_ENABLED",
+    "return cls._AITER_ENABLED",
+    "return cls._MLA_ENABLED and cls._AITER_ENABLED",
+    "return True",
+]
+
+
+@pytest.mark.parametrize("body", MUST_NOT_MATCH)
+def test_near_misses_do_not_match_any_shape(body):
+    source = f"""
+    @classmethod
+    @if_aiter_supported
+    def is_mla_enabled(cls) -> bool:
+        {body}
+    """
+    assert source_fingerprint(source) not in {s.fingerprint for s in aiter.SHAPES}
+
+
+def test_decorators_are_part_of_the_shape():
+    undecorated = (
+        "def is_mla_enabled(cls) -> bool:\n    return cls._AITER_ENABLED and cls._MLA_ENABLED\n"
+    )
+    assert source_fingerprint(undecorated) != aiter.UPSTREAM_BUGGY.fingerprint
+
+
+def test_docstring_variant_of_0_12_is_pending():
+    source = '''
+    @classmethod
+    @if_aiter_supported
+    def is_mla_enabled(cls) -> bool:
+        """Verifies device specs and availability of env variable."""
+        return cls._AITER_ENABLED and cls._MLA_ENABLED
+    '''
+    assert source_fingerprint(source) == aiter.UPSTREAM_BUGGY.fingerprint
+    assert aiter.UPSTREAM_BUGGY.verdict is Verdict.PENDING

@@ -1,0 +1,172 @@
+"""`verify` against a real vLLM 0.31.0 tree imported by an interpreter with torch (CPU):
+imports really happen, the probe really runs, broken and blocked are told apart, and stale
+unchecked-hash pycs do not keep the old code alive."""
+
+from __future__ import annotations
+
+import compileall
+import json
+import os
+import py_compile
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from k3patch import verify as verify_mod
+from k3patch.registry import all_patches, patch_module_file
+from k3patch.tree import locate
+
+pytestmark = [pytest.mark.wheel, pytest.mark.verify]
+AITER = "aiter-mla-gfx942"
+
+
+def verify_json(site: Path, python: str, *extra: str) -> tuple[int, dict]:
+    proc = run_cli(
+        "verify", "--vllm", str(site), "--python", python, "--json", "--only", AITER, *extra
+    )
+    assert proc.stdout, proc.stderr
+    return proc.returncode, json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def applied_tree(tmp_path_factory, request):
+    from conftest import pristine_tree
+    import shutil
+
+    src = pristine_tree("0.31.0")
+    site = tmp_path_factory.mktemp("verify") / "site"
+    shutil.copytree(src, site, ignore=shutil.ignore_patterns(".complete"))
+    assert run_cli("apply", "--vllm", str(site), "--only", AITER).returncode == 0
+    return site
+
+
+def test_verify_imports_and_runs_truth_table(applied_tree, verify_python):
+    code, data = verify_json(applied_tree, verify_python, "--module", "vllm.platforms.rocm")
+    assert code == 0, data
+    check = data["verify"]["patches"][0]
+    assert check["modules"] == [
+        {"module": "vllm._aiter_ops", "status": "ok", "reason": "", "decided_by": ""}
+    ]
+    assert check["probe"]["ok"] is True
+    assert len(check["probe"]["checks"]) == 8
+    # No GPU here: vllm.platforms.rocm cannot import, and that is the environment's doing.
+    rocm = data["verify"]["modules"][0]
+    assert rocm["module"] == "vllm.platforms.rocm"
+    assert rocm["status"] == "blocked by the environment"
+    assert "original files fail too" in rocm["decided_by"]
+
+
+def test_probe_fails_on_unpatched_code(make_tree, verify_python):
+    # The probe is only worth something if it can fail: run it on the upstream function.
+    site = make_tree("0.31.0", full=True)
+    tree = locate(site)
+    patch = next(p for p in all_patches() if p.id == AITER)
+    from k3patch import model
+
+    result = verify_mod._run_child(
+        verify_python,
+        tree,
+        {
+            "model": model.__file__,
+            "patches": {AITER: str(patch_module_file(patch))},
+            "modules": ["vllm._aiter_ops"],
+            "probes": [AITER],
+        },
+    )
+    probe = result["probes"][AITER]
+    assert probe["ok"] is False
+    assert "VLLM_ROCM_USE_AITER_MLA=unset gfx942 aiter=1 mla=1 -> True" in probe["summary"]
+
+
+def test_broken_patched_file_is_reported_as_broken(applied_tree, verify_python, tmp_path):
+    import shutil
+
+    site = tmp_path / "site"
+    shutil.copytree(applied_tree, site)
+    target = site / "vllm" / "_aiter_ops.py"
+    text = target.read_text()
+    # Break the module outside the site, so the patch still reads as applied, and make it an
+    # import-time failure the original does not have.
+    target.write_text(
+        text.replace(
+            "import vllm.envs as envs\n",
+            "import vllm.envs as envs\nimport vllm.no_such_module_k3\n",
+            1,
+        )
+    )
+    code, data = verify_json(site, verify_python)
+    assert code == 1
+    module = data["verify"]["patches"][0]["modules"][0]
+    assert module["status"] == "broken by the patch"
+    assert module["decided_by"] == "the original files import; the patched fail"
+
+
+def test_syntax_error_in_patched_file_is_broken_without_original(
+    applied_tree, verify_python, tmp_path
+):
+    import shutil
+
+    site = tmp_path / "site"
+    shutil.copytree(applied_tree, site)
+    shutil.rmtree(site / "vllm" / ".k3patch")  # no record: no original to compare against
+    target = site / "vllm" / "_aiter_ops.py"
+    target.write_text(target.read_text() + "\ndef broken(:\n")
+    proc = run_cli(
+        "verify", "--vllm", str(site), "--python", verify_python, "--json", "--only", AITER
+    )
+    data = json.loads(proc.stdout)
+    # A file that does not parse is drift to the classifier: verify says so and exits 1.
+    assert proc.returncode == 1
+    assert data["patches"][0]["verdict"] == "drifted"
+
+
+def test_unchecked_hash_pycs_are_rebuilt_so_patched_code_runs(make_tree, verify_python):
+    site = make_tree("0.31.0", full=True)
+    target = site / "vllm" / "_aiter_ops.py"
+    compileall.compile_file(
+        str(target), quiet=1, invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH
+    )
+    probe = (
+        "import vllm._aiter_ops as m; f = m.rocm_aiter_ops.__dict__['is_mla_enabled'].__func__;"
+        "f = getattr(f, '__wrapped__', f); print('is_set' in f.__code__.co_names)"
+    )
+
+    def patched_code_runs() -> bool:
+        env = {**os.environ, "PYTHONPATH": str(site)}
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        out = subprocess.run(
+            [verify_python, "-c", probe],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=site,
+        )
+        return out.stdout.strip().splitlines()[-1] == "True"
+
+    assert patched_code_runs() is False
+    # The control: an edit that leaves the unchecked-hash pyc alone keeps the OLD code running.
+    original = target.read_bytes()
+    plain = site.parent / "plain"
+    import shutil
+
+    shutil.copytree(site, plain)
+    from k3patch.codemod import replace_method
+    from k3patch.patches.aiter_mla_gfx942 import POST_IMAGE
+
+    (plain / "vllm" / "_aiter_ops.py").write_text(
+        replace_method(original.decode(), "rocm_aiter_ops", "is_mla_enabled", POST_IMAGE)
+    )
+    env = {**os.environ, "PYTHONPATH": str(plain)}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    stale = subprocess.run(
+        [verify_python, "-c", probe], env=env, capture_output=True, text=True, check=True, cwd=plain
+    )
+    assert stale.stdout.strip().splitlines()[-1] == "False", "stale pyc should hide the edit"
+    # k3patch rebuilds the pyc in the same mode: the patched code is what runs.
+    assert run_cli("apply", "--vllm", str(site), "--only", AITER).returncode == 0
+    pyc = next((site / "vllm" / "__pycache__").glob("_aiter_ops.*.pyc"))
+    assert int.from_bytes(pyc.read_bytes()[4:8], "little") == 1, "mode changed"
+    assert patched_code_runs() is True
