@@ -301,9 +301,12 @@ def apply(
         state_path = tree.state_dir / "state.json"
         old_state = state_path.read_bytes() if state_path.exists() else None
         edits.append(FileEdit(STATE_REL, old_state, record.to_bytes()))
-        pycache = txn.commit(edits, "apply")
-        keep = {fs.original for fs in files.values() if fs.original}
-        txn.prune_blobs(keep)
+        try:
+            pycache = txn.commit(edits, "apply")
+        except BaseException:
+            _forget_failed_commit(tree, txn, old)
+            raise
+        txn.prune_blobs({fs.original for fs in files.values() if fs.original})
         final = Report(tree, patches, the_plan.after_results, after_hashes)
         return ApplyOutcome(
             final,
@@ -370,6 +373,18 @@ def revert(
         return RevertOutcome(
             restored=[e.rel for e in edits[:-1]], recovered=recovered, pycache=pycache
         )
+
+
+def _forget_failed_commit(tree: VllmTree, txn: Transaction, old: StateRecord | None) -> None:
+    """A commit that failed and rolled back leaves no trace: blobs it stored are dropped, and a
+    state dir it created is removed. With a journal still there (rollback failed too), keep
+    everything: the next run needs it."""
+    if txn.pending_journal() is not None:
+        return
+    if old is None:
+        _remove_state_dir(tree, txn)
+    else:
+        txn.prune_blobs({fs.original for fs in old.files.values() if fs.original})
 
 
 def _remove_state_dir(tree: VllmTree, txn: Transaction) -> None:

@@ -100,11 +100,21 @@ def _drift_details(out: Console, report: Report) -> None:
             out.print("expected one of: " + escape(", ".join(result.expected)))
 
 
+def _quiet_line(report: Report, patch: Patch) -> str:
+    """One line per patch; a drifted one also names the file, the site and what was wrong."""
+    verdict = report.verdict(patch.id)
+    line = f"{patch.id}: {verdict.value}"
+    if verdict is Verdict.DRIFTED:
+        first = next(r for r in report.for_patch(patch.id) if r.verdict is Verdict.DRIFTED)
+        line += f": vllm/{first.file}: {first.site}: {first.detail}"
+    return line
+
+
 def print_status(report: Report, quiet: bool = False) -> None:
     out = console()
     if quiet:
         for patch in report.patches:
-            out.print(f"{patch.id}: {report.verdict(patch.id).value}")
+            out.print(escape(_quiet_line(report, patch)))
         return
     _header(out, report)
     out.print(sites_table(report))
@@ -127,9 +137,7 @@ def print_apply(outcome: ApplyOutcome, *, quiet: bool, diff: bool) -> None:
     if quiet:
         # One line per patch, for entrypoint logs.
         for patch in report.patches:
-            verdict = report.verdict(patch.id)
-            note = " (refused: drift)" if outcome.refused and verdict is Verdict.DRIFTED else ""
-            out.print(f"k3patch: {patch.id}: {verdict.value}{note}")
+            out.print(f"k3patch: {escape(_quiet_line(report, patch))}")
         for line in outcome.recovered:
             out.print(f"k3patch: recovered: {line}")
         return

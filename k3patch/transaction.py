@@ -179,9 +179,9 @@ class Transaction:
         self.fault("blobs-written")
         journal = {"op": op, "pid": os.getpid(), "time": time.time(), "files": entries}
         write_atomically(self.state_dir / JOURNAL, json.dumps(journal, indent=1).encode())
-        self.fault("journal-written")
         actions: list[str] = []
         try:
+            self.fault("journal-written")
             for edit in edits:
                 path = self.package_dir / edit.rel
                 if _read(path) != edit.before:

@@ -1,0 +1,141 @@
+"""Bad input and a hostile environment: each case gets a one-line message naming the file and
+what to do, its documented exit code, and not one byte changed anywhere."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli, tree_hashes
+
+pytestmark = pytest.mark.wheel
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount or switch user")
+
+
+def everything(root: Path) -> dict[str, str]:
+    """Hashes of every file plus the set of directories: nothing may appear or vanish."""
+    out = tree_hashes(root)
+    out.update({f"{p.relative_to(root)}/": "dir" for p in root.rglob("*") if p.is_dir()})
+    return out
+
+
+def one_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "junk, expect",
+    [
+        (b"def broken(:\n", "does not parse"),
+        (b"\x00\x01\x02\xff\xfe binary", "not UTF-8"),
+        (b"x = '\xe9t\xe9'\n", "not UTF-8"),
+    ],
+)
+def test_unreadable_target_is_drift_and_untouched(make_tree, junk, expect):
+    site = make_tree("0.31.0")
+    (site / "vllm" / "_aiter_ops.py").write_bytes(junk)
+    before = everything(site)
+    proc = run_cli("apply", "--vllm", str(site), "--quiet", "--only", "aiter-mla-gfx942")
+    assert proc.returncode == 1
+    line = one_line(proc.stdout)
+    assert "vllm/_aiter_ops.py" in line and expect in line and "restore it from the wheel" in line
+    assert everything(site) == before
+
+
+@ROOT_ONLY
+def test_read_only_filesystem(make_tree, tmp_path):
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], check=True)
+    try:
+        shutil.copytree(make_tree("0.31.0"), mnt / "site")
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        before = everything(mnt)
+        proc = run_cli("apply", "--vllm", str(mnt / "site"))
+        assert proc.returncode == 3
+        line = one_line(proc.stderr)
+        assert "read-only" in line and str(mnt / "site" / "vllm") in line
+        assert everything(mnt) == before
+        # status still works on a read-only tree.
+        assert run_cli("status", "--vllm", str(mnt / "site")).returncode == 1
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+@ROOT_ONLY
+@pytest.mark.parametrize("headroom_kb", [40, 200, 330])
+def test_full_disk(make_tree, tmp_path, headroom_kb):
+    """A tmpfs just big enough for the tree plus a little: the commit runs out of space at
+    different steps (blobs, journal, the new file), and every time nothing is left behind."""
+    src = make_tree("0.31.0")
+    size_kb = sum(p.stat().st_size for p in src.rglob("*") if p.is_file()) // 1024
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_kb + 4096}k", "tmpfs", str(mnt)],
+        check=True,
+    )
+    try:
+        shutil.copytree(src, mnt / "site")
+        # Fill the rest of the disk, leaving exactly `headroom_kb`.
+        free = shutil.disk_usage(mnt).free
+        filler = mnt / "filler"
+        with open(filler, "wb") as handle:
+            handle.write(b"\0" * max(free - headroom_kb * 1024, 0))
+        before = everything(mnt / "site")
+        proc = run_cli("apply", "--vllm", str(mnt / "site"))
+        if proc.returncode == 0:
+            pytest.skip(f"{headroom_kb} KiB was enough for the whole commit")
+        assert proc.returncode == 3, proc.stderr
+        assert "no space left" in one_line(proc.stderr)
+        assert everything(mnt / "site") == before
+        filler.unlink()
+        assert run_cli("apply", "--vllm", str(mnt / "site")).returncode == 0
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+@ROOT_ONLY
+def test_permission_denied_as_another_user(make_tree):
+    shared = Path(tempfile.mkdtemp(prefix="k3patch-perm-", dir="/tmp"))
+    try:
+        os.chmod(shared, 0o755)
+        site = shared / "site"
+        shutil.copytree(make_tree("0.31.0"), site)
+        for path in [site, *site.rglob("*")]:
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        before = everything(site)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+        env.update(NO_COLOR="1", HOME="/tmp")
+        proc = subprocess.run(
+            [
+                "setpriv",
+                "--reuid=nobody",
+                "--regid=nogroup",
+                "--clear-groups",
+                sys.executable,
+                "-m",
+                "k3patch",
+                "apply",
+                "--vllm",
+                str(site),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd="/tmp",
+        )
+        assert proc.returncode == 3, proc.stderr
+        line = one_line(proc.stderr)
+        assert "permission denied" in line and str(site / "vllm") in line
+        assert everything(site) == before
+    finally:
+        shutil.rmtree(shared)

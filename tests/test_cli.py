@@ -1,0 +1,200 @@
+"""The CLI contract: finding the tree, exit codes, JSON, bad input, and internal errors that
+must never read as drift."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import run_cli, tree_hashes
+from k3patch.cli import app
+from k3patch.registry import all_patches
+from k3patch.tree import TreeError, locate
+
+
+def test_list_shows_every_patch():
+    proc = run_cli("list", "--json")
+    assert proc.returncode == 0
+    data = json.loads(proc.stdout)
+    assert data["schema_version"] == 1
+    assert {p["id"] for p in data["patches"]} == {p.id for p in all_patches()}
+    assert "aiter-mla-gfx942" in {p["id"] for p in data["patches"]}
+
+
+def test_python_dash_m_and_version():
+    proc = subprocess.run(
+        [sys.executable, "-m", "k3patch", "--version"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("k3patch ")
+
+
+def test_no_vllm_for_this_interpreter_is_environment(tmp_path):
+    # The test interpreter has no vllm installed; run from an empty dir.
+    proc = run_cli("status", cwd=tmp_path)
+    assert proc.returncode == 3
+    assert "no vLLM found" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_not_a_vllm_tree_is_usage(tmp_path):
+    (tmp_path / "something").mkdir()
+    proc = run_cli("status", "--vllm", str(tmp_path / "something"))
+    assert proc.returncode == 2
+    assert "not a vLLM tree" in proc.stderr
+    proc = run_cli("apply", "--vllm", str(tmp_path / "missing"))
+    assert proc.returncode == 2
+    assert "no such directory" in proc.stderr
+
+
+def test_unknown_patch_is_usage(make_tree):
+    site = make_tree("0.31.0")
+    proc = run_cli("status", "--vllm", str(site), "--only", "no-such-patch")
+    assert proc.returncode == 2
+    assert "unknown patch 'no-such-patch'" in proc.stderr
+
+
+def test_json_errors_are_json(tmp_path):
+    proc = run_cli("status", "--vllm", str(tmp_path), "--json")
+    assert proc.returncode == 2
+    data = json.loads(proc.stdout)
+    assert data["exit_code"] == 2 and "not a vLLM tree" in data["error"]
+
+
+@pytest.mark.wheel
+@pytest.mark.parametrize("form", ["package", "site", "checkout"])
+def test_tree_forms(make_tree, tmp_path, form):
+    site = make_tree("0.31.0")
+    if form == "package":
+        tree = locate(site / "vllm")
+        assert tree.kind == "site-packages" and tree.version == "0.31.0"
+    elif form == "site":
+        tree = locate(site)
+        assert tree.package_dir == site / "vllm"
+    else:
+        checkout = tmp_path / "checkout"
+        checkout.mkdir()
+        (checkout / "pyproject.toml").write_text("[project]\nname = 'vllm'\n")
+        os.rename(site / "vllm", checkout / "vllm")
+        (checkout / "vllm" / "_version.py").write_text("__version__ = version = '0.31.1.dev5'\n")
+        tree = locate(checkout)
+        assert (tree.kind, tree.version) == ("source checkout", "0.31.1.dev5")
+        assert run_cli("apply", "--vllm", str(checkout)).returncode == 0
+
+
+@pytest.mark.wheel
+def test_symlinked_package_dir_is_refused(make_tree, tmp_path):
+    site = make_tree("0.31.0")
+    link_site = tmp_path / "linked"
+    link_site.mkdir()
+    (link_site / "vllm").symlink_to(site / "vllm")
+    before = tree_hashes(site)
+    proc = run_cli("apply", "--vllm", str(link_site))
+    assert proc.returncode == 2
+    assert "is a symlink" in proc.stderr and str(site / "vllm") in proc.stderr
+    assert tree_hashes(site) == before
+    with pytest.raises(TreeError):
+        locate(link_site / "vllm")
+
+
+@pytest.mark.wheel
+def test_symlinked_target_file_is_refused(make_tree, tmp_path):
+    site = make_tree("0.31.0")
+    target = site / "vllm" / "_aiter_ops.py"
+    real = tmp_path / "real_aiter_ops.py"
+    real.write_bytes(target.read_bytes())
+    target.unlink()
+    target.symlink_to(real)
+    before = real.read_bytes()
+    proc = run_cli("apply", "--vllm", str(site))
+    assert proc.returncode == 2
+    assert "is a symlink" in proc.stderr
+    assert target.is_symlink() and real.read_bytes() == before
+
+
+@pytest.mark.wheel
+def test_internal_error_is_not_attention(make_tree, monkeypatch):
+    site = make_tree("0.31.0")
+    patch = next(p for p in all_patches() if p.id == "aiter-mla-gfx942")
+
+    def explode(*args, **kwargs):
+        raise RuntimeError("a bug in a patch")
+
+    monkeypatch.setattr(type(patch), "classify", explode)
+    result = CliRunner().invoke(app, ["status", "--vllm", str(site)])
+    assert result.exit_code == 2
+    assert "internal error: RuntimeError: a bug in a patch" in result.output
+
+
+@pytest.mark.wheel
+def test_rewrite_bug_writes_nothing(make_tree, monkeypatch):
+    site = make_tree("0.31.0")
+    patch = next(p for p in all_patches() if p.id == "aiter-mla-gfx942")
+    monkeypatch.setattr(
+        type(patch), "rewrite", lambda self, sources, pending: {"_aiter_ops.py": "def (:\n"}
+    )
+    before = tree_hashes(site)
+    result = CliRunner().invoke(app, ["apply", "--vllm", str(site)])
+    assert result.exit_code == 2
+    assert "does not compile" in result.output
+    assert tree_hashes(site) == before
+
+
+@pytest.mark.wheel
+def test_read_only_tree_is_environment(make_tree):
+    if os.geteuid() == 0:
+        pytest.skip("root ignores permission bits; the read-only mount test covers root")
+    site = make_tree("0.31.0")
+    os.chmod(site / "vllm", 0o555)
+    proc = run_cli("apply", "--vllm", str(site))
+    assert proc.returncode == 3
+
+
+@pytest.mark.wheel
+def test_status_digest_matches_json_and_changes_with_a_byte(make_tree):
+    a, b = make_tree("0.31.0"), make_tree("0.31.0")
+    da = run_cli("status", "--vllm", str(a), "--digest").stdout.strip()
+    db = run_cli("status", "--vllm", str(b), "--digest").stdout.strip()
+    assert da == db and len(da) == 16
+    assert json.loads(run_cli("status", "--vllm", str(a), "--json").stdout)["digest"] == da
+    target = b / "vllm" / "_aiter_ops.py"
+    target.write_bytes(target.read_bytes() + b"\n")
+    assert run_cli("status", "--vllm", str(b), "--digest").stdout.strip() != da
+
+
+@pytest.mark.wheel
+def test_human_output_keeps_long_paths_whole(make_tree, tmp_path):
+    deep = tmp_path / ("a-very-long-directory-name-" * 4) / "site-packages"
+    deep.parent.mkdir(parents=True)
+    os.rename(make_tree("0.31.0"), deep)
+    proc = run_cli("status", "--vllm", str(deep), env={"COLUMNS": "60"})
+    assert str(deep / "vllm") in proc.stdout
+    assert "\x1b[" not in proc.stdout  # NO_COLOR (set by run_cli) is honoured
+
+
+def test_installed_wheel_carries_patches(tmp_path):
+    """`pip install .` into a fresh venv, then `k3patch list` from another directory."""
+    root = Path(__file__).resolve().parent.parent
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", str(root)]
+    subprocess.run(pip, check=True, cwd=tmp_path)
+    site = next((venv / "lib").glob("python*/site-packages"))
+    assert (site / "k3patch" / "patches" / "aiter_mla_gfx942.py").is_file()
+    assert not (site / "patches").exists(), "a top-level `patches` package was installed"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [str(venv / "bin" / "k3patch"), "list", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "aiter-mla-gfx942" in {p["id"] for p in json.loads(proc.stdout)["patches"]}

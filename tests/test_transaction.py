@@ -1,0 +1,155 @@
+"""The commit is a transaction: a fault at any step, in-process or a real kill, leaves a tree
+that the next apply brings to fully patched and revert to fully original, byte for byte."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from conftest import run_cli, tree_hashes
+from k3patch import engine
+from k3patch.tree import locate
+from k3patch.transaction import Transaction
+
+pytestmark = pytest.mark.wheel
+
+STEPS = [
+    "blobs-written",
+    "journal-written",
+    "replaced:_aiter_ops.py",
+    "replaced:.k3patch/state.json",
+    "pycache-synced",
+]
+
+
+class Boom(Exception):
+    pass
+
+
+def fault_at(step: str):
+    def hook(name: str) -> None:
+        if name == step:
+            raise Boom(step)
+
+    return hook
+
+
+def sources_only(hashes: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in hashes.items() if "/.k3patch/" not in k}
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_exception_at_each_step_rolls_back(make_tree, step):
+    site = make_tree("0.31.0")
+    tree = locate(site)
+    original = tree_hashes(site)
+    with pytest.raises(Boom):
+        engine.apply(tree, fault=fault_at(step))
+    assert sources_only(tree_hashes(site)) == sources_only(original)
+    assert not (tree.state_dir / "journal.json").exists()
+    assert not [p for p in site.rglob("*") if ".k3patch-tmp." in p.name]
+    # And the next apply completes normally.
+    assert engine.apply(tree).written == ["_aiter_ops.py"]
+    assert engine.scan(tree).verdict("aiter-mla-gfx942").value == "applied"
+
+
+KILL_STEPS = [*STEPS, "journal-removed"]
+
+
+@pytest.mark.parametrize("step", KILL_STEPS)
+def test_kill_at_each_step_then_apply_or_revert(make_tree, step):
+    site = make_tree("0.31.0")
+    original = tree_hashes(site)
+    killed = run_cli("apply", "--vllm", str(site), env={"K3PATCH_TEST_CRASH_AT": step})
+    assert killed.returncode == 137
+
+    status = json.loads(run_cli("status", "--vllm", str(site), "--json").stdout)
+    journal_left = step not in ("blobs-written", "journal-removed")
+    assert (status["interrupted"] is not None) == journal_left
+    if journal_left:
+        assert status["exit_code"] == 1
+
+    # Two copies of the interrupted tree: one goes forward with apply, the other back.
+    twin = site.parent / f"{site.name}-twin"
+    shutil.copytree(site, twin, symlinks=True)
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    patched = tree_hashes(site)
+    reference = make_tree("0.31.0")
+    assert run_cli("apply", "--vllm", str(reference)).returncode == 0
+    assert sources_only(patched) == sources_only(tree_hashes(reference))
+    assert json.loads(run_cli("status", "--vllm", str(site), "--json").stdout)["exit_code"] == 0
+
+    # Twin B: revert from the same interrupted state returns to the original.
+    back = run_cli("revert", "--vllm", str(twin))
+    assert back.returncode == 0, back.stderr
+    if step == "journal-removed":
+        # The commit had finished: revert restores the originals and removes the record.
+        assert tree_hashes(twin) == original
+    else:
+        assert sources_only(tree_hashes(twin)) == sources_only(original)
+    assert not [p for p in twin.rglob("*") if ".k3patch-tmp." in p.name]
+
+
+def test_revert_refuses_when_file_changed_since(make_tree):
+    site = make_tree("0.31.0")
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    target = site / "vllm" / "_aiter_ops.py"
+    target.write_text(target.read_text() + "\n# edited by hand\n")
+    before = tree_hashes(site)
+    proc = run_cli("revert", "--vllm", str(site))
+    assert proc.returncode == 1
+    assert "changed since k3patch applied it" in proc.stdout
+    assert tree_hashes(site) == before
+
+
+def test_mode_and_owner_are_kept(make_tree):
+    site = make_tree("0.31.0")
+    target = site / "vllm" / "_aiter_ops.py"
+    os.chmod(target, 0o640)
+    if os.geteuid() == 0:
+        os.chown(target, 1234, 4321)
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    st = target.stat()
+    assert stat.S_IMODE(st.st_mode) == 0o640
+    if os.geteuid() == 0:
+        assert (st.st_uid, st.st_gid) == (1234, 4321)
+
+
+def test_concurrent_applies_serialise_one_writer(make_tree):
+    site = make_tree("0.31.0")
+    n = 8
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "k3patch", "apply", "--vllm", str(site), "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(n)
+    ]
+    results = [(p.wait(), p.stdout.read()) for p in procs]
+    assert all(code == 0 for code, _ in results), results
+    writers = [json.loads(out)["written"] for _, out in results]
+    assert sum(1 for w in writers if w) == 1, writers
+    reference = make_tree("0.31.0")
+    assert run_cli("apply", "--vllm", str(reference)).returncode == 0
+    assert sources_only(tree_hashes(site)) == sources_only(tree_hashes(reference))
+    assert not [p for p in site.rglob("*") if ".k3patch-tmp." in p.name]
+
+
+def test_recover_refuses_a_file_changed_by_someone_else(make_tree):
+    site = make_tree("0.31.0")
+    run_cli("apply", "--vllm", str(site), env={"K3PATCH_TEST_CRASH_AT": "replaced:_aiter_ops.py"})
+    target = site / "vllm" / "_aiter_ops.py"
+    target.write_text("# someone else\n")
+    proc = run_cli("apply", "--vllm", str(site))
+    assert proc.returncode == 3
+    assert "changed by something else" in proc.stderr
+    assert target.read_text() == "# someone else\n"
+    assert Transaction(site / "vllm").pending_journal() is not None
