@@ -1,9 +1,23 @@
-"""`python -m k3patch` and the `k3patch` console script."""
+"""`python -m k3patch` and the `k3patch` console script.
+
+The no-op path (a fresh state record) is tried first, before typer, rich or libcst is imported;
+anything it does not serve goes to the full CLI.
+"""
 
 from __future__ import annotations
 
+import os
+import sys
+
 
 def main() -> None:
+    # K3PATCH_NO_FASTPATH=1 always runs the full path (to compare the two, or to rule it out).
+    if not os.environ.get("K3PATCH_NO_FASTPATH"):
+        from k3patch.fastpath import try_fast
+
+        code = try_fast(sys.argv[1:])
+        if code is not None:
+            sys.exit(code)
     from k3patch.cli import app
 
     app(prog_name="k3patch")

@@ -8,12 +8,11 @@ the state record is written in the same transaction. Nothing here prints.
 from __future__ import annotations
 
 import difflib
-import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3patch import __version__
+from k3patch import __version__, fastpath
 from k3patch.model import Patch, SiteResult, SourceError, Sources, Verdict, summarise
 from k3patch.registry import all_patches, patch_set_digest
 from k3patch.state import STATE_REL, FileState, StateRecord, load
@@ -66,36 +65,31 @@ class Report:
     @property
     def digest(self) -> str:
         """One value two nodes can compare: vLLM version, every target file's hash, verdicts."""
-        h = hashlib.sha256()
-        h.update(f"vllm={self.tree.version}\n".encode())
-        for rel, digest in sorted(self.hashes.items()):
-            h.update(f"{rel}={digest}\n".encode())
-        for result in sorted(self.results, key=lambda r: (r.patch_id, r.site, r.file)):
-            h.update(f"{result.patch_id}|{result.site}|{result.verdict.value}\n".encode())
-        return h.hexdigest()[:16]
+        results = [r.to_json() for r in self.results]
+        return fastpath.state_digest(self.tree.version, self.hashes, results)
+
+    @property
+    def vllm_info(self) -> dict[str, Any]:
+        return {
+            "package_dir": str(self.tree.package_dir),
+            "kind": self.tree.kind,
+            "version": self.tree.version,
+            "version_source": self.tree.version_source,
+        }
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "vllm": {
-                "package_dir": str(self.tree.package_dir),
-                "kind": self.tree.kind,
-                "version": self.tree.version,
-                "version_source": self.tree.version_source,
-            },
-            "digest": self.digest,
-            "from_record": self.from_record,
-            "interrupted": self.interrupted,
-            "patches": [
-                {
-                    "id": p.id,
-                    "title": p.title,
-                    "verdict": self.verdict(p.id).value,
-                    "caveat": p.caveat,
-                    "sites": [r.to_json() for r in self.for_patch(p.id)],
-                }
-                for p in self.patches
-            ],
-        }
+        return fastpath.report_json(
+            self.vllm_info,
+            self.digest,
+            self.from_record,
+            self.interrupted,
+            patch_meta(self.patches),
+            [r.to_json() for r in self.results],
+        )
+
+
+def patch_meta(patches: Iterable[Patch]) -> list[dict[str, str]]:
+    return [{"id": p.id, "title": p.title, "caveat": p.caveat} for p in patches]
 
 
 def target_files(patches: Iterable[Patch]) -> list[str]:
@@ -239,6 +233,7 @@ def _record(
     files: dict[str, FileState],
 ) -> StateRecord:
     return StateRecord(
+        patches=patch_meta(all_patches()),
         patch_set=patch_set_digest(),
         vllm_version=tree.version,
         files=files,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -17,10 +18,16 @@ class ExitCode(enum.IntEnum):
     ENVIRONMENT = 3  # no vLLM found, not writable, disk full, lock timeout, bad --python
 
 
-def for_status(report: Report) -> ExitCode:
-    if report.pending or report.drifted or report.interrupted:
+def code_for_verdicts(verdicts: Iterable[str], *, interrupted: bool) -> ExitCode:
+    """Site verdicts (their string values) -> the code of a reporting command."""
+    if interrupted or any(v in ("pending", "drifted") for v in verdicts):
         return ExitCode.ATTENTION
     return ExitCode.OK
+
+
+def for_status(report: Report) -> ExitCode:
+    verdicts = [r.verdict.value for r in report.results]
+    return code_for_verdicts(verdicts, interrupted=report.interrupted is not None)
 
 
 def for_apply(outcome: ApplyOutcome) -> ExitCode:

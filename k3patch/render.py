@@ -6,7 +6,6 @@ instead), colour off under NO_COLOR or when not a terminal.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
@@ -16,12 +15,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from k3patch import __version__
-from k3patch.engine import ApplyOutcome, Report, RevertOutcome
-from k3patch.model import Patch, SiteResult, Verdict
+from k3patch import fastpath
+from k3patch.engine import ApplyOutcome, Report, RevertOutcome, patch_meta
+from k3patch.model import Patch, Verdict
 from k3patch.verify import BROKEN, IMPORT_OK, VerifyReport
-
-JSON_SCHEMA_VERSION = 1
 
 _STYLE = {
     Verdict.PENDING: "yellow",
@@ -39,14 +36,7 @@ def console(stderr: bool = False) -> Console:
 
 
 def emit_json(command: str, exit_code: int, payload: dict[str, Any]) -> None:
-    envelope = {
-        "schema_version": JSON_SCHEMA_VERSION,
-        "k3patch_version": __version__,
-        "command": command,
-        "exit_code": exit_code,
-        **payload,
-    }
-    sys.stdout.write(json.dumps(envelope, indent=2) + "\n")
+    sys.stdout.write(fastpath.envelope(command, exit_code, payload))
 
 
 def error_line(message: str) -> None:
@@ -54,37 +44,29 @@ def error_line(message: str) -> None:
 
 
 def _header(out: Console, report: Report) -> None:
-    tree = report.tree
-    version = tree.version or "unknown version"
-    out.print(
-        f"[bold]vLLM {escape(version)}[/] ({escape(tree.kind)}, version from "
-        f"{escape(tree.version_source)}) at {escape(str(tree.package_dir))}"
-    )
+    out.print(escape(fastpath.vllm_header(report.vllm_info)))
 
 
-def _site_reason(result: SiteResult) -> str:
-    parts = [p for p in (result.shape, result.detail) if p]
-    return " - ".join(parts)
+def _rows(report: Report) -> list[tuple[str, str, str, str, str]]:
+    return fastpath.status_rows(patch_meta(report.patches), [r.to_json() for r in report.results])
 
 
-def sites_table(report: Report) -> Table:
+def _print_sites(out: Console, report: Report) -> None:
+    """A coloured table on a terminal; in logs the plain table the fast path prints too."""
+    rows = _rows(report)
+    if not out.is_terminal:
+        out.file.write(fastpath.plain_table(fastpath.STATUS_HEADERS, rows))
+        out.file.flush()
+        return
     table = Table(box=box.SIMPLE_HEAD, show_lines=False, pad_edge=False)
-    table.add_column("patch", overflow="fold")
-    table.add_column("verdict", no_wrap=True)
-    table.add_column("site", overflow="fold")
-    table.add_column("file", overflow="fold")
-    table.add_column("shape / reason", overflow="fold")
-    for patch in report.patches:
-        for result in report.for_patch(patch.id):
-            line = f":{result.line}" if result.line else ""
-            table.add_row(
-                escape(patch.id),
-                f"[{_STYLE[result.verdict]}]{result.verdict.value}[/]",
-                escape(result.site),
-                escape(f"vllm/{result.file}{line}"),
-                escape(_site_reason(result)),
-            )
-    return table
+    for header in fastpath.STATUS_HEADERS:
+        table.add_column(header, overflow="fold", no_wrap=header == "verdict")
+    for patch_id, verdict, site, file, reason in rows:
+        style = _STYLE[Verdict(verdict)]
+        table.add_row(
+            escape(patch_id), f"[{style}]{verdict}[/]", escape(site), escape(file), escape(reason)
+        )
+    out.print(table)
 
 
 def _drift_details(out: Console, report: Report) -> None:
@@ -101,13 +83,7 @@ def _drift_details(out: Console, report: Report) -> None:
 
 
 def _quiet_line(report: Report, patch: Patch) -> str:
-    """One line per patch; a drifted one also names the file, the site and what was wrong."""
-    verdict = report.verdict(patch.id)
-    line = f"{patch.id}: {verdict.value}"
-    if verdict is Verdict.DRIFTED:
-        first = next(r for r in report.for_patch(patch.id) if r.verdict is Verdict.DRIFTED)
-        line += f": vllm/{first.file}: {first.site}: {first.detail}"
-    return line
+    return fastpath.quiet_line(patch.id, [r.to_json() for r in report.results])
 
 
 def print_status(report: Report, quiet: bool = False) -> None:
@@ -117,7 +93,7 @@ def print_status(report: Report, quiet: bool = False) -> None:
             out.print(escape(_quiet_line(report, patch)))
         return
     _header(out, report)
-    out.print(sites_table(report))
+    _print_sites(out, report)
     _drift_details(out, report)
     if report.interrupted:
         out.print(
@@ -142,7 +118,7 @@ def print_apply(outcome: ApplyOutcome, *, quiet: bool, diff: bool) -> None:
             out.print(f"k3patch: recovered: {line}")
         return
     _header(out, report)
-    out.print(sites_table(report))
+    _print_sites(out, report)
     _drift_details(out, report)
     for line in outcome.recovered:
         out.print(f"recovered: {escape(line)}")

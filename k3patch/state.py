@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3patch import __version__
+from k3patch import __version__, fastpath
 from k3patch.model import SiteResult
 
 STATE_FILE = "state.json"
 STATE_REL = f".k3patch/{STATE_FILE}"
-SCHEMA = 1
+SCHEMA = fastpath.STATE_SCHEMA_VERSION
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class StateRecord:
     k3patch_version: str = __version__
     patch_set: str = ""
     vllm_version: str | None = None
+    patches: list[dict[str, str]] = field(default_factory=list)  # id, title, caveat of each
     files: dict[str, FileState] = field(default_factory=dict)
     scan: dict[str, str | None] = field(default_factory=dict)
     results: list[SiteResult] = field(default_factory=list)
@@ -47,6 +48,7 @@ class StateRecord:
             "k3patch_version": self.k3patch_version,
             "patch_set": self.patch_set,
             "vllm_version": self.vllm_version,
+            "patches": self.patches,
             "files": {rel: fs.to_json() for rel, fs in sorted(self.files.items())},
             "scan": dict(sorted(self.scan.items())),
             "results": [r.to_json() for r in self.results],
@@ -65,6 +67,7 @@ class StateRecord:
                 k3patch_version=raw["k3patch_version"],
                 patch_set=raw["patch_set"],
                 vllm_version=raw.get("vllm_version"),
+                patches=list(raw["patches"]),
                 files={
                     rel: FileState(v["original"], v["applied"], tuple(v["patches"]))
                     for rel, v in raw["files"].items()

@@ -1,0 +1,273 @@
+"""The no-op path: `status` and `apply --quiet`/`--json` on a tree whose state record is fresh.
+
+An entrypoint runs k3patch on every node and rank before `vllm serve`, and the tree is usually
+already patched. Then the answer is in the state record: if every target file still hashes to
+what the record saw, with the same patch code and k3patch version, the record's classification
+stands. This module decides that with the standard library alone (no libcst, no typer, no rich,
+not even the patch modules), and prints exactly what the full path would print. Any doubt (a
+hash differs, a journal is present, an option it does not know) returns None and the full path
+runs. It also holds the small pieces both paths share, so their output cannot diverge: the JSON
+envelope and report, the digest, the patch-set hash, one-line and plain-table rendering.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+JSON_SCHEMA_VERSION = 1
+STATE_SCHEMA_VERSION = 1
+_GOOD = ("applied", "satisfied", "not applicable")
+
+
+def file_sha256(path: str) -> str | None:
+    try:
+        with open(path, "rb") as handle:
+            return hashlib.sha256(handle.read()).hexdigest()
+    except FileNotFoundError:
+        return None
+
+
+def patch_set_digest(patches_dir: str) -> str:
+    """A hash of the patch modules' source: a record made by other patch code is stale."""
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(patches_dir)):
+        if name.endswith(".py") and name != "__init__.py":
+            digest.update(name.encode() + b"\0")
+            with open(os.path.join(patches_dir, name), "rb") as handle:
+                digest.update(handle.read())
+    return digest.hexdigest()[:16]
+
+
+def state_digest(
+    version: str | None, hashes: Mapping[str, str | None], results: Iterable[Mapping[str, Any]]
+) -> str:
+    """One value two nodes can compare: vLLM version, every target file's hash, the verdicts."""
+    h = hashlib.sha256()
+    h.update(f"vllm={version}\n".encode())
+    for rel, digest in sorted(hashes.items()):
+        h.update(f"{rel}={digest}\n".encode())
+    for r in sorted(results, key=lambda r: (r["patch"], r["site"], r["file"])):
+        h.update(f"{r['patch']}|{r['site']}|{r['verdict']}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def summary_verdict(verdicts: Iterable[str]) -> str:
+    seen = set(verdicts)
+    for verdict in ("drifted", "pending", "applied", "satisfied", "not applicable"):
+        if verdict in seen:
+            return verdict
+    return "not applicable"
+
+
+def report_json(
+    vllm: Mapping[str, Any],
+    digest: str,
+    from_record: bool,
+    interrupted: str | None,
+    patches: Sequence[Mapping[str, str]],
+    results: Sequence[Mapping[str, Any]],
+) -> dict[str, Any]:
+    return {
+        "vllm": dict(vllm),
+        "digest": digest,
+        "from_record": from_record,
+        "interrupted": interrupted,
+        "patches": [
+            {
+                "id": p["id"],
+                "title": p["title"],
+                "verdict": summary_verdict(r["verdict"] for r in results if r["patch"] == p["id"]),
+                "caveat": p["caveat"],
+                "sites": [dict(r) for r in results if r["patch"] == p["id"]],
+            }
+            for p in patches
+        ],
+    }
+
+
+def envelope(command: str, exit_code: int, payload: Mapping[str, Any]) -> str:
+    from k3patch import __version__
+
+    data = {
+        "schema_version": JSON_SCHEMA_VERSION,
+        "k3patch_version": __version__,
+        "command": command,
+        "exit_code": exit_code,
+        **payload,
+    }
+    return json.dumps(data, indent=2) + "\n"
+
+
+def quiet_line(patch_id: str, results: Sequence[Mapping[str, Any]]) -> str:
+    """One line per patch; a drifted one also names the file, the site and what was wrong."""
+    mine = [r for r in results if r["patch"] == patch_id]
+    verdict = summary_verdict(r["verdict"] for r in mine)
+    line = f"{patch_id}: {verdict}"
+    if verdict == "drifted":
+        first = next(r for r in mine if r["verdict"] == "drifted")
+        line += f": vllm/{first['file']}: {first['site']}: {first['detail']}"
+    return line
+
+
+def status_rows(
+    patches: Sequence[Mapping[str, str]], results: Sequence[Mapping[str, Any]]
+) -> list[tuple[str, str, str, str, str]]:
+    rows = []
+    for patch in patches:
+        for r in results:
+            if r["patch"] != patch["id"]:
+                continue
+            line = f":{r['line']}" if r.get("line") else ""
+            reason = " - ".join(p for p in (r.get("shape", ""), r.get("detail", "")) if p)
+            rows.append((patch["id"], r["verdict"], r["site"], f"vllm/{r['file']}{line}", reason))
+    return rows
+
+
+STATUS_HEADERS = ("patch", "verdict", "site", "file", "shape / reason")
+
+
+def plain_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A table for logs: columns padded, nothing wrapped or cut, no colour."""
+    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
+
+    def fmt(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([fmt(headers), rule, *(fmt(r) for r in rows)]) + "\n"
+
+
+def vllm_header(vllm: Mapping[str, Any]) -> str:
+    version = vllm["version"] or "unknown version"
+    return (
+        f"vLLM {version} ({vllm['kind']}, version from {vllm['version_source']}) at "
+        f"{vllm['package_dir']}"
+    )
+
+
+def digest_line(digest: str, from_record: bool) -> str:
+    return f"digest {digest}" + ("  (from the state record)" if from_record else "")
+
+
+# ------------------------------------------------------------------------------------------
+# The fast path itself.
+
+
+def _parse(argv: list[str]) -> dict[str, Any] | None:
+    """The few options the no-op path serves; anything else returns None."""
+    if not argv or argv[0] not in ("status", "apply"):
+        return None
+    opts: dict[str, Any] = {"command": argv[0], "only": [], "skip": [], "vllm": None}
+    flags = {"--json": "json", "--quiet": "quiet", "-q": "quiet"}
+    if argv[0] == "status":
+        flags["--digest"] = "digest"
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        key, eq, value = arg.partition("=")
+        if arg in flags:
+            opts[flags[arg]] = True
+        elif key in ("--vllm", "--only", "--skip", "--lock-timeout") and (eq or i + 1 < len(argv)):
+            if not eq:
+                i += 1
+                value = argv[i]
+            if key == "--vllm":
+                opts["vllm"] = value
+            elif key in ("--only", "--skip"):
+                opts[key[2:]].append(value)
+        else:
+            return None
+        i += 1
+    if opts["command"] == "apply" and not (opts.get("quiet") or opts.get("json")):
+        return None  # the full apply report is rendered by the full path
+    return opts
+
+
+def try_fast(argv: list[str]) -> int | None:
+    """Serve the command from the state record, or return None to let the full path run."""
+    opts = _parse(argv)
+    if opts is None:
+        return None
+    from k3patch import __version__
+    from k3patch.tree import TreeError, locate
+
+    try:
+        tree = locate(opts["vllm"])
+    except TreeError:
+        return None  # the full path reports it
+    state_dir = str(tree.state_dir)
+    if os.path.exists(os.path.join(state_dir, "journal.json")):
+        return None
+    try:
+        with open(os.path.join(state_dir, "state.json"), "rb") as handle:
+            record = json.loads(handle.read())
+    except (OSError, ValueError):
+        return None
+    if (
+        not isinstance(record, dict)
+        or record.get("schema_version") != STATE_SCHEMA_VERSION
+        or record.get("k3patch_version") != __version__
+        or "patches" not in record
+    ):
+        return None
+    import k3patch.patches
+
+    patches_dir = os.path.dirname(k3patch.patches.__file__ or "")
+    if record.get("patch_set") != patch_set_digest(patches_dir):
+        return None
+    scan: dict[str, str | None] = record["scan"]
+    package_dir = str(tree.package_dir)
+    for rel, expected in scan.items():
+        path = os.path.join(package_dir, rel)
+        if os.path.islink(path) or file_sha256(path) != expected:
+            return None
+    known = [p["id"] for p in record["patches"]]
+    if any(p not in known for p in opts["only"] + opts["skip"]):
+        return None
+    patches = [
+        p
+        for p in record["patches"]
+        if (not opts["only"] or p["id"] in opts["only"]) and p["id"] not in opts["skip"]
+    ]
+    wanted = {p["id"] for p in patches}
+    results = [r for r in record["results"] if r["patch"] in wanted]
+    verdicts = [r["verdict"] for r in results]
+    if "drifted" in verdicts:
+        return None  # drift reports carry details only the full path renders
+    from k3patch.exitcodes import code_for_verdicts
+
+    code = int(code_for_verdicts(verdicts, interrupted=False))
+    if opts["command"] == "apply" and code != 0:
+        return None  # something to do: the full path does it
+    vllm = {
+        "package_dir": package_dir,
+        "kind": tree.kind,
+        "version": tree.version,
+        "version_source": tree.version_source,
+    }
+    digest = state_digest(tree.version, scan, results)
+    out = sys.stdout
+    if opts.get("json"):
+        payload = report_json(vllm, digest, True, None, patches, results)
+        if opts["command"] == "apply":
+            payload.update(check=False, refused=False, written=[], recovered=[], bytecode=[])
+        out.write(envelope(opts["command"], code, payload))
+    elif opts.get("digest"):
+        out.write(digest + "\n")
+    elif opts["command"] == "apply":
+        out.write("".join(f"k3patch: {quiet_line(p['id'], results)}\n" for p in patches))
+    elif opts.get("quiet"):
+        out.write("".join(f"{quiet_line(p['id'], results)}\n" for p in patches))
+    elif out.isatty():
+        return None  # an interactive terminal gets the full, coloured table
+    else:
+        out.write(vllm_header(vllm) + "\n")
+        out.write(plain_table(STATUS_HEADERS, status_rows(patches, results)))
+        out.write(digest_line(digest, True) + "\n")
+    out.flush()
+    return code

@@ -1,0 +1,109 @@
+"""The no-op path answers exactly as the full path does, without importing libcst, typer or
+rich, and steps aside the moment anything differs from the state record."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import run_cli
+from k3patch import engine
+from k3patch.tree import locate
+
+pytestmark = pytest.mark.wheel
+VERSIONS = ["0.29.0", "0.31.0", "0.33.0"]
+
+PROBE = """
+import io, sys
+from contextlib import redirect_stdout
+from k3patch.fastpath import try_fast
+buf = io.StringIO()
+with redirect_stdout(buf):
+    code = try_fast(sys.argv[1:])
+heavy = sorted(m for m in ("libcst", "typer", "rich", "click") if m in sys.modules)
+sys.stdout.write(repr((code, heavy)) + "\\n" + buf.getvalue())
+"""
+
+
+def fast(*args: str) -> tuple[int | None, list[str], str]:
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, *args], capture_output=True, text=True, check=True
+    )
+    first, _, rest = proc.stdout.partition("\n")
+    code, heavy = eval(first)  # a repr of (int | None, list[str]) we printed ourselves
+    return code, heavy, rest
+
+
+def full(*args: str) -> subprocess.CompletedProcess:
+    return run_cli(*args, env={"K3PATCH_NO_FASTPATH": "1"})
+
+
+COMMANDS = [
+    ["status", "--json"],
+    ["status"],
+    ["status", "--quiet"],
+    ["status", "--digest"],
+    ["apply", "--quiet"],
+    ["apply", "--json"],
+    ["status", "--json", "--only", "aiter-mla-gfx942"],
+]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_fast_and_full_paths_agree_on_applied_trees(make_tree, version):
+    site = make_tree(version)
+    assert run_cli("apply", "--vllm", str(site)).returncode in (0, 1)
+    for args in COMMANDS:
+        code, heavy, out = fast(*args, "--vllm", str(site))
+        assert code is not None, f"fast path declined {args}"
+        assert heavy == [], f"{args} imported {heavy}"
+        reference = full(*args, "--vllm", str(site))
+        assert code == reference.returncode, args
+        assert out == reference.stdout, args
+    # And the record agrees with a classification made from scratch.
+    tree = locate(site)
+    fresh = engine.scan(tree, use_record=False)
+    recorded = engine.scan(tree)
+    assert recorded.from_record and not fresh.from_record
+    assert [r.to_json() for r in fresh.results] == [r.to_json() for r in recorded.results]
+
+
+def test_fast_path_steps_aside_when_a_byte_changes(make_tree):
+    site = make_tree("0.31.0")
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    assert fast("status", "--vllm", str(site))[0] == 0
+    target = site / "vllm" / "_aiter_ops.py"
+    target.write_bytes(target.read_bytes() + b"\n# a comment\n")
+    code, _, _ = fast("status", "--vllm", str(site))
+    assert code is None
+    # The full path still classifies it (a comment does not change the verdict).
+    data = json.loads(run_cli("status", "--vllm", str(site), "--json").stdout)
+    assert data["patches"][0]["verdict"] == "applied" and data["from_record"] is False
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["apply"],  # the full report
+        ["apply", "--check"],
+        ["apply", "--diff", "--quiet"],
+        ["status", "--only", "no-such-patch"],
+        ["verify"],
+        ["status", "--bogus"],
+    ],
+)
+def test_fast_path_declines_what_it_does_not_serve(make_tree, args):
+    site = make_tree("0.31.0")
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    assert fast(*args, "--vllm", str(site))[0] is None
+
+
+def test_fast_path_declines_pending_trees_and_journals(make_tree):
+    site = make_tree("0.31.0")
+    assert fast("apply", "--quiet", "--vllm", str(site))[0] is None  # no record
+    run_cli("apply", "--vllm", str(site), env={"K3PATCH_TEST_CRASH_AT": "pycache-synced"})
+    assert (site / "vllm" / ".k3patch" / "journal.json").exists()
+    assert fast("status", "--vllm", str(site))[0] is None
