@@ -1,66 +1,86 @@
-"""libcst rewrites shared by the patches. Imported only when a site is pending (libcst is slow
-to import and to parse: see MEASURED.md), never on the status or no-op path."""
+"""Rewrites shared by the patches, done on the site alone.
+
+Parsing a whole vLLM module with libcst costs 0.1-0.3 s (MEASURED.md), so a rewrite never does:
+the site is located with `ast` (already parsed for the verdict), its own lines are cut out,
+transformed, and spliced back. Every byte outside the site's lines is left as it was.
+libcst is imported only when a site is transformed, never on the status or no-op path.
+"""
 
 from __future__ import annotations
 
+import ast
 import textwrap
+from typing import TYPE_CHECKING
 
-import libcst as cst
-
-
-class _ReplaceMethod(cst.CSTTransformer):
-    """Replace one method of one top-level class with a new definition, touching nothing else."""
-
-    def __init__(self, class_name: str, method_name: str, new_def: cst.FunctionDef) -> None:
-        self.class_name = class_name
-        self.method_name = method_name
-        self.new_def = new_def
-        self.replaced = 0
-        self._depth = 0
-        self._in_target = False
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-        self._depth += 1
-        if self._depth == 1 and node.name.value == self.class_name:
-            self._in_target = True
-            return True
-        return False
-
-    def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
-        self._depth -= 1
-        if self._depth == 0:
-            self._in_target = False
-        return updated
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        # Nested functions are never sites; skipping them keeps the pass cheap.
-        return False
-
-    def leave_FunctionDef(
-        self, original: cst.FunctionDef, updated: cst.FunctionDef
-    ) -> cst.FunctionDef:
-        if self._in_target and self._depth == 1 and original.name.value == self.method_name:
-            self.replaced += 1
-            # Keep the blank lines and comments that stood above the original definition.
-            return self.new_def.with_changes(leading_lines=original.leading_lines)
-        return updated
+if TYPE_CHECKING:
+    import libcst as cst
 
 
-def parse_definition(source: str) -> cst.FunctionDef:
-    module = cst.parse_module(textwrap.dedent(source).strip("\n") + "\n")
-    node = module.body[0]
-    if not isinstance(node, cst.FunctionDef):
-        raise ValueError("expected a single function definition")
-    return node
+class SpliceError(ValueError):
+    """The site's lines cannot be cut out cleanly (it shares a line with other code)."""
+
+
+def statement_lines(text: str, node: ast.stmt) -> tuple[int, int]:
+    """The 0-based [start, end) line range of a statement, decorators included."""
+    first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+    end = node.end_lineno
+    if end is None:
+        raise SpliceError("the statement has no end position")
+    lines = text.splitlines(keepends=True)
+    indent = " " * node.col_offset
+    if not lines[first - 1].startswith(indent) or lines[first - 1][: node.col_offset].strip():
+        raise SpliceError(f"line {first} does not start with the statement")
+    tail = lines[end - 1][node.end_col_offset or 0 :]
+    if tail.strip() and not tail.strip().startswith("#"):
+        raise SpliceError(f"line {end} holds more than the statement")
+    return first - 1, end
+
+
+def splice(text: str, start: int, end: int, new_lines: str) -> str:
+    lines = text.splitlines(keepends=True)
+    if not new_lines.endswith("\n"):
+        new_lines += "\n"
+    return "".join([*lines[:start], new_lines, *lines[end:]])
+
+
+def indent_block(source: str, col: int) -> str:
+    body = textwrap.dedent(source).strip("\n") + "\n"
+    return textwrap.indent(body, " " * col, lambda line: bool(line.strip()))
+
+
+def replace_statement(text: str, node: ast.stmt, new_source: str) -> str:
+    """`text` with the statement `node` replaced by `new_source` at the node's indentation."""
+    start, end = statement_lines(text, node)
+    return splice(text, start, end, indent_block(new_source, node.col_offset))
+
+
+def transform_statement(text: str, node: ast.stmt, transformer: cst.CSTTransformer) -> str:
+    """Run a libcst transformer over one statement's own lines and splice the result back."""
+    import libcst
+
+    start, end = statement_lines(text, node)
+    segment = "".join(text.splitlines(keepends=True)[start:end])
+    prefix = " " * node.col_offset
+    for line in segment.splitlines():
+        if line.strip() and not line.startswith(prefix):
+            raise SpliceError("the statement's lines are not uniformly indented")
+    module = libcst.parse_module(textwrap.dedent(segment))
+    new_code = module.visit(transformer).code
+    return splice(text, start, end, indent_block(new_code, node.col_offset))
+
+
+def find_method_node(text: str, class_name: str, method_name: str) -> ast.FunctionDef:
+    module = ast.parse(text)
+    for node in module.body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            found = [
+                n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == method_name
+            ]
+            if len(found) == 1:
+                return found[0]
+    raise SpliceError(f"expected exactly one {class_name}.{method_name}")
 
 
 def replace_method(text: str, class_name: str, method_name: str, new_def_source: str) -> str:
-    """`text` with `class_name.method_name` replaced by `new_def_source` (exactly one match)."""
-    module = cst.parse_module(text)
-    transformer = _ReplaceMethod(class_name, method_name, parse_definition(new_def_source))
-    new_module = module.visit(transformer)
-    if transformer.replaced != 1:
-        raise ValueError(
-            f"expected one {class_name}.{method_name}, replaced {transformer.replaced}"
-        )
-    return new_module.code
+    """`text` with `class_name.method_name` (decorators included) replaced by `new_def_source`."""
+    return replace_statement(text, find_method_node(text, class_name, method_name), new_def_source)
