@@ -1014,6 +1014,7 @@ def _scheduler(mc: types.ModuleType, block_size: int) -> Any:
         "_reqs_need_pending_save": {},
         "_reqs_need_send": {},
         "_req_kv_params": {},
+        "_reqs_save_mamba": {},  # the fork's mamba block ids (SITES.md 1)
         "transfer_id_to_request_id": {},
         "request_id_to_transfer_id": {},
     }
