@@ -299,8 +299,9 @@ def sync_points(root: ast.AST) -> list[tuple[ast.AST, str]]:
 
 
 def is_gate(test: ast.expr) -> bool:
-    """`<os>.environ.get("K3_KDA_GATHER_LOG", ...) == "1"` or `<os>.getenv(...) == "1"`: a test
-    that reads only the environment, so nothing on the device runs before it decides."""
+    """`<os>.environ.get("K3_KDA_GATHER_LOG"[, default]) == "1"` or the same through `getenv`,
+    default not "1": a test that reads only the environment, so nothing on the device runs
+    before it decides, and that is off when the variable is unset."""
     if not (
         isinstance(test, ast.Compare)
         and len(test.ops) == 1
@@ -312,6 +313,10 @@ def is_gate(test: ast.expr) -> bool:
         and isinstance(test.left.args[0], ast.Constant)
         and test.left.args[0].value == ENV
     ):
+        return False
+    # A default of "1" would make the unset variable read as on.
+    default = test.left.args[1] if len(test.left.args) > 1 else None
+    if default is not None and not (isinstance(default, ast.Constant) and default.value != "1"):
         return False
     func = test.left.func
     if not isinstance(func, ast.Attribute):
