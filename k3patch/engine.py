@@ -8,6 +8,7 @@ the state record is written in the same transaction. Nothing here prints.
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ from k3patch.transaction import (
     Transaction,
     locked,
     sha256,
+    write_atomically,
 )
 from k3patch.tree import VllmTree
 
@@ -257,6 +259,8 @@ def apply(
     if report.drifted:
         return ApplyOutcome(report, refused=True, check=check)
     if not report.pending and report.interrupted is None:
+        if not report.from_record and not check:
+            _refresh_record(tree, lock_timeout)
         return ApplyOutcome(report, check=check)
     if check:
         return ApplyOutcome(report, plan=plan(report) if report.pending else None, check=True)
@@ -264,8 +268,9 @@ def apply(
     txn = Transaction(tree.package_dir, fault)
     with locked(tree.state_dir, lock_timeout):
         recovered = txn.recover()
-        # Another run may have finished the work while we waited for the lock.
-        full = scan(tree, all_patches(), use_record=False)
+        # Another run may have finished the work while we waited for the lock; if so its
+        # record matches every file and answers without parsing.
+        full = scan(tree, all_patches())
         selected = [r for r in full.results if r.patch_id in {p.id for p in patches}]
         report = Report(tree, patches, selected, full.hashes)
         if report.drifted:
@@ -368,6 +373,28 @@ def revert(
         return RevertOutcome(
             restored=[e.rel for e in edits[:-1]], recovered=recovered, pycache=pycache
         )
+
+
+def _refresh_record(tree: VllmTree, lock_timeout: float) -> None:
+    """After a run with nothing to write, record the classification (only the state record is
+    written, never a vLLM file) so the next run, and every waiting concurrent run, takes the no-op
+    path. Best effort: a tree that cannot be written keeps no record."""
+    if not os.access(tree.package_dir, os.W_OK):
+        return
+    try:
+        with locked(tree.state_dir, lock_timeout):
+            full = scan(tree, all_patches())
+            if full.from_record or full.pending or full.drifted or full.interrupted:
+                return
+            old = load(tree.state_dir)
+            record = _record(tree, full.results, full.hashes, dict(old.files) if old else {})
+            # One file replaced atomically: no journal needed.
+            write_atomically(tree.state_dir / "state.json", record.to_bytes())
+    except EnvironmentProblem:
+        try:
+            tree.state_dir.rmdir()  # only if this run created it and left it empty
+        except OSError:
+            pass
 
 
 def _forget_failed_commit(tree: VllmTree, txn: Transaction, old: StateRecord | None) -> None:

@@ -162,7 +162,13 @@ def _parse(argv: list[str]) -> dict[str, Any] | None:
     """The few options the no-op path serves; anything else returns None."""
     if not argv or argv[0] not in ("status", "apply"):
         return None
-    opts: dict[str, Any] = {"command": argv[0], "only": [], "skip": [], "vllm": None}
+    opts: dict[str, Any] = {
+        "command": argv[0],
+        "only": [],
+        "skip": [],
+        "vllm": None,
+        "lock_timeout": "120",
+    }
     flags = {"--json": "json", "--quiet": "quiet", "-q": "quiet"}
     if argv[0] == "status":
         flags["--digest"] = "digest"
@@ -178,6 +184,8 @@ def _parse(argv: list[str]) -> dict[str, Any] | None:
                 value = argv[i]
             if key == "--vllm":
                 opts["vllm"] = value
+            elif key == "--lock-timeout":
+                opts["lock_timeout"] = value
             elif key in ("--only", "--skip"):
                 opts[key[2:]].append(value)
         else:
@@ -188,19 +196,10 @@ def _parse(argv: list[str]) -> dict[str, Any] | None:
     return opts
 
 
-def try_fast(argv: list[str]) -> int | None:
-    """Serve the command from the state record, or return None to let the full path run."""
-    opts = _parse(argv)
-    if opts is None:
-        return None
+def _fresh_record(state_dir: str, package_dir: str) -> dict[str, Any] | None:
+    """The state record, if it still describes every target file exactly; else None."""
     from k3patch import __version__
-    from k3patch.tree import TreeError, locate
 
-    try:
-        tree = locate(opts["vllm"])
-    except TreeError:
-        return None  # the full path reports it
-    state_dir = str(tree.state_dir)
     if os.path.exists(os.path.join(state_dir, "journal.json")):
         return None
     try:
@@ -220,12 +219,42 @@ def try_fast(argv: list[str]) -> int | None:
     patches_dir = os.path.dirname(k3patch.patches.__file__ or "")
     if record.get("patch_set") != patch_set_digest(patches_dir):
         return None
-    scan: dict[str, str | None] = record["scan"]
-    package_dir = str(tree.package_dir)
-    for rel, expected in scan.items():
+    for rel, expected in record["scan"].items():
         path = os.path.join(package_dir, rel)
         if os.path.islink(path) or file_sha256(path) != expected:
             return None
+    return record
+
+
+def try_fast(argv: list[str]) -> int | None:
+    """Serve the command from the state record, or return None to let the full path run."""
+    opts = _parse(argv)
+    if opts is None:
+        return None
+    from k3patch.tree import TreeError, locate
+
+    try:
+        tree = locate(opts["vllm"])
+    except TreeError:
+        return None  # the full path reports it
+    state_dir = str(tree.state_dir)
+    package_dir = str(tree.package_dir)
+    record = _fresh_record(state_dir, package_dir)
+    if record is None:
+        if opts["command"] != "apply":
+            return None
+        # Concurrent entrypoints: wait for a run in progress here, asleep, then look again. If
+        # there is still work, keep the lock: the full path runs under it in this process.
+        from k3patch import lock
+
+        try:
+            lock.hold(state_dir, float(opts["lock_timeout"]))
+        except (lock.EnvironmentProblem, ValueError):
+            return None
+        record = _fresh_record(state_dir, package_dir)
+        if record is None:
+            return None
+    scan: dict[str, str | None] = record["scan"]
     known = [p["id"] for p in record["patches"]]
     if any(p not in known for p in opts["only"] + opts["skip"]):
         return None

@@ -15,30 +15,25 @@ Concurrent runs serialise on an flock of the `.k3patch` directory.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import json
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from k3patch.lock import EnvironmentProblem, env_error, locked
 from k3patch.pycache import sync_pycache
+
+__all__ = ["EnvironmentProblem", "FileEdit", "Transaction", "locked", "write_atomically"]
 
 JOURNAL = "journal.json"
 BLOBS = "blobs"
 TMP_MARK = ".k3patch-tmp."
 
 FaultHook = Callable[[str], None]
-
-
-class EnvironmentProblem(Exception):
-    """The tree cannot be written here: read-only, permission denied, disk full, lock timeout.
-    Nothing is left changed when this is raised."""
 
 
 class ConcurrentChange(Exception):
@@ -57,18 +52,6 @@ class FileEdit:
     rel: str
     before: bytes | None
     after: bytes | None
-
-
-def _env_error(action: str, path: Path, exc: OSError) -> EnvironmentProblem:
-    hints = {
-        errno.EROFS: "the filesystem is read-only; patch the image at build time instead",
-        errno.EACCES: "permission denied; run as the tree's owner",
-        errno.EPERM: "operation not permitted; run as the tree's owner",
-        errno.ENOSPC: "no space left on the device; free some and run again",
-        errno.EDQUOT: "disk quota exceeded; free some and run again",
-    }
-    hint = hints.get(exc.errno or 0, exc.strerror or str(exc))
-    return EnvironmentProblem(f"cannot {action} {path}: {hint}")
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -107,7 +90,7 @@ def write_atomically(path: Path, data: bytes, like: os.stat_result | None = None
             os.unlink(tmp)
         except OSError:
             pass
-        raise _env_error("write", path, exc) from None
+        raise env_error("write", path, exc) from None
 
 
 def _remove(path: Path) -> None:
@@ -116,7 +99,7 @@ def _remove(path: Path) -> None:
     except FileNotFoundError:
         return
     except OSError as exc:
-        raise _env_error("remove", path, exc) from None
+        raise env_error("remove", path, exc) from None
     _fsync_dir(path.parent)
 
 
@@ -214,7 +197,7 @@ class Transaction:
         try:
             return [f"{source.name}: {a}" for a in sync_pycache(source)]
         except OSError as exc:
-            raise _env_error("update the bytecode of", source, exc) from None
+            raise env_error("update the bytecode of", source, exc) from None
 
     # -- recovery ------------------------------------------------------------------------
     def pending_journal(self) -> dict[str, object] | None:
@@ -273,40 +256,6 @@ class Transaction:
                     entry.unlink()
                     removed.append(f"removed {entry}")
         return removed
-
-
-@contextmanager
-def locked(state_dir: Path, timeout: float) -> Iterator[None]:
-    """Hold the tree's lock: an flock of the `.k3patch` directory itself, so no lock file is
-    left behind. A directory removed by a revert while we waited is noticed and re-created."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            state_dir.mkdir(exist_ok=True)
-            fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError as exc:
-            raise _env_error("create the state directory", state_dir, exc) from None
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise EnvironmentProblem(
-                            f"another k3patch run holds the lock on {state_dir} for over "
-                            f"{timeout:g}s; wait for it or raise --lock-timeout"
-                        ) from None
-                    time.sleep(0.01)
-            try:
-                same = os.stat(state_dir).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                yield
-                return
-        finally:
-            os.close(fd)
 
 
 def _fault_from_environment(step: str) -> None:

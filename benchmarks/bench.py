@@ -1,0 +1,198 @@
+"""Entrypoint-grade speed of k3patch on a real vLLM tree, against floors measured in the same run.
+
+Run by hand (not in CI):  .venv/bin/python benchmarks/bench.py [--version 0.31.0] [--runs 15]
+Prints a table of medians and writes benchmarks/RESULTS.md. k3patch is installed as a regular
+(non-editable) package into a temporary dir first, so the numbers are what users get.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from conftest import pristine_tree  # noqa: E402
+
+LEGACY_DIR = Path(__file__).resolve().parent / "legacy"
+
+
+def timed(cmd: list[str], env: dict[str, str], cwd: str | None = None) -> tuple[float, int, str]:
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
+    return time.perf_counter() - start, proc.returncode, proc.stdout
+
+
+def median_of(runs: int, make_cmd, env, setup=None, expect: int | None = 0) -> float:
+    samples = []
+    for _ in range(runs):
+        if setup:
+            setup()
+        elapsed, code, out = timed(make_cmd(), env)
+        if expect is not None and code != expect:
+            raise SystemExit(f"{make_cmd()} exited {code}: {out[-500:]}")
+        samples.append(elapsed)
+    return statistics.median(samples)
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores, {cpu}, Python {platform.python_version()}, {platform.system()}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--version", default="0.31.0")
+    parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--no-verify", action="store_true")
+    parser.add_argument("--verify-python", default=os.environ.get("K3PATCH_TEST_VLLM_PYTHON"))
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="k3patch-bench-"))
+    install = work / "install"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
+         "--target", str(install), str(ROOT)],
+        check=True,
+    )
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(install)], check=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE",)}
+    env.update(PYTHONPATH=str(install), NO_COLOR="1")
+    py = sys.executable
+    k3 = [py, "-m", "k3patch"]
+
+    src = pristine_tree(args.version)
+    fresh = work / "fresh"
+    patched = work / "patched"
+    shutil.copytree(src, patched, ignore=shutil.ignore_patterns(".complete"))
+    out = subprocess.run([*k3, "apply", "--vllm", str(patched), "--json"], env=env,
+                         capture_output=True, text=True)
+    applied = json.loads(out.stdout)
+    verdicts = {p["id"]: p["verdict"] for p in applied["patches"]}
+
+    sys.path.insert(0, str(install))
+    from k3patch.engine import target_files
+    from k3patch.registry import all_patches
+
+    targets = [str(patched / "vllm" / rel) for rel in target_files(all_patches())]
+    existing = [t for t in targets if os.path.exists(t)]
+
+    def reset_fresh() -> None:
+        if fresh.exists():
+            shutil.rmtree(fresh)
+        shutil.copytree(src, fresh, ignore=shutil.ignore_patterns(".complete"))
+
+    rows: list[tuple[str, float, str, float | None]] = []
+    n = args.runs
+    floor_pass = median_of(n, lambda: [py, "-c", "pass"], env)
+    hash_code = (
+        "import hashlib,sys\n"
+        "for f in sys.argv[1:]:\n"
+        "    hashlib.sha256(open(f,'rb').read()).hexdigest()\n"
+    )
+    floor_hash = median_of(n, lambda: [py, "-c", hash_code, *existing], env)
+    floor_libcst = median_of(n, lambda: [py, "-c", "import libcst"], env)
+    rows += [
+        ("floor: python -c pass", floor_pass, "", None),
+        (f"floor: interpreter + sha256 of {len(existing)} target files", floor_hash, "", None),
+        ("floor: python -c 'import libcst'", floor_libcst, "", None),
+    ]
+
+    status = median_of(n, lambda: [*k3, "status", "--vllm", str(patched)], env)
+    rows.append(("k3patch status, patched tree (no-op)", status, "hash floor", status / floor_hash))
+    quiet = median_of(n, lambda: [*k3, "apply", "--quiet", "--vllm", str(patched)], env)
+    rows.append(("k3patch apply --quiet, patched tree (no-op)", quiet, "hash floor",
+                 quiet / floor_hash))
+    full_status = median_of(
+        n, lambda: [*k3, "status", "--vllm", str(patched)], {**env, "K3PATCH_NO_FASTPATH": "1"}
+    )
+    rows.append(("k3patch status, full path forced", full_status, "hash floor",
+                 full_status / floor_hash))
+
+    cold_runs = max(3, n // 3)
+    cold = median_of(cold_runs, lambda: [*k3, "apply", "--quiet", "--vllm", str(fresh)], env,
+                     setup=reset_fresh)
+    rows.append(("k3patch apply, fresh tree (cold)", cold, "import libcst", cold / floor_libcst))
+
+    # 32 concurrent applies on one fresh tree.
+    conc_samples = []
+    writers_seen = []
+    for _ in range(3):
+        reset_fresh()
+        cmd = [*k3, "apply", "--json", "--vllm", str(fresh)]
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
+            results = list(pool.map(
+                lambda _: subprocess.run(cmd, env=env, capture_output=True, text=True),
+                range(args.concurrency)))
+        conc_samples.append(time.perf_counter() - start)
+        codes = [r.returncode for r in results]
+        if any(codes):
+            raise SystemExit(f"concurrent apply exit codes: {codes}")
+        writers_seen.append(sum(1 for r in results if json.loads(r.stdout)["written"]))
+        litter = [p for p in fresh.rglob("*") if ".k3patch-tmp." in p.name]
+        if litter:
+            raise SystemExit(f"temp litter left: {litter}")
+    conc = statistics.median(conc_samples)
+    rows.append((f"{args.concurrency} concurrent apply, one fresh tree (wall)", conc,
+                 "one cold apply", conc / cold))
+
+    legacy = sorted(LEGACY_DIR.glob("*.py"))
+    legacy_samples = []
+    for _ in range(n):
+        start = time.perf_counter()
+        for script in legacy:
+            subprocess.run([py, str(script), str(patched / "vllm")], env=env, capture_output=True)
+        legacy_samples.append(time.perf_counter() - start)
+    legacy_time = statistics.median(legacy_samples)
+    rows.append((f"older way: {len(legacy)} scripts, one interpreter each (substring check)",
+                 legacy_time, "hash floor", legacy_time / floor_hash))
+
+    if not args.no_verify and args.verify_python:
+        verify = median_of(2, lambda: [*k3, "verify", "--vllm", str(patched), "--python",
+                                       args.verify_python], env)
+        rows.append(("k3patch verify (imports + probes)", verify, "", None))
+
+    lines = [
+        f"# k3patch benchmark results ({time.strftime('%Y-%m-%d')})",
+        "",
+        f"Machine: {machine()}.",
+        f"Tree: real vLLM {args.version} wheel (.py files + METADATA). Patch verdicts after apply: "
+        + ", ".join(f"{k} {v}" for k, v in verdicts.items()) + ".",
+        f"Command: `.venv/bin/python benchmarks/bench.py --version {args.version} --runs {n}` "
+        f"(medians of {n} runs; cold apply {cold_runs} runs; concurrency 3 rounds; writers per "
+        f"round: {writers_seen}).",
+        "",
+        "| what | median | ratio to | ratio |",
+        "|---|---:|---|---:|",
+    ]
+    for what, seconds, against, ratio in rows:
+        ratio_text = f"{ratio:.2f}x" if ratio is not None else ""
+        lines.append(f"| {what} | {seconds * 1000:.1f} ms | {against} | {ratio_text} |")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    (Path(__file__).resolve().parent / "RESULTS.md").write_text(report)
+    shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The tree's lock, and the error every unwritable-tree case becomes.
+
+Standard library only and cheap to import: the no-op path takes the lock before it decides to
+hand over to the full path, so concurrent entrypoints wait here, asleep, instead of each
+classifying the tree. A process holds a tree's lock at most once; taking it again is a no-op.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import fcntl
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class EnvironmentProblem(Exception):
+    """The tree cannot be written here: read-only, permission denied, disk full, lock timeout.
+    Nothing is left changed when this is raised."""
+
+
+_HINTS = {
+    errno.EROFS: "the filesystem is read-only; patch the image at build time instead",
+    errno.EACCES: "permission denied; run as the tree's owner",
+    errno.EPERM: "operation not permitted; run as the tree's owner",
+    errno.ENOSPC: "no space left on the device; free some and run again",
+    errno.EDQUOT: "disk quota exceeded; free some and run again",
+}
+
+
+def env_error(action: str, path: Path | str, exc: OSError) -> EnvironmentProblem:
+    hint = _HINTS.get(exc.errno or 0, exc.strerror or str(exc))
+    return EnvironmentProblem(f"cannot {action} {path}: {hint}")
+
+
+# state dir -> the fd whose flock this process holds (closed only at exit)
+_held: dict[str, int] = {}
+
+
+def hold(state_dir: Path | str, timeout: float) -> None:
+    """Take the lock of a tree for the rest of this process: an flock of the `.k3patch`
+    directory itself, so no lock file is left behind. A directory removed by a revert while we
+    waited is noticed (its inode changed) and the lock is taken on the new one."""
+    key = os.path.abspath(state_dir)
+    if key in _held:
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.makedirs(key, exist_ok=True)
+            fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise env_error("create the state directory", key, exc) from None
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise EnvironmentProblem(
+                            f"another k3patch run holds the lock on {key} for over "
+                            f"{timeout:g}s; wait for it or raise --lock-timeout"
+                        ) from None
+                    time.sleep(0.005)
+            try:
+                same = os.stat(key).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if same:
+            _held[key] = fd
+            return
+        os.close(fd)
+
+
+def release(state_dir: Path | str) -> None:
+    """Give the lock back. A state dir this run created and left empty (nothing to write, a
+    refusal, an error) is removed first, so a run that wrote nothing leaves no trace."""
+    key = os.path.abspath(state_dir)
+    fd = _held.pop(key, None)
+    if fd is None:
+        return
+    try:
+        os.rmdir(key)
+    except OSError:
+        pass
+    os.close(fd)
+
+
+@atexit.register
+def _release_all() -> None:
+    for key in list(_held):
+        release(key)
+
+
+@contextmanager
+def locked(state_dir: Path | str, timeout: float) -> Iterator[None]:
+    """Hold the lock for a block; if this process already holds it, keep holding it after."""
+    key = os.path.abspath(state_dir)
+    already = key in _held
+    hold(key, timeout)
+    try:
+        yield
+    finally:
+        if not already:
+            release(key)
