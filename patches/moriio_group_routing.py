@@ -1,0 +1,2004 @@
+"""moriio-group-routing: MoRIIO writes each layer's KV into its own KV-cache group's blocks.
+
+Symptom: Kimi-K3 served as a prefill/decode split over the MoRIIO connector (WRITE mode)
+answers fluently but without the prompt's context.
+Cause: the fork's "mamba block ids" change taught the connector two KV-cache groups, block ids
+`[0]` for attention and `[1]` for Mamba. K3 has four: three KDA (Mamba) groups, then the MLA
+group at index 3. The prefill node wrote every MLA layer into group 0's block ids, which belong
+to a KDA group, and every KDA layer into group 1's; decode read MLA blocks nobody had written.
+Fix: the worker maps each layer to its KV-cache group from `kv_cache_config.kv_cache_groups`
+(the attention group is the first group that is not a MambaSpec); the block ids of every group
+travel end to end (the scheduler's capture plus the blocks later prefill chunks add, ReqMeta,
+WriteTask, the decode node's notify message, RemoteAllocInfo); the transfer plan indexes those
+lists with the layer's own group. A transfer that lacks them (a peer without this fix) fails
+loudly; nothing falls back to group 0. A two-group [attention, mamba] model reads the same
+lists as before. Both nodes need the fix: the decode node sends the lists the prefill uses.
+Check: `k3patch verify` drives the patched scheduler, notify message and transfer plan on CPU
+with K3's layout and checks that each MLA layer goes to group 3's blocks and each KDA layer to
+its own group's, on the prefill and the decode side.
+Upstream: 0.14.1-0.30.0 cannot run K3 over MoRIIO at all (not applicable); 0.31.0 and later
+route per group natively (satisfied).
+"""
+
+from __future__ import annotations
+
+import ast
+import enum
+import itertools
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from k3patch.model import (
+    Patch,
+    ProbeOutcome,
+    SiteResult,
+    SourceFile,
+    Sources,
+    Verdict,
+    find_class,
+    find_function,
+    module_binds,
+    site_fingerprint,
+    source_fingerprint,
+)
+
+PACKAGE = "distributed/kv_transfer/kv_connector/v1/moriio"
+COMMON = f"{PACKAGE}/moriio_common.py"
+CONNECTOR = f"{PACKAGE}/moriio_connector.py"
+ENGINE = f"{PACKAGE}/moriio_engine.py"
+FILES = (COMMON, CONNECTOR, ENGINE)
+MODULE_OF = {
+    COMMON: "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common",
+    CONNECTOR: "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector",
+    ENGINE: "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_engine",
+}
+
+# Names that tell the three families of this package apart (identifiers in code, never
+# comments). The fork's "mamba block ids" change, k3patch's post-image, and the older anchor
+# script's fixed form (its marker comment is `k3-group-routing`; the marker itself proves
+# nothing, these names do).
+FORK_NAMES = frozenset(
+    {"mamba_local_block_ids", "mamba_block_ids", "_reqs_save_mamba", "mamba_block_notify_list"}
+)
+K3PATCH_NAMES = frozenset(
+    {"group_block_ids", "_reqs_save_groups", "_kv_cache_group_index", "kv_group_of_layer"}
+)
+LEGACY_NAMES = frozenset(
+    {
+        "all_group_block_ids",
+        "_reqs_save_allgrp",
+        "all_group_block_notify",
+        "_layer_group_idx",
+        "_attn_group_idx",
+        "K3_GROUP_ROUTING",
+    }
+)
+
+# ---------------------------------------------------------------------------------------------
+# k3patch's post-image, piece by piece. Each piece is inserted next to the fork statement it
+# generalises, so a fork build that differs elsewhere in these long files is still recognised.
+
+FIELD = "group_block_ids: list[list[int]] | None = None"
+FIELD_COMMENT = "# k3patch moriio-group-routing: block ids of every KV-cache group"
+
+SCHEDULER_DICT = """
+# k3patch moriio-group-routing: every KV-cache group's blocks per request
+self._reqs_save_groups: dict[str, list[list[int]]] = {}
+"""
+
+WORKER_MAP = """
+# k3patch moriio-group-routing: each layer's KV-cache group (no position
+# is assumed: K3 has three KDA groups before its MLA group)
+self.kv_group_of_layer, self.kv_attention_group = _kv_cache_group_index(kv_cache_config)
+"""
+
+GROUP_INDEX_FUNCTION = '''
+def _kv_cache_group_index(kv_cache_config: "KVCacheConfig") -> tuple[dict[str, int], int]:
+    """k3patch moriio-group-routing: the KV-cache group of every layer, and the attention group.
+
+    A layer's KV lives in its own group's blocks. Kimi-K3 has three KDA (Mamba) groups before
+    its MLA group, so no fixed position is the attention group: it is the first group whose
+    spec is not a MambaSpec.
+    """
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    group_of_layer: dict[str, int] = {}
+    attention_group: int | None = None
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        for layer_name in group.layer_names:
+            group_of_layer[layer_name] = index
+        if attention_group is None and not isinstance(group.kv_cache_spec, MambaSpec):
+            attention_group = index
+    if attention_group is None:
+        raise ValueError("MoRIIO WRITE needs an attention KV-cache group; all groups are Mamba")
+    return group_of_layer, attention_group
+'''
+
+# Inserted before build_connector_meta's final `return meta`, after both chunk gates, so the
+# gates themselves (moriio-chunk-gate's sites) are left exactly as they are.
+SAVE_GROUPS = """
+# k3patch moriio-group-routing: every KV-cache group's blocks travel with
+# the request (K3's MLA group is index 3, not [0]). Blocks a later prefill
+# chunk allocates join their group's list; each save leaving in this step
+# takes its request's lists along.
+if self._reqs_save_groups:
+    _cached = scheduler_output.scheduled_cached_reqs
+    for _index, _req_id in enumerate(_cached.req_ids):
+        _new_groups = _cached.new_block_ids[_index]
+        if _new_groups is not None and _req_id in self._reqs_save_groups:
+            self._reqs_save_groups[_req_id] = [
+                group + list(new)
+                for group, new in zip(
+                    self._reqs_save_groups[_req_id], _new_groups, strict=True
+                )
+            ]
+    for _req_id, _req_meta in meta.reqs_to_save.items():
+        _req_meta.group_block_ids = self._reqs_save_groups.pop(_req_id, None)
+"""
+
+# The fork's per-layer choice in MoRIIOWriter._prepare_transfer_plan: two lists, [attention,
+# mamba], and [1] for any Mamba layer. On K3 that sends MLA (group 3) to group 0's blocks.
+FORK_PLAN = """
+_k3_local = [task.local_block_ids, task.mamba_local_block_ids]
+_k3_remote = [request_info.block_ids, request_info.mamba_block_ids or []]
+_k3_sel = 1 if isinstance(self.worker.layer_to_spec.get(task.layer_name), MambaSpec) else 0
+"""
+
+# k3patch's replacement: the same three names, so the offsets call below them is untouched and
+# now indexes the per-group lists with the layer's own group.
+K3PATCH_PLAN = """
+# k3patch moriio-group-routing: each layer's KV goes to its own KV-cache
+# group's blocks on both nodes (K3: KDA groups 0-2, MLA group 3). Without
+# per-group ids (a peer that lacks this fix) the write fails, never guesses.
+_k3_local = task.group_block_ids
+_k3_remote = request_info.group_block_ids
+if _k3_local is None or _k3_remote is None:
+    raise MoRIIOError(
+        f"MoRIIO transfer {task.transfer_id}: no per-group block ids from "
+        + ("the prefill scheduler" if _k3_local is None else "the decode node")
+        + "; both nodes need k3patch moriio-group-routing"
+    )
+_k3_sel = self.worker.kv_group_of_layer[task.layer_name]
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the AST: small helpers that keep the site declarations below readable.
+
+
+def _names(node: ast.AST) -> set[str]:
+    """Identifiers, attribute names, keywords, parameters and string constants under `node`."""
+    found: set[str] = set()
+    for child in ast.walk(node):
+        if isinstance(child, ast.Name):
+            found.add(child.id)
+        elif isinstance(child, ast.Attribute):
+            found.add(child.attr)
+        elif isinstance(child, ast.keyword) and child.arg:
+            found.add(child.arg)
+        elif isinstance(child, ast.arg):
+            found.add(child.arg)
+        elif isinstance(child, ast.Constant) and isinstance(child.value, str):
+            found.add(child.value)
+        elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            found.add(child.name)
+    return found
+
+
+def _scope(tree: ast.Module, path: tuple[str, ...]) -> ast.AST | None:
+    node: ast.AST = tree
+    for name in path:
+        for child in getattr(node, "body", []):
+            if (
+                isinstance(child, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                and child.name == name
+            ):
+                node = child
+                break
+        else:
+            return None
+    return node
+
+
+def _bodies(node: ast.AST) -> Iterator[list[ast.stmt]]:
+    """Every statement list inside a function, nested blocks included, nested defs excluded."""
+    for name in ("body", "orelse", "finalbody"):
+        stmts = getattr(node, name, None)
+        if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
+            yield stmts
+            for stmt in stmts:
+                if not isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    yield from _bodies(stmt)
+    for handler in getattr(node, "handlers", []):
+        yield from _bodies(handler)
+
+
+def _fingerprint(stmts: list[ast.stmt]) -> str:
+    return site_fingerprint(stmts[0] if len(stmts) == 1 else stmts)
+
+
+def _expr_fingerprint(source: str) -> str:
+    return site_fingerprint(ast.parse(source.strip(), mode="eval").body)
+
+
+def _count_statements(source: str) -> int:
+    return len(ast.parse(_dedent(source)).body)
+
+
+def _dedent(source: str) -> str:
+    import textwrap
+
+    return textwrap.dedent(source).strip("\n") + "\n"
+
+
+def _is_self_attr(node: ast.AST, attr: str) -> bool:
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == attr
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    )
+
+
+def _subscripted_by_one(node: ast.AST) -> str | None:
+    """The name X in an `X[1]` under `node`: where the fork reads the mamba group from."""
+    for child in ast.walk(node):
+        if (
+            isinstance(child, ast.Subscript)
+            and isinstance(child.value, ast.Name)
+            and isinstance(child.slice, ast.Constant)
+            and child.slice.value == 1
+        ):
+            return child.value.id
+    return None
+
+
+def _callee(call: ast.Call) -> str:
+    if isinstance(call.func, ast.Name):
+        return call.func.id
+    if isinstance(call.func, ast.Attribute):
+        return call.func.attr
+    return ""
+
+
+def _short(text: str, lines: int = 40) -> str:
+    parts = text.splitlines()
+    if len(parts) <= lines:
+        return text
+    return "\n".join([*parts[:lines], f"... ({len(parts) - lines} more lines)"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing text: edits are computed from AST positions of the current text and applied bottom
+# up, so everything outside the edited spans stays byte-identical.
+
+
+@dataclass(frozen=True)
+class _Edit:
+    start: int
+    end: int
+    text: str
+
+
+class _Text:
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.starts = [0] + [m.end() for m in re.finditer("\n", text)]
+
+    def line(self, lineno: int) -> str:
+        start = self.starts[lineno - 1]
+        end = self.starts[lineno] if lineno < len(self.starts) else len(self.text)
+        return self.text[start:end]
+
+    def offset(self, lineno: int, col: int) -> int:
+        # ast columns count UTF-8 bytes.
+        line = self.line(lineno)
+        return self.starts[lineno - 1] + len(line.encode("utf-8")[:col].decode("utf-8"))
+
+    def after_line(self, lineno: int) -> int:
+        return self.starts[lineno] if lineno < len(self.starts) else len(self.text)
+
+    def indent_of(self, node: ast.AST) -> str:
+        line = self.line(node.lineno)
+        prefix = line[: len(line.encode("utf-8")[: node.col_offset].decode("utf-8"))]
+        if prefix.strip():
+            raise ValueError(f"line {node.lineno}: the statement does not start its line")
+        return prefix
+
+    def ends_line(self, node: ast.AST) -> bool:
+        assert node.end_lineno is not None and node.end_col_offset is not None
+        rest = self.text[
+            self.offset(node.end_lineno, node.end_col_offset) : self.after_line(node.end_lineno)
+        ]
+        return not rest.strip() or rest.strip().startswith("#")
+
+
+def _block(source: str, indent: str) -> str:
+    lines = _dedent(source).splitlines()
+    return "".join(f"{indent}{line}\n" if line.strip() else "\n" for line in lines)
+
+
+def _insert_after(text: _Text, stmt: ast.stmt, source: str) -> _Edit:
+    if not text.ends_line(stmt):
+        raise ValueError(f"line {stmt.end_lineno}: another statement follows on the same line")
+    assert stmt.end_lineno is not None
+    at = text.after_line(stmt.end_lineno)
+    block = _block(source, text.indent_of(stmt))
+    if at == len(text.text) and not text.text.endswith("\n"):
+        block = "\n" + block
+    return _Edit(at, at, block)
+
+
+def _insert_before(text: _Text, stmt: ast.stmt, source: str) -> _Edit:
+    at = text.starts[stmt.lineno - 1]
+    return _Edit(at, at, _block(source, text.indent_of(stmt)) + "\n")
+
+
+def _replace(text: _Text, stmts: list[ast.stmt], source: str) -> _Edit:
+    last = stmts[-1]
+    if not text.ends_line(last):
+        raise ValueError(f"line {last.end_lineno}: another statement follows on the same line")
+    assert last.end_lineno is not None
+    start = text.starts[stmts[0].lineno - 1]
+    return _Edit(start, text.after_line(last.end_lineno), _block(source, text.indent_of(stmts[0])))
+
+
+def _append_item(text: _Text, opener: ast.AST, first: ast.AST, last: ast.AST, item: str) -> _Edit:
+    """Add `item` after the final argument / parameter / dict entry of `opener`, which begins
+    at `first` (a keyword, a parameter, a dict key) and ends at `last` (its value/default)."""
+    assert last.end_lineno is not None and last.end_col_offset is not None
+    at = text.offset(last.end_lineno, last.end_col_offset)
+    line = text.line(first.lineno)
+    before = line[: len(line.encode("utf-8")[: first.col_offset].decode("utf-8"))]
+    if first.lineno > opener.lineno and not before.strip():
+        # One item per line: the new one gets its own line at the same indentation.
+        return _Edit(at, at, f",\n{before}{item}")
+    return _Edit(at, at, f", {item}")
+
+
+def _apply(text: str, edits: list[_Edit]) -> str:
+    ordered = sorted(edits, key=lambda e: (e.start, e.end), reverse=True)
+    for later, earlier in itertools.pairwise(ordered):
+        if earlier.end > later.start:
+            raise ValueError("overlapping edits")
+    for edit in ordered:
+        text = text[: edit.start] + edit.text + text[edit.end :]
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# Site parts. A part looks at one piece of a site and says: the fork's shape (to be routed per
+# group), k3patch's shape, or neither (drift). A site is pending only when all its parts are
+# the fork's, applied only when all are k3patch's; any mixture is drift.
+
+
+class _State(enum.Enum):
+    FORK = "fork"
+    APPLIED = "applied"
+    DRIFT = "drift"
+
+
+@dataclass(frozen=True)
+class _Look:
+    state: _State | None  # None: a precondition that holds, no opinion
+    line: int | None = None
+    found: str = ""
+    expected: tuple[str, ...] = ()
+    why: str = ""
+
+
+def _drift(
+    why: str, found: str = "", expected: tuple[str, ...] = (), line: int | None = None
+) -> _Look:
+    return _Look(_State.DRIFT, line, found, expected, why)
+
+
+class _Part:
+    def look(self, src: SourceFile) -> _Look:
+        raise NotImplementedError
+
+    def edits(self, src: SourceFile, text: _Text) -> list[_Edit]:
+        return []
+
+
+def _function(src: SourceFile, scope: tuple[str, ...]) -> ast.FunctionDef | None:
+    node = _scope(src.tree, scope)
+    return node if isinstance(node, ast.FunctionDef) else None
+
+
+@dataclass(frozen=True)
+class _Field(_Part):
+    """A dataclass field: the fork's `anchor` is there; k3patch adds FIELD after the last field."""
+
+    cls: str
+    anchor: str
+
+    def _fields(self, src: SourceFile) -> tuple[ast.ClassDef | None, dict[str, ast.AnnAssign]]:
+        cls = find_class(src.tree, self.cls)
+        if cls is None:
+            return None, {}
+        fields = {
+            s.target.id: s
+            for s in cls.body
+            if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+        }
+        return cls, fields
+
+    def look(self, src: SourceFile) -> _Look:
+        cls, fields = self._fields(src)
+        if cls is None:
+            return _drift(f"class {self.cls} is absent", expected=(f"class {self.cls}",))
+        mine = fields.get("group_block_ids")
+        if mine is not None:
+            if site_fingerprint(mine) == source_fingerprint(FIELD):
+                return _Look(_State.APPLIED, mine.lineno)
+            return _drift(
+                f"{self.cls}.group_block_ids is not k3patch's field",
+                src.segment(mine),
+                (FIELD,),
+                mine.lineno,
+            )
+        if self.anchor in fields:
+            return _Look(_State.FORK, fields[self.anchor].lineno)
+        return _drift(
+            f"{self.cls} has no `{self.anchor}` field (the fork's mamba block ids)",
+            _short(src.segment(cls)),
+            (f"{self.cls}.{self.anchor} (fork)", f"{self.cls}.{FIELD} (k3patch)"),
+            cls.lineno,
+        )
+
+    def edits(self, src: SourceFile, text: _Text) -> list[_Edit]:
+        cls, fields = self._fields(src)
+        assert cls is not None
+        last = max(fields.values(), key=lambda s: s.lineno)
+        return [_insert_after(text, last, f"{FIELD_COMMENT}\n{FIELD}\n")]
+
+
+@dataclass(frozen=True)
+class _After(_Part):
+    """Statements k3patch adds right after the one fork statement `anchor` picks out."""
+
+    scope: tuple[str, ...]
+    describe: str
+    anchor: Callable[[ast.stmt], bool]
+    added: Callable[[ast.stmt], str | None]
+    marker: str
+
+    def _find(
+        self, src: SourceFile
+    ) -> tuple[ast.FunctionDef | None, list[tuple[list[ast.stmt], int]]]:
+        fn = _function(src, self.scope)
+        if fn is None:
+            return None, []
+        hits = [(body, i) for body in _bodies(fn) for i, s in enumerate(body) if self.anchor(s)]
+        return fn, hits
+
+    def look(self, src: SourceFile) -> _Look:
+        where = ".".join(self.scope)
+        fn, hits = self._find(src)
+        if fn is None:
+            return _drift(f"{where} is absent", expected=(where,))
+        if len(hits) != 1:
+            return _drift(
+                f"{where}: expected one {self.describe}, found {len(hits)}",
+                _short(src.segment(fn)),
+                (self.describe,),
+                fn.lineno,
+            )
+        body, i = hits[0]
+        anchor = body[i]
+        want = self.added(anchor)
+        if want is None:
+            return _drift(
+                f"{where}: {self.describe} is not in the fork's shape",
+                src.segment(anchor),
+                (self.describe,),
+                anchor.lineno,
+            )
+        count = _count_statements(want)
+        following = body[i + 1 : i + 1 + count]
+        if len(following) == count and _fingerprint(following) == source_fingerprint(want):
+            return _Look(_State.APPLIED, following[0].lineno)
+        if self.marker in _names(fn):
+            return _drift(
+                f"{where}: `{self.marker}` is used, but not in k3patch's shape",
+                _short(src.segment(fn)),
+                (_dedent(want),),
+                fn.lineno,
+            )
+        return _Look(_State.FORK, anchor.lineno)
+
+    def edits(self, src: SourceFile, text: _Text) -> list[_Edit]:
+        _, hits = self._find(src)
+        body, i = hits[0]
+        want = self.added(body[i])
+        assert want is not None
+        return [_insert_after(text, body[i], want)]
+
+
+@dataclass(frozen=True)
+class _BeforeReturn(_Part):
+    """Statements k3patch adds right before a function's final `return`."""
+
+    scope: tuple[str, ...]
+    added: str
+    marker: str
+
+    def look(self, src: SourceFile) -> _Look:
+        where = ".".join(self.scope)
+        fn = _function(src, self.scope)
+        if fn is None:
+            return _drift(f"{where} is absent", expected=(where,))
+        last = fn.body[-1]
+        if not isinstance(last, ast.Return):
+            return _drift(f"{where} does not end in a return", src.segment(last), line=last.lineno)
+        count = _count_statements(self.added)
+        before = fn.body[-1 - count : -1]
+        if len(before) == count and _fingerprint(before) == source_fingerprint(self.added):
+            return _Look(_State.APPLIED, before[0].lineno)
+        if self.marker in _names(fn):
+            return _drift(
+                f"{where}: `{self.marker}` is used, but not in k3patch's shape",
+                _short(src.segment(fn)),
+                (_dedent(self.added),),
+                fn.lineno,
+            )
+        return _Look(_State.FORK, last.lineno)
+
+    def edits(self, src: SourceFile, text: _Text) -> list[_Edit]:
+        fn = _function(src, self.scope)
+        assert fn is not None
+        return [_insert_before(text, fn.body[-1], self.added)]
+
+
+@dataclass(frozen=True)
+class _Keyword(_Part):
+    """A keyword k3patch adds to the one call of `callee` that passes the fork's `anchor`."""
+
+    scope: tuple[str, ...]
+    callee: str
+    anchor: str
+    added: Callable[[ast.Call], tuple[str, str] | None]
+
+    def _call(self, src: SourceFile) -> tuple[ast.FunctionDef | None, list[ast.Call]]:
+        fn = _function(src, self.scope)
+        if fn is None:
+            return None, []
+        calls = [
+            c
+            for c in ast.walk(fn)
+            if isinstance(c, ast.Call)
+            and _callee(c) == self.callee
+            and any(k.arg == self.anchor for k in c.keywords)
+        ]
+        return fn, calls
+
+    def look(self, src: SourceFile) -> _Look:
+        where = ".".join(self.scope)
+        fn, calls = self._call(src)
+        if fn is None:
+            return _drift(f"{where} is absent", expected=(where,))
+        if len(calls) != 1:
+            return _drift(
+                f"{where}: expected one {self.callee}(..., {self.anchor}=...) call, "
+                f"found {len(calls)}",
+                _short(src.segment(fn)),
+                (f"{self.callee}(..., {self.anchor}=...)",),
+                fn.lineno,
+            )
+        call = calls[0]
+        want = self.added(call)
+        if want is None:
+            return _drift(
+                f"{where}: {self.anchor}= is not passed in the fork's shape",
+                src.segment(call),
+                line=call.lineno,
+            )
+        name, value = want
+        keywords = {k.arg: k for k in call.keywords if k.arg}
+        if name in keywords:
+            if site_fingerprint(keywords[name].value) == _expr_fingerprint(value):
+                return _Look(_State.APPLIED, call.lineno)
+            return _drift(
+                f"{where}: {name}= is passed, but not as k3patch passes it",
+                src.segment(call),
+                (f"{name}={value}",),
+                call.lineno,
+            )
+        return _Look(_State.FORK, call.lineno)
+
+    def edits(self, src: SourceFile, text: _Text) -> list[_Edit]:
+        _, calls = self._call(src)
+        call = calls[0]
+        want = self.added(call)
+        assert want is not None
+        items: list[ast.AST] = [*call.args, *call.keywords]
+        last = max(items, key=lambda n: (n.end_lineno or 0, n.end_col_offset or 0))
+        return [_append_item(text, call, last, last, f"{want[0]}={want[1]}")]
+
+
+@dataclass(frozen=True)
+class _Param(_Part):
+    """A parameter k3patch appends to a function that takes the fork's `anchor` parameter."""
+
+    scope: tuple[str, ...]
+    anchor: str
+    added: str  # "name: annotation = default"
+
+    def _expected(self) -> ast.arguments:
+        fn = ast.parse(f"def f({self.added}): pass").body[0]
+        assert isinstance(fn, ast.FunctionDef)
+        return fn.args
+
+    def look(self, src: SourceFile) -> _Look:
+        where = ".".join(self.scope)
+        fn = _function(src, self.scope)
+        if fn is None:
+            return _drift(f"{where} is absent", expected=(where,))
+        args = fn.args
+        if args.vararg or args.kwarg or args.kwonlyargs:
+            return _drift(
+                f"{where}: unexpected *args/**kwargs/keyword-only parameters",
+                src.segment(fn.args),
+                line=fn.lineno,
+            )
+        params = [*args.posonlyargs, *args.args]
+        by_name = {a.arg: a for a in params}
+        want = self._expected()
+        name = want.args[0].arg
+        if name in by_name:
+            mine = by_name[name]
+            index = params.index(mine) - (len(params) - len(args.defaults))
+            default = args.defaults[index] if index >= 0 else None
+            same = (
+                mine.annotation is not None
+                and want.args[0].annotation is not None
+                and site_fingerprint(mine.annotation) == site_fingerprint(want.args[0].annotation)
+                and default is not None
+                and site_fingerprint(default) == site_fingerprint(want.defaults[0])
+            )
+            if same:
+                return _Look(_State.APPLIED, fn.lineno)
+            return _drift(
+                f"{where}: parameter {name} is not k3patch's",
+                src.segment(mine),
+                (self.added,),
+                fn.lineno,
+            )
+        if self.anchor in by_name:
+            return _Look(_State.FORK, fn.lineno)
+        return _drift(
+            f"{where} takes no `{self.anchor}` (the fork's mamba block ids)",
+            _short(src.segment(fn), 12),
+            (f"{where}(..., {self.anchor}=...)",),
+            fn.lineno,
+        )
+
+    def edits(self, src: SourceFile, text: _Text) -> list[_Edit]:
+        fn = _function(src, self.scope)
+        assert fn is not None
+        args = fn.args
+        last_arg = [*args.posonlyargs, *args.args][-1]
+        last: ast.AST = last_arg
+        if args.defaults and args.args and args.args[-1] is last_arg:
+            last = args.defaults[-1]
+        return [_append_item(text, fn, last_arg, last, self.added)]
+
+
+@dataclass(frozen=True)
+class _DictKey(_Part):
+    """A key k3patch adds to the one dict literal that carries the fork's `anchor` key."""
+
+    scope: tuple[str, ...]
+    anchor: str
+    key: str
+    value: str
+
+    def _dict(self, src: SourceFile) -> tuple[ast.FunctionDef | None, list[ast.Dict]]:
+        fn = _function(src, self.scope)
+        if fn is None:
+            return None, []
+        found = [
+            d
+            for d in ast.walk(fn)
+            if isinstance(d, ast.Dict)
+            and any(isinstance(k, ast.Constant) and k.value == self.anchor for k in d.keys)
+        ]
+        return fn, found
+
+    def look(self, src: SourceFile) -> _Look:
+        where = ".".join(self.scope)
+        fn, found = self._dict(src)
+        if fn is None:
+            return _drift(f"{where} is absent", expected=(where,))
+        if len(found) != 1:
+            return _drift(
+                f"{where}: expected one message dict with {self.anchor!r}, found {len(found)}",
+                _short(src.segment(fn)),
+                line=fn.lineno,
+            )
+        entries = {
+            k.value: v
+            for k, v in zip(found[0].keys, found[0].values, strict=True)
+            if isinstance(k, ast.Constant)
+        }
+        if self.key in entries:
+            if site_fingerprint(entries[self.key]) == _expr_fingerprint(self.value):
+                return _Look(_State.APPLIED, found[0].lineno)
+            return _drift(
+                f"{where}: message key {self.key!r} is not k3patch's",
+                src.segment(found[0]),
+                (f'"{self.key}": {self.value}',),
+                found[0].lineno,
+            )
+        return _Look(_State.FORK, found[0].lineno)
+
+    def edits(self, src: SourceFile, text: _Text) -> list[_Edit]:
+        _, found = self._dict(src)
+        message = found[0]
+        key = message.keys[-1]
+        if key is None:  # a `**mapping` entry
+            key = message.values[-1]
+        return [_append_item(text, message, key, message.values[-1], f'"{self.key}": {self.value}')]
+
+
+@dataclass(frozen=True)
+class _Function(_Part):
+    """A module-level function k3patch appends to the module."""
+
+    name: str
+    source: str
+
+    def look(self, src: SourceFile) -> _Look:
+        fn = find_function(src.tree, self.name)
+        if fn is None:
+            return _Look(_State.FORK)
+        if site_fingerprint(fn) == source_fingerprint(self.source):
+            return _Look(_State.APPLIED, fn.lineno)
+        return _drift(
+            f"{self.name} is not k3patch's function",
+            _short(src.segment(fn)),
+            (_dedent(self.source),),
+            fn.lineno,
+        )
+
+    def edits(self, src: SourceFile, text: _Text) -> list[_Edit]:
+        end = len(text.text)
+        lead = "\n\n" if text.text.endswith("\n") else "\n\n\n"
+        return [_Edit(end, end, lead + _dedent(self.source))]
+
+
+@dataclass(frozen=True)
+class _Replace(_Part):
+    """A run of fork statements that k3patch replaces with its own."""
+
+    scope: tuple[str, ...]
+    fork: str
+    k3patch: str
+
+    def _runs(self, src: SourceFile, source: str) -> list[list[ast.stmt]]:
+        fn = _function(src, self.scope)
+        if fn is None:
+            return []
+        n = _count_statements(source)
+        want = source_fingerprint(source)
+        return [
+            body[i : i + n]
+            for body in _bodies(fn)
+            for i in range(len(body) - n + 1)
+            if _fingerprint(body[i : i + n]) == want
+        ]
+
+    def look(self, src: SourceFile) -> _Look:
+        where = ".".join(self.scope)
+        fn = _function(src, self.scope)
+        if fn is None:
+            return _drift(f"{where} is absent", expected=(where,))
+        mine = self._runs(src, self.k3patch)
+        fork = self._runs(src, self.fork)
+        if len(mine) == 1 and not fork:
+            return _Look(_State.APPLIED, mine[0][0].lineno)
+        if len(fork) == 1 and not mine:
+            return _Look(_State.FORK, fork[0][0].lineno)
+        return _drift(
+            f"{where}: the per-layer block-id choice is in no known shape",
+            _short(src.segment(fn), 60),
+            (f"fork: {_dedent(self.fork)}", f"k3patch: {_dedent(self.k3patch)}"),
+            fn.lineno,
+        )
+
+    def edits(self, src: SourceFile, text: _Text) -> list[_Edit]:
+        return [_replace(text, self._runs(src, self.fork)[0], self.k3patch)]
+
+
+@dataclass(frozen=True)
+class _Requires(_Part):
+    """A precondition of k3patch's text (a name it uses must exist); no opinion when it holds."""
+
+    what: str
+    holds: Callable[[SourceFile], bool]
+
+    def look(self, src: SourceFile) -> _Look:
+        if self.holds(src):
+            return _Look(None)
+        return _drift(f"k3patch's text needs {self.what}", expected=(self.what,))
+
+
+def _has_param(scope: tuple[str, ...], name: str) -> Callable[[SourceFile], bool]:
+    def holds(src: SourceFile) -> bool:
+        fn = _function(src, scope)
+        return fn is not None and name in {a.arg for a in [*fn.args.posonlyargs, *fn.args.args]}
+
+    return holds
+
+
+@dataclass(frozen=True)
+class _Site:
+    name: str
+    file: str
+    parts: tuple[_Part, ...]
+    what: str  # what k3patch does here, for reports
+
+    def look(self, src: SourceFile) -> tuple[Verdict, _Look]:
+        looks = [part.look(src) for part in self.parts]
+        states = [look for look in looks if look.state is not None]
+        for look in states:
+            if look.state is _State.DRIFT:
+                return Verdict.DRIFTED, look
+        kinds = {look.state for look in states}
+        line = next((look.line for look in states if look.line), None)
+        if kinds == {_State.APPLIED}:
+            return Verdict.APPLIED, _Look(_State.APPLIED, line)
+        if kinds == {_State.FORK}:
+            return Verdict.PENDING, _Look(_State.FORK, line)
+        return Verdict.DRIFTED, _drift(
+            "partly in k3patch's shape, partly in the fork's: edited by hand?",
+            line=line,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The fork's sites, one per hop the block ids take (SITES.md section 1, "The fork").
+
+_SCHED = "MoRIIOConnectorScheduler"
+_WORKER = "MoRIIOConnectorWorker"
+_USAA = (_SCHED, "update_state_after_alloc")
+
+
+def _assigns_reqs_save_mamba(stmt: ast.stmt) -> bool:
+    target = stmt.target if isinstance(stmt, ast.AnnAssign) else None
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+        target = stmt.targets[0]
+    return target is not None and _is_self_attr(target, "_reqs_save_mamba")
+
+
+def _scheduler_dict(stmt: ast.stmt) -> str | None:
+    return SCHEDULER_DICT
+
+
+def _stores_mamba_capture(stmt: ast.stmt) -> bool:
+    return (
+        isinstance(stmt, ast.Assign)
+        and len(stmt.targets) == 1
+        and isinstance(stmt.targets[0], ast.Subscript)
+        and _is_self_attr(stmt.targets[0].value, "_reqs_save_mamba")
+    )
+
+
+def _capture_all_groups(stmt: ast.stmt) -> str | None:
+    # The fork reads group [1] from `_k3_gbi = blocks.get_block_ids()`; k3patch keeps them all.
+    assert isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Subscript)
+    source = _subscripted_by_one(stmt.value)
+    if source is None:
+        return None
+    key = ast.unparse(stmt.targets[0].slice)
+    return (
+        "# k3patch moriio-group-routing: every group's blocks, not only [0]/[1]\n"
+        f"self._reqs_save_groups[{key}] = [list(group) for group in {source}]\n"
+    )
+
+
+def _assigns_mamba_notify(stmt: ast.stmt) -> bool:
+    return (
+        isinstance(stmt, ast.Assign)
+        and len(stmt.targets) == 1
+        and isinstance(stmt.targets[0], ast.Name)
+        and stmt.targets[0].id == "mamba_block_notify_list"
+    )
+
+
+def _notify_all_groups(stmt: ast.stmt) -> str | None:
+    assert isinstance(stmt, ast.Assign)
+    source = _subscripted_by_one(stmt.value)
+    if source is None:
+        return None
+    return (
+        "# k3patch moriio-group-routing: send every group's blocks\n"
+        f"group_block_notify_list = (\n"
+        f"    [list(group) for group in {source}] if num_external_tokens > 0 else []\n"
+        ")\n"
+    )
+
+
+def _is_layer_to_spec(stmt: ast.stmt) -> bool:
+    return site_fingerprint(stmt) == source_fingerprint(
+        "self.layer_to_spec = build_layer_to_spec(kv_cache_config)"
+    )
+
+
+def _worker_map(stmt: ast.stmt) -> str | None:
+    return WORKER_MAP
+
+
+def _fixed(name: str, value: str) -> Callable[[ast.Call], tuple[str, str] | None]:
+    def added(call: ast.Call) -> tuple[str, str] | None:
+        return name, value
+
+    return added
+
+
+def _meta_group_ids(call: ast.Call) -> tuple[str, str] | None:
+    # The fork passes `<meta>.mamba_local_block_ids`; k3patch passes `<meta>.group_block_ids`.
+    value = next(k.value for k in call.keywords if k.arg == "mamba_local_block_ids")
+    if not (isinstance(value, ast.Attribute) and value.attr == "mamba_local_block_ids"):
+        return None
+    return "group_block_ids", f"{ast.unparse(value.value)}.group_block_ids"
+
+
+FORK_SITES: tuple[_Site, ...] = (
+    _Site(
+        "WriteTask.group_block_ids",
+        COMMON,
+        (_Field("WriteTask", "mamba_local_block_ids"),),
+        "the write task carries every group's local block ids",
+    ),
+    _Site(
+        "RemoteAllocInfo.group_block_ids",
+        COMMON,
+        (_Field("RemoteAllocInfo", "mamba_block_ids"),),
+        "the decode node's block ids of every group, as the prefill node received them",
+    ),
+    _Site(
+        "ReqMeta.group_block_ids",
+        COMMON,
+        (_Field("ReqMeta", "mamba_local_block_ids"),),
+        "the connector metadata carries every group's block ids",
+    ),
+    _Site(
+        f"{_SCHED}.__init__",
+        CONNECTOR,
+        (
+            _After(
+                (_SCHED, "__init__"),
+                "`self._reqs_save_mamba = {}`",
+                _assigns_reqs_save_mamba,
+                _scheduler_dict,
+                "_reqs_save_groups",
+            ),
+        ),
+        "a per-request dict of every group's blocks beside the fork's `_reqs_save_mamba`",
+    ),
+    _Site(
+        f"{_SCHED}.update_state_after_alloc (prefill capture)",
+        CONNECTOR,
+        (
+            _After(
+                _USAA,
+                "`self._reqs_save_mamba[...] = ...[1]...` capture",
+                _stores_mamba_capture,
+                _capture_all_groups,
+                "_reqs_save_groups",
+            ),
+        ),
+        "the prefill scheduler captures every group's blocks, not only [1]",
+    ),
+    _Site(
+        f"{_SCHED}.update_state_after_alloc (decode notify)",
+        CONNECTOR,
+        (
+            _Requires(
+                "update_state_after_alloc(..., num_external_tokens)",
+                _has_param(_USAA, "num_external_tokens"),
+            ),
+            _After(
+                _USAA,
+                "`mamba_block_notify_list = ...[1]...`",
+                _assigns_mamba_notify,
+                _notify_all_groups,
+                "group_block_notify_list",
+            ),
+            _Keyword(
+                _USAA,
+                "send_notify_block",
+                "mamba_block_notify_list",
+                _fixed("group_block_notify_list", "group_block_notify_list"),
+            ),
+        ),
+        "the decode scheduler sends every group's blocks to the prefill node",
+    ),
+    _Site(
+        f"{_SCHED}.send_notify_block",
+        CONNECTOR,
+        (
+            _Param(
+                (_SCHED, "send_notify_block"),
+                "mamba_block_notify_list",
+                ("group_block_notify_list: list[list[int]] | None = None"),
+            ),
+            _DictKey(
+                (_SCHED, "send_notify_block"),
+                "mamba_block_notify_list",
+                "group_block_ids",
+                "group_block_notify_list",
+            ),
+        ),
+        "the notify message has a `group_block_ids` key",
+    ),
+    _Site(
+        f"{_SCHED}.build_connector_meta",
+        CONNECTOR,
+        (
+            _Requires(
+                "build_connector_meta(self, scheduler_output) ending in `return meta`",
+                lambda src: (
+                    _has_param((_SCHED, "build_connector_meta"), "scheduler_output")(src)
+                    and _returns_meta(src)
+                ),
+            ),
+            _BeforeReturn((_SCHED, "build_connector_meta"), SAVE_GROUPS, "_reqs_save_groups"),
+        ),
+        "later chunks' blocks join their group; each save takes its request's group lists",
+    ),
+    _Site(
+        f"{_WORKER}.__init__",
+        CONNECTOR,
+        (
+            _After(
+                (_WORKER, "__init__"),
+                "`self.layer_to_spec = build_layer_to_spec(kv_cache_config)`",
+                _is_layer_to_spec,
+                _worker_map,
+                "kv_group_of_layer",
+            ),
+            _Function("_kv_cache_group_index", GROUP_INDEX_FUNCTION),
+        ),
+        "the worker maps every layer to its KV-cache group and finds the attention group",
+    ),
+    _Site(
+        f"{_WORKER}.schedule_write_blocks",
+        CONNECTOR,
+        (
+            _Param(
+                (_WORKER, "schedule_write_blocks"),
+                "mamba_local_block_ids",
+                "group_block_ids: list[list[int]] | None = None",
+            ),
+            _Keyword(
+                (_WORKER, "schedule_write_blocks"),
+                "WriteTask",
+                "mamba_local_block_ids",
+                _fixed("group_block_ids", "group_block_ids"),
+            ),
+        ),
+        "every group's block ids go into the write task",
+    ),
+    _Site(
+        f"{_WORKER}._write_blocks_for_req",
+        CONNECTOR,
+        (
+            _Keyword(
+                (_WORKER, "_write_blocks_for_req"),
+                "schedule_write_blocks",
+                "mamba_local_block_ids",
+                _meta_group_ids,
+            ),
+        ),
+        "the metadata's group lists are handed to the write",
+    ),
+    _Site(
+        "MoRIIOWrapper._handle_remote_blocks_message",
+        ENGINE,
+        (
+            _Requires(
+                "_handle_remote_blocks_message(self, data)",
+                _has_param(("MoRIIOWrapper", "_handle_remote_blocks_message"), "data"),
+            ),
+            _Keyword(
+                ("MoRIIOWrapper", "_handle_remote_blocks_message"),
+                "RemoteAllocInfo",
+                "mamba_block_ids",
+                _fixed("group_block_ids", 'data.get("group_block_ids")'),
+            ),
+        ),
+        "the prefill node keeps the decode node's group lists",
+    ),
+    _Site(
+        "MoRIIOWriter._prepare_transfer_plan",
+        ENGINE,
+        (
+            _Requires(
+                "MoRIIOError bound in moriio_engine",
+                lambda src: module_binds(src.tree, "MoRIIOError"),
+            ),
+            _Replace(("MoRIIOWriter", "_prepare_transfer_plan"), FORK_PLAN, K3PATCH_PLAN),
+        ),
+        "each layer's transfer indexes the per-group lists with the layer's own group",
+    ),
+)
+
+
+def _returns_meta(src: SourceFile) -> bool:
+    fn = _function(src, (_SCHED, "build_connector_meta"))
+    if fn is None:
+        return False
+    last = fn.body[-1]
+    return (
+        isinstance(last, ast.Return)
+        and isinstance(last.value, ast.Name)
+        and (last.value.id == "meta")
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Upstream and legacy shapes: named predicates over the whole package, one verdict for all
+# three files (SITES.md section 1, "Upstream" and the older anchor script's fixed form).
+
+UPSTREAM_SITES = {
+    COMMON: "per-group block ids",
+    CONNECTOR: "layer -> KV-cache group map",
+    ENGINE: "per-layer transfer routing",
+}
+
+
+def _upstream_033(sources: Sources) -> bool:
+    """0.33.0+: `_prepare_transfer_plan` indexes the per-group lists with
+    `group = self.worker.layer_to_group[task.layer_name]`."""
+    fn = _function(sources[ENGINE], ("MoRIIOWriter", "_prepare_transfer_plan"))
+    if fn is None:
+        return False
+    want = _expr_fingerprint("self.worker.layer_to_group[task.layer_name]")
+    return any(
+        isinstance(node, ast.Subscript) and site_fingerprint(node) == want for node in ast.walk(fn)
+    )
+
+
+def _upstream_031(sources: Sources) -> bool:
+    """0.31.0-0.32.0: groups split by spec (`_split_kv_cache_group_kinds`) and the worker's
+    `layer_to_group = dict(kv_cache_config.transfer_group_index_by_layer)`."""
+    tree = sources[CONNECTOR].tree
+    init = _function(sources[CONNECTOR], (_WORKER, "__init__"))
+    want = source_fingerprint(
+        "self.layer_to_group = dict(kv_cache_config.transfer_group_index_by_layer)"
+    )
+    return (
+        find_function(tree, "_split_kv_cache_group_kinds") is not None
+        and init is not None
+        and any(site_fingerprint(s) == want for body in _bodies(init) for s in body)
+    )
+
+
+def _upstream_030(sources: Sources) -> bool:
+    """0.30.0: HMA for sliding-window models only; any other hybrid is refused at init."""
+    init = _function(sources[CONNECTOR], (_SCHED, "__init__"))
+    return init is not None and "_is_hma_required" in _names(init)
+
+
+def _upstream_single_group(sources: Sources) -> bool:
+    """0.14.1-0.29.0: `MoRIIOConnector` is not SupportsHMA and reads `get_block_ids()[0]`."""
+    cls = find_class(sources[CONNECTOR].tree, "MoRIIOConnector")
+    if cls is None or "SupportsHMA" in {ast.unparse(b).split(".")[-1] for b in cls.bases}:
+        return False
+    want = _expr_fingerprint("blocks.get_block_ids()[0]")
+    return any(
+        isinstance(node, ast.Subscript) and site_fingerprint(node) == want
+        for node in ast.walk(sources[CONNECTOR].tree)
+    )
+
+
+UPSTREAM_SHAPES: tuple[tuple[str, Verdict, Callable[[Sources], bool], str], ...] = (
+    (
+        "upstream 0.33.0+ native per-group WRITE routing",
+        Verdict.SATISFIED,
+        _upstream_033,
+        "MoRIIOWriter._prepare_transfer_plan takes `group = self.worker.layer_to_group"
+        "[task.layer_name]` and indexes `task.local_block_ids[group]` / "
+        "`request_info.block_ids[group]`; groups are split by spec, not position",
+    ),
+    (
+        "upstream 0.31.0-0.32.0 native per-group routing",
+        Verdict.SATISFIED,
+        _upstream_031,
+        "groups are classified by spec (`_split_kv_cache_group_kinds`) and the worker maps "
+        "`layer_to_group = dict(kv_cache_config.transfer_group_index_by_layer)`; READ mode "
+        "routes per group, WRITE with a Mamba group is refused by register_kv_caches, never "
+        "misrouted",
+    ),
+    (
+        "upstream 0.30.0 sliding-window-only HMA",
+        Verdict.NOT_APPLICABLE,
+        _upstream_030,
+        "MoRIIO supports hybrid KV caches for sliding-window models only (READ mode); a Mamba "
+        "group is refused at scheduler init, so Kimi-K3 cannot use MoRIIO on this version",
+    ),
+    (
+        "upstream 0.14.1-0.29.0 single-group connector",
+        Verdict.NOT_APPLICABLE,
+        _upstream_single_group,
+        "no hybrid support: MoRIIOConnector does not implement SupportsHMA, so vLLM runs it "
+        "with exactly one KV-cache group (the scheduler asserts it) and it reads block ids "
+        "[0] only; Kimi-K3 (four groups) cannot use MoRIIO on this version",
+    ),
+)
+
+
+def _legacy_file_ok(rel: str, sources: Sources) -> bool:
+    src = sources[rel]
+    if rel == COMMON:
+        return all(
+            _Field(cls, "all_group_block_ids")._fields(src)[1].get("all_group_block_ids")
+            for cls in ("WriteTask", "RemoteAllocInfo", "ReqMeta")
+        )
+    if rel == CONNECTOR:
+        return {"_reqs_save_allgrp", "all_group_block_notify", "_layer_group_idx"} <= _names(
+            src.tree
+        )
+    plan = _function(src, ("MoRIIOWriter", "_prepare_transfer_plan"))
+    return plan is not None and {"_layer_group_idx", "all_group_block_ids"} <= _names(plan)
+
+
+def _legacy_swallows_errors(sources: Sources) -> bool:
+    """The older script built its group map under `try/except Exception` with group 0 as the
+    fallback: the original bug, silently, whenever building the map fails."""
+    for node in ast.walk(sources[CONNECTOR].tree):
+        if isinstance(node, ast.Try) and "_layer_group_idx" in _names(node):
+            for handler in node.handlers:
+                if handler.type is None or (
+                    isinstance(handler.type, ast.Name) and handler.type.id == "Exception"
+                ):
+                    return True
+    return False
+
+
+class MoriioGroupRouting(Patch):
+    id = "moriio-group-routing"
+    title = "MoRIIO routes each layer's KV to its own KV-cache group's block ids"
+    files = FILES
+    modules = tuple(MODULE_OF[rel] for rel in FILES)
+    caveat = (
+        "both MoRIIO nodes (prefill and decode) need it: the decode node sends the per-group "
+        "block ids the prefill node writes into"
+    )
+
+    def classify(self, sources: Sources) -> list[SiteResult]:
+        present = [rel for rel in FILES if sources[rel].exists]
+        if not present:
+            return [
+                self.result(
+                    UPSTREAM_SITES[rel],
+                    rel,
+                    Verdict.NOT_APPLICABLE,
+                    "no MoRIIO connector in this tree (it first ships in vLLM 0.14.1)",
+                )
+                for rel in FILES
+            ]
+        if len(present) != len(FILES):
+            missing = ", ".join(rel.rsplit("/", 1)[-1] for rel in FILES if rel not in present)
+            return [
+                self.result(
+                    UPSTREAM_SITES[rel],
+                    rel,
+                    Verdict.DRIFTED,
+                    f"the MoRIIO package is incomplete ({missing} absent); nothing will be written",
+                )
+                for rel in FILES
+            ]
+        names = {rel: _names(sources[rel].tree) for rel in FILES}
+        every = set().union(*names.values())
+        if every & LEGACY_NAMES:
+            return self._classify_legacy(sources, bool(every & K3PATCH_NAMES))
+        if every & (FORK_NAMES | K3PATCH_NAMES):
+            return self._classify_fork(sources)
+        return self._classify_upstream(sources)
+
+    def _classify_upstream(self, sources: Sources) -> list[SiteResult]:
+        for shape, verdict, holds, detail in UPSTREAM_SHAPES:
+            if holds(sources):
+                return [
+                    SiteResult(self.id, UPSTREAM_SITES[rel], rel, verdict, shape, detail)
+                    for rel in FILES
+                ]
+        plan = _function(sources[ENGINE], ("MoRIIOWriter", "_prepare_transfer_plan"))
+        return [
+            SiteResult(
+                self.id,
+                UPSTREAM_SITES[rel],
+                rel,
+                Verdict.DRIFTED,
+                detail="the MoRIIO package is in no shape k3patch knows (neither the fork's "
+                "mamba block ids, nor a known upstream); nothing will be written",
+                line=plan.lineno if plan is not None and rel == ENGINE else None,
+                found=_short(sources[ENGINE].segment(plan)) if plan and rel == ENGINE else "",
+                expected=(
+                    *(f"{shape} ({verdict.value})" for shape, verdict, _, _ in UPSTREAM_SHAPES),
+                    "the fork's mamba block ids (pending)",
+                ),
+            )
+            for rel in FILES
+        ]
+
+    def _classify_legacy(self, sources: Sources, mixed: bool) -> list[SiteResult]:
+        shape = "older anchor script k3-group-routing (legacy)"
+        warn = (
+            "; note: it builds the layer map under `except Exception` with group 0 as the "
+            "fallback, which silently restores the original bug if that map fails"
+            if _legacy_swallows_errors(sources)
+            else ""
+        )
+        results = []
+        for rel in FILES:
+            ok = _legacy_file_ok(rel, sources)
+            if ok and not mixed:
+                results.append(
+                    SiteResult(
+                        self.id,
+                        UPSTREAM_SITES[rel],
+                        rel,
+                        Verdict.SATISFIED,
+                        shape,
+                        "all_group_block_ids carried end to end; the plan indexes them with "
+                        "_layer_group_idx" + warn,
+                    )
+                )
+            else:
+                results.append(
+                    SiteResult(
+                        self.id,
+                        UPSTREAM_SITES[rel],
+                        rel,
+                        Verdict.DRIFTED,
+                        detail=(
+                            "both the older k3-group-routing script's form and k3patch's are "
+                            "in this package"
+                            if mixed
+                            else "the older k3-group-routing script patched other files of "
+                            "this package but not this one"
+                        )
+                        + "; nothing will be written",
+                        expected=(shape,),
+                    )
+                )
+        return results
+
+    def _classify_fork(self, sources: Sources) -> list[SiteResult]:
+        results = []
+        for site in FORK_SITES:
+            verdict, look = site.look(sources[site.file])
+            if verdict is Verdict.PENDING:
+                shape, detail = "fork: mamba block ids ([0] attention, [1] mamba)", site.what
+            elif verdict is Verdict.APPLIED:
+                shape, detail = "k3patch", site.what
+            else:
+                shape, detail = "", look.why
+            results.append(
+                SiteResult(
+                    self.id,
+                    site.name,
+                    site.file,
+                    verdict,
+                    shape,
+                    detail,
+                    look.line,
+                    look.found,
+                    look.expected,
+                )
+            )
+        if any(r.verdict is Verdict.DRIFTED for r in results):
+            state = _package_state(results)
+            results = [
+                SiteResult(
+                    r.patch_id,
+                    r.site,
+                    r.file,
+                    r.verdict,
+                    r.shape,
+                    f"{r.detail}; the three files are one change, nothing will be written "
+                    f"({state})",
+                    r.line,
+                    r.found,
+                    r.expected,
+                )
+                if r.verdict is Verdict.DRIFTED
+                else r
+                for r in results
+            ]
+        return results
+
+    def rewrite(self, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
+        changes: dict[str, str] = {}
+        for rel in FILES:
+            src = sources[rel]
+            text = _Text(src.text)
+            edits = [
+                edit
+                for site in FORK_SITES
+                if site.file == rel and site.look(src)[0] is Verdict.PENDING
+                for part in site.parts
+                for edit in part.edits(src, text)
+            ]
+            if edits:
+                changes[rel] = _apply(src.text, edits)
+        return changes
+
+    def probe(self) -> ProbeOutcome:
+        return probe_routing()
+
+
+def _package_state(results: list[SiteResult]) -> str:
+    """One line naming every file's state, so a refusal says what is patched and what drifted."""
+    parts = []
+    for rel in FILES:
+        verdicts = {r.verdict for r in results if r.file == rel}
+        if Verdict.DRIFTED in verdicts:
+            word = "drifted"
+        elif verdicts == {Verdict.APPLIED}:
+            word = "applied"
+        elif verdicts == {Verdict.PENDING}:
+            word = "pending"
+        else:
+            word = "partly applied"
+        parts.append(f"{rel.rsplit('/', 1)[-1]} {word}")
+    return ", ".join(parts)
+
+
+PATCH = MoriioGroupRouting()
+
+
+# ---------------------------------------------------------------------------------------------
+# The behaviour probe. It runs in the verify child (the tree's interpreter, vLLM importable, no
+# GPU, no MoRIIO library) and drives the tree's own code: the prefill scheduler's capture and
+# chunk steps, the decode scheduler's notify message, the prefill wrapper that receives it, the
+# worker that turns metadata into write tasks, and the writer's transfer plan. Only what needs a
+# GPU or a network is stood in: the zmq socket (it records the message), the CUDA event, and the
+# offsets computation (it records which block ids each layer's transfer was given).
+
+# (kind, layer names) per KV-cache group, in group order.
+Layout = tuple[tuple[str, tuple[str, ...]], ...]
+
+K3_LAYOUT: Layout = (
+    ("mamba", ("model.layers.0.kda", "model.layers.3.kda")),
+    ("mamba", ("model.layers.1.kda", "model.layers.4.kda")),
+    ("mamba", ("model.layers.2.kda", "model.layers.5.kda")),
+    ("mla", ("model.layers.6.mla", "model.layers.7.mla")),
+)
+TWO_GROUP_LAYOUT: Layout = (
+    ("attention", ("model.layers.0.attn", "model.layers.2.attn")),
+    ("mamba", ("model.layers.1.kda", "model.layers.3.kda")),
+)
+BLOCK_SIZE = 16
+TRANSFER_ID = "tx-k3patch-probe"
+
+
+def prefill_blocks(layout: Layout, chunked: bool) -> tuple[list[list[int]], list[list[int]]]:
+    """(first allocation, blocks the second chunk adds), per group. Without prefix caching vLLM
+    gives each Mamba group one block per request (mamba_block_size = max_model_len), so only
+    attention groups grow."""
+    first = [[10 * g + 1] for g in range(len(layout))]
+    more = [
+        [10 * g + 2] if chunked and kind != "mamba" else [] for g, (kind, _) in enumerate(layout)
+    ]
+    return first, more
+
+
+def decode_blocks(layout: Layout, chunked: bool) -> list[list[int]]:
+    first, more = prefill_blocks(layout, chunked)
+    return [[100 + b for b in a + m] for a, m in zip(first, more, strict=True)]
+
+
+def expected_routes(layout: Layout, chunked: bool) -> dict[str, tuple[list[int], list[int]]]:
+    """Each layer's own group: the prefill node's blocks and the decode node's."""
+    first, more = prefill_blocks(layout, chunked)
+    remote = decode_blocks(layout, chunked)
+    return {
+        name: (first[g] + more[g], remote[g])
+        for g, (_, names) in enumerate(layout)
+        for name in names
+    }
+
+
+@dataclass
+class DriveResult:
+    emitted: bool = False  # the prefill scheduler put the request in reqs_to_save
+    messages: int = 0
+    routes: dict[str, tuple[list[int], list[int]]] | None = None
+    errors: dict[str, str] | None = None
+    attention_group: int | None = None
+
+
+def drive_write(layout: Layout, chunked: bool, *, decode_sends_groups: bool = True) -> DriveResult:
+    """One request through the tree's MoRIIO WRITE path, prefill and decode side."""
+    import importlib
+    import threading
+    import types
+    import weakref
+    from collections import OrderedDict
+
+    common = importlib.import_module(MODULE_OF[COMMON])
+    connector = importlib.import_module(MODULE_OF[CONNECTOR])
+    engine = importlib.import_module(MODULE_OF[ENGINE])
+    specs = importlib.import_module("vllm.v1.kv_cache_interface")
+
+    def spec(kind: str) -> Any:
+        cls = {
+            "mamba": specs.MambaSpec,
+            "mla": specs.MLAAttentionSpec,
+            "attention": specs.FullAttentionSpec,
+        }[kind]
+        return object.__new__(cls)
+
+    groups = [types.SimpleNamespace(layer_names=list(n), kv_cache_spec=spec(k)) for k, n in layout]
+    kv_cache_config = types.SimpleNamespace(kv_cache_groups=groups, transfer_groups=groups)
+    prompt = 20 if chunked else 12
+    first, more = prefill_blocks(layout, chunked)
+    result = DriveResult()
+    saved_role = common.get_role()
+    try:
+        # Prefill scheduler: allocation, then one or two scheduler steps.
+        prefill = connector.MoRIIOConnectorScheduler(_vllm_config("kv_producer"), "prefill")
+        request = _request(
+            "req-prefill",
+            prompt,
+            {
+                "do_remote_decode": True,
+                "transfer_id": TRANSFER_ID,
+                "remote_host": "127.0.0.1",
+                "remote_handshake_port": 6301,
+                "remote_notify_port": 61005,
+                "remote_engine_id": "decode",
+                "remote_block_ids": [],
+                "remote_dp_size": 1,
+                "remote_dp_rank": 0,
+            },
+        )
+        prefill.update_state_after_alloc(request, _blocks(first), 0)
+        steps = [(min(prompt, BLOCK_SIZE), None)]
+        if chunked:
+            steps.append((prompt - BLOCK_SIZE, more))
+        meta = None
+        for scheduled, new_blocks in steps:
+            step_meta = prefill.build_connector_meta(
+                _scheduler_output(request, scheduled, new_blocks)
+            )
+            request.num_computed_tokens += scheduled
+            if request.request_id in step_meta.reqs_to_save:
+                meta = step_meta.reqs_to_save[request.request_id]
+        result.emitted = meta is not None
+
+        # Decode scheduler: its allocation makes it tell the prefill node where to write.
+        decode = connector.MoRIIOConnectorScheduler(_vllm_config("kv_consumer"), "decode")
+        socket = _Socket()
+        decode.paths = _AnyPath(socket)
+        if not decode_sends_groups:
+            send = decode.send_notify_block
+
+            def send_without_groups(*args: Any, **kwargs: Any) -> Any:
+                kwargs.pop("group_block_notify_list", None)
+                return send(*args, **kwargs)
+
+            decode.send_notify_block = send_without_groups
+        decode_request = _request(
+            "req-decode",
+            prompt,
+            {
+                "do_remote_prefill": True,
+                "transfer_id": TRANSFER_ID,
+                "remote_host": "127.0.0.1",
+                "remote_handshake_port": 6301,
+                "remote_notify_port": 61005,
+                "remote_engine_id": "prefill",
+                "remote_block_ids": [],
+                "remote_dp_rank": 0,
+            },
+        )
+        decode.update_state_after_alloc(
+            decode_request, _blocks(decode_blocks(layout, chunked)), prompt
+        )
+        result.messages = len(socket.sent)
+        if meta is None or len(socket.sent) != 1:
+            return result
+
+        # Prefill node: the notify listener stores where decode wants the KV.
+        common.set_role(common.ROLE.PRODUCER)
+        wrapper = object.__new__(engine.MoRIIOWrapper)
+        wrapper.lock = threading.Lock()
+        wrapper.done_remote_allocate_req_dict = {}
+        wrapper.done_req_ids = []
+        wrapper.done_write_cache_req_ids = []
+        wrapper._terminal_transfer_ids = OrderedDict()
+        wrapper._handle_message(socket.sent[0])
+        request_info = wrapper.done_remote_allocate_req_dict[TRANSFER_ID]
+
+        # Prefill worker: one write task per layer, then the writer's plan for each.
+        worker = object.__new__(connector.MoRIIOConnectorWorker)
+        layers = [name for _, names in layout for name in names]
+        worker.kv_caches = {name: _Cache() for name in layers}
+        worker.layer_name_to_local_kv_cache_metadata = {name: [b""] for name in layers}
+        worker.layer_to_spec = {name: g.kv_cache_spec for g in groups for name in g.layer_names}
+        worker.mode = common.MoRIIOMode.WRITE
+        worker.is_producer = True
+        worker.moriio_wrapper = wrapper
+        tasks: list[Any] = []
+        worker._writer = types.SimpleNamespace(schedule_write=tasks.append)
+        given: dict[str, tuple[list[int], list[int]]] = {}
+
+        def offsets(layer: str, local: Any, remote: Any, *args: Any, **kw: Any) -> Any:
+            given[layer] = (list(local), list(remote))
+            return [0], [0], [1]
+
+        worker._compute_block_transfer_offsets = offsets
+        group_index = getattr(connector, "_kv_cache_group_index", None)
+        if group_index is not None:
+            # What the patched MoRIIOConnectorWorker.__init__ does (its site's fingerprint
+            # holds it to exactly this statement).
+            worker.kv_group_of_layer, worker.kv_attention_group = group_index(kv_cache_config)
+            result.attention_group = worker.kv_attention_group
+        with _stand_in_cuda(connector):
+            for name in layers:
+                worker._write_blocks_for_req(request.request_id, meta, name, None)
+        writer = object.__new__(engine.MoRIIOWriter)
+        writer._worker_ref = weakref.ref(worker)
+        remote_meta = types.SimpleNamespace(
+            engine_id="decode", num_blocks=4096, block_len=1, kv_caches_base_addr=[0]
+        )
+        errors: dict[str, str] = {}
+        for task in tasks:
+            try:
+                writer._prepare_transfer_plan(task, request_info, remote_meta)
+            except Exception as exc:  # reported per layer, never swallowed
+                errors[task.layer_name] = f"{type(exc).__name__}: {exc}"
+        result.routes = given
+        result.errors = errors
+        return result
+    finally:
+        common.set_role(saved_role)
+
+
+def _vllm_config(role: str) -> Any:
+    import types
+
+    extra = {
+        "handshake_port": "6301",
+        "notify_port": "61005",
+        "http_port": "8000",
+        "host_ip": "127.0.0.1",
+        "proxy_ip": "",
+        "read_mode": "false",
+    }
+    return types.SimpleNamespace(
+        kv_transfer_config=types.SimpleNamespace(
+            kv_role=role,
+            kv_connector_extra_config=extra,
+            is_kv_producer=role == "kv_producer",
+            is_kv_consumer=role == "kv_consumer",
+        ),
+        cache_config=types.SimpleNamespace(block_size=BLOCK_SIZE),
+        parallel_config=types.SimpleNamespace(
+            tensor_parallel_size=1,
+            data_parallel_rank=0,
+            data_parallel_size=1,
+            data_parallel_size_local=1,
+        ),
+    )
+
+
+def _request(request_id: str, prompt: int, params: dict[str, Any]) -> Any:
+    import types
+
+    return types.SimpleNamespace(
+        request_id=request_id,
+        kv_transfer_params=params,
+        num_prompt_tokens=prompt,
+        num_computed_tokens=0,
+        num_tokens=prompt,
+        prompt_token_ids=list(range(prompt)),
+    )
+
+
+def _blocks(per_group: list[list[int]]) -> Any:
+    import types
+
+    return types.SimpleNamespace(get_block_ids=lambda: tuple(list(g) for g in per_group))
+
+
+def _scheduler_output(request: Any, scheduled: int, new_blocks: list[list[int]] | None) -> Any:
+    import types
+
+    cached = types.SimpleNamespace(
+        req_ids=[request.request_id] if new_blocks is not None else [],
+        new_block_ids=[tuple(new_blocks)] if new_blocks is not None else [],
+        num_computed_tokens=[request.num_computed_tokens] if new_blocks is not None else [],
+        resumed_req_ids=set(),
+        resumed_from_preemption=[False] if new_blocks is not None else [],
+    )
+    return types.SimpleNamespace(
+        scheduled_cached_reqs=cached,
+        scheduled_new_reqs=[] if new_blocks is not None else [request],
+        num_scheduled_tokens={request.request_id: scheduled},
+        total_num_scheduled_tokens=scheduled,
+        finished_req_ids=set(),
+        new_block_ids_to_zero=None,
+    )
+
+
+class _Socket:
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(data)
+
+
+class _AnyPath(dict):  # type: ignore[type-arg]
+    """`self.paths` of a scheduler: every notify path is already open, on the recorder."""
+
+    def __init__(self, socket: _Socket) -> None:
+        super().__init__()
+        self.socket = socket
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __getitem__(self, key: object) -> _Socket:
+        return self.socket
+
+
+class _Cache:
+    shape = (1,)
+    dtype = "probe"
+
+    def stride(self) -> tuple[int, ...]:
+        return (1,)
+
+
+class _stand_in_cuda:  # a context manager, named for how it reads at the call site
+    """schedule_write_blocks records a CUDA event; without a GPU the connector module's `torch`
+    is replaced, for the duration, by an object that only has that event."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.saved: Any = None
+
+    def __enter__(self) -> None:
+        import types
+
+        self.saved = self.module.__dict__.get("torch")
+        if self.saved is None:
+            return
+        event = types.SimpleNamespace(record=lambda *a: None, synchronize=lambda: None)
+        cuda = types.SimpleNamespace(current_stream=lambda: None, Event=lambda *a, **k: event)
+        self.module.torch = types.SimpleNamespace(cuda=cuda)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.saved is not None:
+            self.module.torch = self.saved
+
+
+def _check_routes(
+    label: str, result: DriveResult, layout: Layout, chunked: bool
+) -> tuple[list[str], list[str]]:
+    expected = expected_routes(layout, chunked)
+    group_of = {name: g for g, (_, names) in enumerate(layout) for name in names}
+    checks: list[str] = []
+    failures: list[str] = []
+    if not result.emitted:
+        failures.append(f"{label}: the prefill scheduler never emitted the save")
+        return checks, failures
+    if result.messages != 1:
+        failures.append(f"{label}: decode sent {result.messages} notify messages, expected 1")
+        return checks, failures
+    routes = result.routes or {}
+    for layer, (local, remote) in expected.items():
+        if layer in (result.errors or {}):
+            failures.append(f"{label}: {layer}: {(result.errors or {})[layer]}")
+            continue
+        got = routes.get(layer)
+        line = (
+            f"{label}: {layer} (group {group_of[layer]}) -> "
+            f"local {got and got[0]} remote {got and got[1]}"
+        )
+        checks.append(line)
+        if got != (local, remote):
+            failures.append(f"{line}, expected local {local} remote {remote}")
+    return checks, failures
+
+
+def probe_routing() -> ProbeOutcome:
+    import importlib
+
+    connector = importlib.import_module(MODULE_OF[CONNECTOR])
+    if hasattr(connector, "_kv_cache_group_index"):
+        return _probe_fork()
+    if hasattr(connector, "_split_kv_cache_group_kinds"):
+        return _probe_upstream(connector)
+    return ProbeOutcome(
+        True,
+        "no k3patch or upstream per-group routing in this tree to exercise (older script's "
+        "form); classification alone vouches for it",
+    )
+
+
+def _probe_fork() -> ProbeOutcome:
+    checks: list[str] = []
+    failures: list[str] = []
+    for label, layout, chunked in (
+        ("K3", K3_LAYOUT, False),
+        ("two-group", TWO_GROUP_LAYOUT, False),
+        ("two-group, 2 chunks", TWO_GROUP_LAYOUT, True),
+    ):
+        result = drive_write(layout, chunked)
+        got, bad = _check_routes(label, result, layout, chunked)
+        checks += got
+        failures += bad
+        want_attention = next(g for g, (kind, _) in enumerate(layout) if kind != "mamba")
+        if result.attention_group != want_attention:
+            failures.append(
+                f"{label}: attention group {result.attention_group}, expected {want_attention}"
+            )
+    # K3 over two chunks: the MLA group gains a block. Whether the save leaves at the final
+    # chunk is moriio-chunk-gate's business (the fork's gate counts group 0's blocks, a KDA
+    # group that never grows), so a held save is reported, not failed.
+    result = drive_write(K3_LAYOUT, True)
+    if result.emitted:
+        got, bad = _check_routes("K3, 2 chunks", result, K3_LAYOUT, True)
+        checks += got
+        failures += bad
+    else:
+        checks.append("K3, 2 chunks: not exercised (this tree's chunk gate held the save)")
+    # A decode node without the fix sends no group lists: every layer must refuse, loudly.
+    result = drive_write(K3_LAYOUT, False, decode_sends_groups=False)
+    refused = result.errors or {}
+    layers = [name for _, names in K3_LAYOUT for name in names]
+    if result.routes or sorted(refused) != sorted(layers):
+        failures.append(
+            "K3 with a decode node that sends no group lists: expected every layer to refuse, "
+            f"got routes for {sorted(result.routes or {})}"
+        )
+    else:
+        checks.append(f"K3, decode without group lists: all {len(layers)} layers refuse")
+    if failures:
+        return ProbeOutcome(False, "; ".join(failures[:4]), tuple(checks))
+    return ProbeOutcome(
+        True,
+        "each layer's KV goes to its own KV-cache group's blocks on both nodes "
+        f"(K3: MLA -> group 3, KDA -> groups 0-2; {len(checks)} checks)",
+        tuple(checks),
+    )
+
+
+def _probe_upstream(connector: Any) -> ProbeOutcome:
+    """Upstream 0.31.0+ (satisfied): check its native routing with K3's layout, on its code."""
+    import importlib
+    import types
+
+    specs = importlib.import_module("vllm.v1.kv_cache_interface")
+
+    def spec(kind: str) -> Any:
+        return object.__new__(specs.MambaSpec if kind == "mamba" else specs.MLAAttentionSpec)
+
+    checks: list[str] = []
+    try:
+        # The real config class, so the worker's map comes from upstream's own property.
+        config: Any = specs.KVCacheConfig(
+            num_blocks=4096,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                specs.KVCacheGroupSpec(layer_names=list(names), kv_cache_spec=spec(kind))
+                for kind, names in K3_LAYOUT
+            ],
+        )
+        layer_to_group = dict(config.transfer_group_index_by_layer)
+    except (TypeError, AttributeError) as exc:
+        checks.append(f"KVCacheConfig could not be built here ({exc}); using a stand-in")
+        groups = [
+            types.SimpleNamespace(
+                layer_names=list(n), kv_cache_spec=spec(k), enable_kv_transfer=True
+            )
+            for k, n in K3_LAYOUT
+        ]
+        config = types.SimpleNamespace(kv_cache_groups=groups, transfer_groups=tuple(groups))
+        layer_to_group = {n: i for i, g in enumerate(groups) for n in g.layer_names}
+    failures: list[str] = []
+    split = connector._split_kv_cache_group_kinds(config)
+    line = f"K3: _split_kv_cache_group_kinds -> attention {split[0]}, mamba {split[1]}"
+    checks.append(line)
+    if [list(part) for part in split] != [[3], [0, 1, 2]]:
+        failures.append(f"{line}, expected attention [3], mamba [0, 1, 2]")
+    engine = importlib.import_module(MODULE_OF[ENGINE])
+    if _plan_indexes_layer_group(engine):
+        checks += _probe_upstream_plan(engine, layer_to_group, failures)
+        checks.append("KDA layers take upstream's separate Mamba plan (not exercised here)")
+    else:
+        checks.append(
+            "WRITE with a Mamba group is refused by register_kv_caches on this version; "
+            "its per-layer WRITE plan is single-group and was not exercised"
+        )
+    if failures:
+        return ProbeOutcome(False, "; ".join(failures[:4]), tuple(checks))
+    return ProbeOutcome(True, "upstream routes K3's groups by spec, natively", tuple(checks))
+
+
+def _plan_indexes_layer_group(engine: Any) -> bool:
+    import inspect
+
+    try:
+        source = inspect.getsource(engine.MoRIIOWriter._prepare_transfer_plan)
+    except (OSError, TypeError):
+        return False
+    return "self.worker.layer_to_group[task.layer_name]" in source
+
+
+def _probe_upstream_plan(
+    engine: Any, layer_to_group: dict[str, int], failures: list[str]
+) -> list[str]:
+    """0.33.0+: MoRIIOWriter._prepare_transfer_plan for K3's MLA layers."""
+    import importlib
+    import types
+    import weakref
+
+    common = importlib.import_module(MODULE_OF[COMMON])
+    local = [[10 * g + 1] for g in range(len(K3_LAYOUT))]
+    local[3] = [31, 32]
+    remote = [[100 + b for b in blocks] for blocks in local]
+    given: dict[str, tuple[list[int], list[int]]] = {}
+
+    def offsets(layer: str, local_ids: Any, remote_ids: Any, *args: Any, **kw: Any) -> Any:
+        given[layer] = (list(local_ids), list(remote_ids))
+        return [0], [0], [1]
+
+    worker = _WeakHolder(
+        kv_caches={name: _Cache() for name in layer_to_group},
+        layer_to_group=layer_to_group,
+        _has_mamba=True,
+        _check_peer_block_size=lambda *a, **k: None,
+        _compute_block_transfer_offsets=offsets,
+        _region_session_indices=lambda layer: [0],
+    )
+    writer = object.__new__(engine.MoRIIOWriter)
+    writer._worker_ref = weakref.ref(worker)
+    checks = []
+    for layer in K3_LAYOUT[3][1]:
+        task = common.WriteTask(
+            request_id="req",
+            transfer_id=TRANSFER_ID,
+            dst_engine_id="decode",
+            local_block_ids=local,
+            remote_block_ids_hint=None,
+            layer_name=layer,
+            event=None,
+            remote_notify_port=0,
+            remote_ip="127.0.0.1",
+        )
+        info = common.RemoteAllocInfo(block_ids=remote)
+        try:
+            writer._prepare_transfer_plan(task, info, types.SimpleNamespace(num_blocks=4096))
+        except Exception as exc:  # reported, never swallowed
+            failures.append(f"K3 upstream plan for {layer}: {type(exc).__name__}: {exc}")
+            continue
+        got = given.get(layer)
+        line = (
+            f"K3 upstream plan: {layer} (group {layer_to_group.get(layer)}) -> "
+            f"local {got and got[0]} remote {got and got[1]}"
+        )
+        checks.append(line)
+        if got != (local[3], remote[3]):
+            failures.append(f"{line}, expected local {local[3]} remote {remote[3]}")
+    return checks
+
+
+class _WeakHolder:
+    """A weak-referenceable stand-in for the worker (the writer holds its worker weakly, and a
+    SimpleNamespace cannot be weakly referenced)."""
+
+    def __init__(self, **attributes: Any) -> None:
+        self.__dict__.update(attributes)
