@@ -232,7 +232,8 @@ def test_reformatted_post_image_still_applied(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "comment", ["# k3-kda-nosync", "# k3patch kda-gather-diagnostic: applied", "# K3_KDA_GATHER_LOG"]
+    "comment",
+    ["# k3-kda-nosync", "# k3patch kda-gather-diagnostic: applied", "# K3_KDA_GATHER_LOG"],
 )
 def test_marker_comment_on_unpatched_code_is_pending(tmp_path, comment):
     tree = copy_fixture("kda-fork-folded", tmp_path)
@@ -326,7 +327,9 @@ def test_syncing_test_without_the_guard_is_drift_not_upstream(tmp_path):
     text = path.read_text()
     anchor = "    output = torch.empty("
     path.write_text(
-        text.replace(anchor, "    if bool((indices < 0).any()):\n        indices = indices.abs()\n" + anchor)
+        text.replace(
+            anchor, "    if bool((indices < 0).any()):\n        indices = indices.abs()\n" + anchor
+        )
     )
     before = tree_hashes(tree)
     site = sites_of(tree)["gather_initial_states"]
@@ -414,7 +417,9 @@ MUST_NOT_MATCH = {
     ".item() instead of bool()": DIAG.replace(
         "bool((indices < 0).any())", "(indices < 0).any().item()"
     ),
-    "> instead of >=": DIAG.replace("(indices >= _n_state_blocks).any()", "(indices > _n_state_blocks).any()"),
+    "> instead of >=": DIAG.replace(
+        "(indices >= _n_state_blocks).any()", "(indices > _n_state_blocks).any()"
+    ),
     "only the upper bound": DIAG.replace(" or bool((indices < 0).any())", ""),
     "logs 16": DIAG.replace("[:8]", "[:16]"),
     "error, not warning": DIAG.replace(".warning(", ".error("),
@@ -607,7 +612,9 @@ def run_probe(python: str, tree: Path) -> dict:
 
 
 @pytest.mark.verify
-@pytest.mark.parametrize("fixture", ["kda-fork-folded", "kda-fork-guard-script", "kda-inlined-caller"])
+@pytest.mark.parametrize(
+    "fixture", ["kda-fork-folded", "kda-fork-guard-script", "kda-inlined-caller"]
+)
 def test_verify_passes_once_applied(tmp_path, verify_python, fixture):
     tree = copy_fixture(fixture, tmp_path)
     assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 0
