@@ -1237,7 +1237,7 @@ def _legacy_file_ok(rel: str, sources: Sources) -> bool:
     src = sources[rel]
     if rel == COMMON:
         return all(
-            _Field(cls, "all_group_block_ids")._fields(src)[1].get("all_group_block_ids")
+            "all_group_block_ids" in _Field(cls, "")._fields(src)[1]
             for cls in ("WriteTask", "RemoteAllocInfo", "ReqMeta")
         )
     if rel == CONNECTOR:
@@ -1431,7 +1431,7 @@ class MoriioGroupRouting(Patch):
                 changes[rel] = _apply(src.text, edits)
         return changes
 
-    def probe(self) -> ProbeOutcome:
+    def probe(self) -> ProbeOutcome | None:
         return probe_routing()
 
 
@@ -1813,7 +1813,9 @@ def _check_routes(
     return checks, failures
 
 
-def probe_routing() -> ProbeOutcome:
+def probe_routing() -> ProbeOutcome | None:
+    """k3patch's routing on the fork, upstream's own on 0.31.0+. The older script's form has
+    no probe: reproducing its worker's map here would test a copy, not the tree."""
     import importlib
 
     connector = importlib.import_module(MODULE_OF[CONNECTOR])
@@ -1821,11 +1823,7 @@ def probe_routing() -> ProbeOutcome:
         return _probe_fork()
     if hasattr(connector, "_split_kv_cache_group_kinds"):
         return _probe_upstream(connector)
-    return ProbeOutcome(
-        True,
-        "no k3patch or upstream per-group routing in this tree to exercise (older script's "
-        "form); classification alone vouches for it",
-    )
+    return None
 
 
 def _probe_fork() -> ProbeOutcome:
