@@ -196,7 +196,7 @@ def _parse(argv: list[str]) -> dict[str, Any] | None:
     return opts
 
 
-def _fresh_record(state_dir: str, package_dir: str) -> dict[str, Any] | None:
+def fresh_record(state_dir: str, package_dir: str) -> dict[str, Any] | None:
     """The state record, if it still describes every target file exactly; else None."""
     from k3patch import __version__
 
@@ -239,7 +239,7 @@ def try_fast(argv: list[str]) -> int | None:
         return None  # the full path reports it
     state_dir = str(tree.state_dir)
     package_dir = str(tree.package_dir)
-    record = _fresh_record(state_dir, package_dir)
+    record = fresh_record(state_dir, package_dir)
     if record is None:
         if opts["command"] != "apply":
             return None
@@ -251,7 +251,7 @@ def try_fast(argv: list[str]) -> int | None:
             lock.hold(state_dir, float(opts["lock_timeout"]))
         except (lock.EnvironmentProblem, ValueError):
             return None
-        record = _fresh_record(state_dir, package_dir)
+        record = fresh_record(state_dir, package_dir)
         if record is None:
             return None
     scan: dict[str, str | None] = record["scan"]

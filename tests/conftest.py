@@ -142,7 +142,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
 VERIFY_PYTHON_ENV = "K3PATCH_TEST_VLLM_PYTHON"
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def verify_python() -> str:
     """An interpreter with torch (CPU) and vLLM's pure-Python deps (see .ci/run). CI sets it;
     running the suite without it is an error, not a skip, so a green run always imported vLLM."""
