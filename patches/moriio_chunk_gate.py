@@ -26,7 +26,7 @@ from __future__ import annotations
 import ast
 import builtins
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -467,10 +467,10 @@ class _Context:
         producer branch around the G1 loop and the G1 loop's own skip."""
         if d_shape:
             return "D (0.30.0-0.31.0)"
-        loops = _loops(self.method, "scheduled_cached_reqs")
-        if len(loops) != 1:
+        g1, _ = _locate(self, G1)
+        if g1 is None:
             return "block-count gates of A-C, in surroundings of no known release"
-        loop = loops[0]
+        loop = g1.loop
         tests = {normalised_dump(a.test) for a in self.ancestors(loop) if isinstance(a, ast.If)}
         nested = _expr_dump(_WRITE_MODE) in tests and _expr_dump(_PRODUCER) in tests
         combined = _expr_dump(_PRODUCER_BRANCH) in tests
@@ -499,8 +499,8 @@ def _locate(context: _Context, site: str) -> tuple[_Gate | None, str]:
     """The one gate of a site, or None and why."""
     method = context.method
     if site == G1:
-        loops = _loops(method, "scheduled_cached_reqs")
-        what = "a loop over scheduler_output.scheduled_cached_reqs"
+        loops = [loop for loop in _loops(method, "scheduled_cached_reqs") if _gates_in(loop, site)]
+        what = "a loop over scheduler_output.scheduled_cached_reqs that holds a final-chunk gate"
     else:
         loops = [loop for loop in _loops(method, "_reqs_need_save") if _gates_in(loop, site)]
         what = "a loop over self._reqs_need_save that holds a final-chunk gate"
@@ -555,7 +555,7 @@ def _classify_gate(src: SourceFile, context: _Context, gate: _Gate) -> SiteResul
             shape=shape,
             detail=detail,
             line=gate.node.lineno,
-            found=(src.segment(gate.node.test) + "\n" + gate.found()) if drifted else "",
+            found=gate.found() if drifted else "",
             expected=_expected(gate.site) if drifted else (),
         )
 
@@ -573,7 +573,9 @@ def _classify_gate(src: SourceFile, context: _Context, gate: _Gate) -> SiteResul
     return _classify_fixed(context, gate, result)
 
 
-def _classify_fixed(context: _Context, gate: _Gate, result: Any) -> SiteResult:
+def _classify_fixed(
+    context: _Context, gate: _Gate, result: Callable[[Verdict, str, str], SiteResult]
+) -> SiteResult:
     """The fixed forms nobody but upstream or the older script writes."""
     test = gate.node.test
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
@@ -600,12 +602,17 @@ def _classify_fixed(context: _Context, gate: _Gate, result: Any) -> SiteResult:
                 "a progress gate, but still only evaluated when the step allocated a new "
                 "block: a final chunk without a new block would never send",
             )
-        if any(
-            _expr_dump("req_id in self._reqs_need_pending_save") == normalised_dump(c.test)
-            for c in gate.conditions
-            if isinstance(c, ast.If)
-        ):
+        guard = _expr_dump("req_id in self._reqs_need_pending_save")
+        if any(normalised_dump(getattr(c, "test", c)) == guard for c in gate.conditions):
             return result(Verdict.DRIFTED, "", "k3patch's gate, edited since k3patch wrote it")
+        if gate.conditions:
+            # Upstream's gates sit directly in their loops; a progress gate that only runs
+            # under some other condition is a form nobody has described.
+            return result(
+                Verdict.DRIFTED,
+                "",
+                "a progress gate nested under a condition k3patch does not know",
+            )
         name = SATISFIED_UPSTREAM if upstream else SATISFIED_INLINE
         return result(Verdict.SATISFIED, name, "gates on compute progress")
     return result(
@@ -1018,9 +1025,47 @@ def _scheduler(mc: types.ModuleType, block_size: int) -> Any:
         "transfer_id_to_request_id": {},
         "request_id_to_transfer_id": {},
     }
+    # A fork or another patch may keep more per-request maps (the group-routing patch adds
+    # `_reqs_save_groups`); whatever __init__ starts as an empty dict starts empty here too.
+    for name in _empty_maps_of_init(mc.MoRIIOConnectorScheduler):
+        attrs.setdefault(name, {})
     for name, value in attrs.items():
         setattr(sched, name, value)
     return sched
+
+
+def _empty_maps_of_init(cls: type) -> list[str]:
+    import inspect
+    import textwrap
+
+    try:
+        source = textwrap.dedent(inspect.getsource(cls.__init__))
+    except (OSError, TypeError):
+        return []
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        target = value = None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign):
+            target, value = node.target, node.value
+        if not (
+            isinstance(target, ast.Attribute)
+            and isinstance(target.value, ast.Name)
+            and target.value.id == "self"
+        ):
+            continue
+        empty_dict = isinstance(value, ast.Dict) and not value.keys
+        dict_call = (
+            isinstance(value, ast.Call)
+            and isinstance(value.func, ast.Name)
+            and value.func.id == "dict"
+            and not value.args
+            and not value.keywords
+        )
+        if empty_dict or dict_call:
+            names.append(target.attr)
+    return names
 
 
 def _kv_params(req_id: str) -> dict[str, Any]:

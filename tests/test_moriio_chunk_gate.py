@@ -465,6 +465,14 @@ if req_id in self._reqs_need_pending_save:
     ):
         del self._reqs_need_pending_save[req_id]
 """
+G1_PROGRESS_NESTED = """
+if req_id not in self._reqs_need_pending_save:
+    continue
+req, existing_blocks = self._reqs_need_pending_save[req_id]
+if not self._has_mamba:
+    if req.num_computed_tokens + scheduler_output.num_scheduled_tokens[req_id] >= req.num_prompt_tokens:
+        del self._reqs_need_pending_save[req_id]
+"""
 G1_GUARD_EDITED = G1_APPLIED.replace("    req = self._reqs_need_pending_save[req_id][0]\n", "")
 INLINE = (
     "(req.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(req_id, 0) "
@@ -502,6 +510,13 @@ SHAPE_TABLE = [
         ("satisfied", "satisfied"),
     ),
     ("inline progress", G1_PROGRESS.format(test=INLINE), G2_C, ("satisfied", "pending")),
+    (
+        "G2 inline progress",
+        G1_C,
+        G2_C.replace("req.num_prompt_tokens > len(block_ids) * self.block_size", "not " + INLINE),
+        ("pending", "satisfied"),
+    ),
+    ("progress gate under another condition", G1_PROGRESS_NESTED, G2_C, ("drifted", "pending")),
     (
         "G1 gate not last in its branch",
         G1_C + "    logger.debug('pending %s', req_id)\n",
@@ -553,7 +568,9 @@ def test_shape_table(name, g1, g2, want):
     assert got == want, (results[gate.G1].detail, results[gate.G2].detail)
 
 
-@pytest.mark.parametrize(("name", "g1", "g2", "want"), PENDING_ROWS, ids=[r[0] for r in PENDING_ROWS])
+@pytest.mark.parametrize(
+    ("name", "g1", "g2", "want"), PENDING_ROWS, ids=[r[0] for r in PENDING_ROWS]
+)
 def test_every_pending_row_rewrites_to_applied(name, g1, g2, want):
     text = module_with(g1, g2)
     sources = Sources(lambda rel: text.encode() if rel == gate.FILE else None)

@@ -130,3 +130,21 @@ def test_probe_shows_the_legacy_slack(tmp_path):
     assert probe["summary"].startswith("wrong in 1 of 6 requests")
     assert "[k3-2050]: save at chunk 1 of 2, expected chunk 2 only" in probe["summary"]
     assert any(K3_FIXED in c for c in probe["checks"])
+
+
+def test_with_group_routing_on_the_fork(tmp_path):
+    # Both MoRIIO patches edit moriio_connector.py (group routing also adds a per-request map
+    # to the scheduler and a post-loop block to build_connector_meta): applied together they
+    # fold, both read applied, and the chunk gate still sends once, at the final chunk.
+    if not any(p.id == "moriio-group-routing" for p in all_patches()):
+        pytest.skip("the moriio-group-routing patch is not in this checkout")
+    site = tmp_path / "fork"
+    shutil.copytree(FIXTURES / "group-routing-fork", site)
+    both = ["--only", PATCH_ID, "--only", "moriio-group-routing"]
+    assert run_cli("apply", "--vllm", str(site), *both).returncode == 0
+    proc = run_cli("status", "--vllm", str(site), "--json", *both)
+    assert proc.returncode == 0, proc.stdout
+    verdicts = {p["id"]: p["verdict"] for p in json.loads(proc.stdout)["patches"]}
+    assert verdicts == {PATCH_ID: "applied", "moriio-group-routing": "applied"}
+    probe = run_probe(sys.executable, site)
+    assert probe["ok"] is True, probe["summary"]
