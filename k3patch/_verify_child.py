@@ -103,7 +103,11 @@ def main() -> int:
         patches_pkg.__path__ = []
         sys.modules.setdefault("k3patch.patches", patches_pkg)
         _load_file("k3patch.model", args["model"])
+        needs = args.get("probe_modules", {})
         for patch_id in args["probes"]:
+            failed = [m for m in needs.get(patch_id, []) if not out["imports"][m]["ok"]]
+            if failed:
+                continue  # the parent reports "not run: its module did not import"
             try:
                 module = _load_file(
                     f"k3patch.patches._probe_{len(out['probes'])}", args["patches"][patch_id]

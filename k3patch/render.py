@@ -18,7 +18,9 @@ from rich.table import Table
 from k3patch import fastpath
 from k3patch.engine import ApplyOutcome, Report, RevertOutcome, patch_meta
 from k3patch.model import Patch, Verdict
-from k3patch.verify import BROKEN, IMPORT_OK, VerifyReport
+from k3patch.verify import BLOCKED, BROKEN, IMPORT_OK, ModuleCheck, VerifyReport
+
+_MODULE_STYLE = {IMPORT_OK: "green", BROKEN: "bold red", BLOCKED: "yellow"}
 
 _STYLE = {
     Verdict.PENDING: "yellow",
@@ -51,22 +53,30 @@ def _rows(report: Report) -> list[tuple[str, str, str, str, str]]:
     return fastpath.status_rows(patch_meta(report.patches), [r.to_json() for r in report.results])
 
 
-def _print_sites(out: Console, report: Report) -> None:
-    """A coloured table on a terminal; in logs the plain table the fast path prints too."""
-    rows = _rows(report)
+def print_table(
+    out: Console, headers: tuple[str, ...], rows: list[tuple[str, ...]], styles: list[str]
+) -> None:
+    """A coloured Rich table on a terminal; in logs (not a terminal) the plain table the fast
+    path prints too: padded columns, nothing wrapped or cut, no colour. `styles` gives one Rich
+    style per row for the second column ("" for none)."""
     if not out.is_terminal:
-        out.file.write(fastpath.plain_table(fastpath.STATUS_HEADERS, rows))
+        out.file.write(fastpath.plain_table(headers, rows))
         out.file.flush()
         return
     table = Table(box=box.SIMPLE_HEAD, show_lines=False, pad_edge=False)
-    for header in fastpath.STATUS_HEADERS:
-        table.add_column(header, overflow="fold", no_wrap=header == "verdict")
-    for patch_id, verdict, site, file, reason in rows:
-        style = _STYLE[Verdict(verdict)]
-        table.add_row(
-            escape(patch_id), f"[{style}]{verdict}[/]", escape(site), escape(file), escape(reason)
-        )
+    for i, header in enumerate(headers):
+        table.add_column(header, overflow="fold", no_wrap=i == 1)
+    for row, style in zip(rows, styles, strict=True):
+        cells = [escape(c) for c in row]
+        if style and cells[1]:
+            cells[1] = f"[{style}]{cells[1]}[/]"
+        table.add_row(*cells)
     out.print(table)
+
+
+def _print_sites(out: Console, report: Report) -> None:
+    rows = _rows(report)
+    print_table(out, fastpath.STATUS_HEADERS, rows, [_STYLE[Verdict(r[1])] for r in rows])
 
 
 def _drift_details(out: Console, report: Report) -> None:
@@ -152,50 +162,36 @@ def print_revert(outcome: RevertOutcome) -> None:
         out.print("restored " + ", ".join(f"vllm/{rel}" for rel in outcome.restored))
 
 
+def _module_text(module: ModuleCheck) -> str:
+    return f"{module.reason} ({module.decided_by})" if module.reason else ""
+
+
 def print_verify(report: VerifyReport) -> None:
     out = console()
     _header(out, report.report)
     out.print(f"imports with {escape(report.python)} (Python {escape(report.python_version)})")
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("patch", overflow="fold")
-    table.add_column("verdict", no_wrap=True)
-    table.add_column("module / probe", overflow="fold")
-    table.add_column("result", overflow="fold")
+    rows: list[tuple[str, ...]] = []
+    styles: list[str] = []
     for check in report.patches:
-        table.add_row(
-            escape(check.patch_id), f"[{_STYLE[check.verdict]}]{check.verdict.value}[/]", "", ""
-        )
+        rows.append((check.patch_id, check.verdict.value, "", ""))
+        styles.append(_STYLE[check.verdict])
         for module in check.modules:
-            style = (
-                "green"
-                if module.status == IMPORT_OK
-                else ("bold red" if module.status == BROKEN else "yellow")
-            )
-            text = module.status
-            if module.reason:
-                text += f": {module.reason} ({module.decided_by})"
-            table.add_row("", "", escape(module.module), f"[{style}]{escape(text)}[/]")
+            rows.append(("", module.status, module.module, _module_text(module)))
+            styles.append(_MODULE_STYLE[module.status])
         if check.probe_ok is not None or check.probe_summary:
-            style = (
-                "green" if check.probe_ok else ("bold red" if check.probe_ok is False else "dim")
-            )
-            table.add_row("", "", "probe", f"[{style}]{escape(check.probe_summary)}[/]")
+            state = {True: "ok", False: "failed", None: "not run"}[check.probe_ok]
+            rows.append(("", f"probe {state}", "probe", check.probe_summary))
+            styles.append({True: "green", False: "bold red", None: "dim"}[check.probe_ok])
     for module in report.extra:
-        text = module.status + (f": {module.reason} ({module.decided_by})" if module.reason else "")
-        table.add_row("(--module)", "", escape(module.module), escape(text))
-    out.print(table)
+        rows.append(("(--module)", module.status, module.module, _module_text(module)))
+        styles.append(_MODULE_STYLE[module.status])
+    print_table(out, ("patch", "verdict / status", "module", "result"), rows, styles)
     out.print("[green]verified[/]" if report.ok else "[bold red]verify found problems[/]")
 
 
 def print_list(patches: tuple[Patch, ...]) -> None:
-    out = console()
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("patch", no_wrap=True)
-    table.add_column("what it does", overflow="fold")
-    table.add_column("files (under vllm/)", overflow="fold")
-    for patch in patches:
-        title = patch.title + (
-            f" [dim](not covered: {escape(patch.caveat)})[/]" if patch.caveat else ""
-        )
-        table.add_row(patch.id, title, ", ".join(patch.files))
-    out.print(table)
+    rows = [
+        (p.id, p.title + (f" (not covered: {p.caveat})" if p.caveat else ""), ", ".join(p.files))
+        for p in patches
+    ]
+    print_table(console(), ("patch", "what it does", "files (under vllm/)"), rows, [""] * len(rows))

@@ -176,6 +176,7 @@ def verify(
         "patches": {p.id: str(patch_module_file(p)) for p in patches},
         "modules": modules,
         "probes": [p.id for p in live],
+        "probe_modules": {p.id: list(p.modules) for p in live},
     }
     result = _run_child(python, tree, args) if modules or live else {"imports": {}, "probes": {}}
     patched_files = _patched_files(tree, report)
