@@ -188,3 +188,43 @@ def test_installed_wheel_carries_patches(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "aiter-mla-gfx942" in {p["id"] for p in json.loads(proc.stdout)["patches"]}
+
+
+def _run_in_tty(args: list[str], env: dict[str, str]) -> str:
+    """Run the CLI with its stdout on a pseudo-terminal; returns what it printed."""
+    import pty
+
+    output = bytearray()
+
+    def read(fd: int) -> bytes:
+        data = os.read(fd, 65536)
+        output.extend(data)
+        return data
+
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        pty.spawn([sys.executable, "-m", "k3patch", *args], read)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return output.decode(errors="replace")
+
+
+@pytest.mark.wheel
+def test_no_color_is_honoured_on_a_terminal(make_tree):
+    site = make_tree("0.31.0")
+    base = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR")}
+    base["TERM"] = "xterm-256color"
+    coloured = _run_in_tty(["status", "--vllm", str(site)], base)
+    plain = _run_in_tty(["status", "--vllm", str(site)], {**base, "NO_COLOR": "1"})
+    assert "\x1b[" in coloured, "a terminal without NO_COLOR should get colour"
+    assert "pending" in plain and "\x1b[3" not in plain and "\x1b[1;3" not in plain
+
+
+def test_shell_completion_installs(tmp_path):
+    proc = run_cli("--install-completion", "bash", env={"HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    script = tmp_path / ".bash_completions" / "k3patch.sh"
+    assert "_k3patch_completion" in script.read_text()
