@@ -70,8 +70,18 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="k3patch-bench-"))
     install = work / "install"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
-         "--target", str(install), str(ROOT)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-compile",
+            "--target",
+            str(install),
+            str(ROOT),
+        ],
         check=True,
     )
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(install)], check=True)
@@ -84,8 +94,9 @@ def main() -> None:
     fresh = work / "fresh"
     patched = work / "patched"
     shutil.copytree(src, patched, ignore=shutil.ignore_patterns(".complete"))
-    out = subprocess.run([*k3, "apply", "--vllm", str(patched), "--json"], env=env,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [*k3, "apply", "--vllm", str(patched), "--json"], env=env, capture_output=True, text=True
+    )
     applied = json.loads(out.stdout)
     verdicts = {p["id"]: p["verdict"] for p in applied["patches"]}
 
@@ -120,17 +131,20 @@ def main() -> None:
     status = median_of(n, lambda: [*k3, "status", "--vllm", str(patched)], env)
     rows.append(("k3patch status, patched tree (no-op)", status, "hash floor", status / floor_hash))
     quiet = median_of(n, lambda: [*k3, "apply", "--quiet", "--vllm", str(patched)], env)
-    rows.append(("k3patch apply --quiet, patched tree (no-op)", quiet, "hash floor",
-                 quiet / floor_hash))
+    rows.append(
+        ("k3patch apply --quiet, patched tree (no-op)", quiet, "hash floor", quiet / floor_hash)
+    )
     full_status = median_of(
         n, lambda: [*k3, "status", "--vllm", str(patched)], {**env, "K3PATCH_NO_FASTPATH": "1"}
     )
-    rows.append(("k3patch status, full path forced", full_status, "hash floor",
-                 full_status / floor_hash))
+    rows.append(
+        ("k3patch status, full path forced", full_status, "hash floor", full_status / floor_hash)
+    )
 
     cold_runs = max(3, n // 3)
-    cold = median_of(cold_runs, lambda: [*k3, "apply", "--quiet", "--vllm", str(fresh)], env,
-                     setup=reset_fresh)
+    cold = median_of(
+        cold_runs, lambda: [*k3, "apply", "--quiet", "--vllm", str(fresh)], env, setup=reset_fresh
+    )
     rows.append(("k3patch apply, fresh tree (cold)", cold, "import libcst", cold / floor_libcst))
 
     # 32 concurrent applies on one fresh tree.
@@ -139,11 +153,13 @@ def main() -> None:
     for _ in range(3):
         reset_fresh()
         cmd = [*k3, "apply", "--json", "--vllm", str(fresh)]
+
+        def one_apply(_: int, cmd: list[str] = cmd) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(cmd, env=env, capture_output=True, text=True)
+
         start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
-            results = list(pool.map(
-                lambda _: subprocess.run(cmd, env=env, capture_output=True, text=True),
-                range(args.concurrency)))
+            results = list(pool.map(one_apply, range(args.concurrency)))
         conc_samples.append(time.perf_counter() - start)
         codes = [r.returncode for r in results]
         if any(codes):
@@ -153,8 +169,14 @@ def main() -> None:
         if litter:
             raise SystemExit(f"temp litter left: {litter}")
     conc = statistics.median(conc_samples)
-    rows.append((f"{args.concurrency} concurrent apply, one fresh tree (wall)", conc,
-                 "one cold apply", conc / cold))
+    rows.append(
+        (
+            f"{args.concurrency} concurrent apply, one fresh tree (wall)",
+            conc,
+            "one cold apply",
+            conc / cold,
+        )
+    )
 
     legacy = sorted(LEGACY_DIR.glob("*.py"))
     legacy_samples = []
@@ -164,12 +186,19 @@ def main() -> None:
             subprocess.run([py, str(script), str(patched / "vllm")], env=env, capture_output=True)
         legacy_samples.append(time.perf_counter() - start)
     legacy_time = statistics.median(legacy_samples)
-    rows.append((f"older way: {len(legacy)} scripts, one interpreter each (substring check)",
-                 legacy_time, "hash floor", legacy_time / floor_hash))
+    rows.append(
+        (
+            f"older way: {len(legacy)} scripts, one interpreter each (substring check)",
+            legacy_time,
+            "hash floor",
+            legacy_time / floor_hash,
+        )
+    )
 
     if not args.no_verify and args.verify_python:
-        verify = median_of(2, lambda: [*k3, "verify", "--vllm", str(patched), "--python",
-                                       args.verify_python], env)
+        verify = median_of(
+            2, lambda: [*k3, "verify", "--vllm", str(patched), "--python", args.verify_python], env
+        )
         rows.append(("k3patch verify (imports + probes)", verify, "", None))
 
     lines = [
@@ -177,7 +206,8 @@ def main() -> None:
         "",
         f"Machine: {machine()}.",
         f"Tree: real vLLM {args.version} wheel (.py files + METADATA). Patch verdicts after apply: "
-        + ", ".join(f"{k} {v}" for k, v in verdicts.items()) + ".",
+        + ", ".join(f"{k} {v}" for k, v in verdicts.items())
+        + ".",
         f"Command: `.venv/bin/python benchmarks/bench.py --version {args.version} --runs {n}` "
         f"(medians of {n} runs; cold apply {cold_runs} runs; concurrency 3 rounds; writers per "
         f"round: {writers_seen}).",

@@ -2,5 +2,8 @@
 
 import sys
 
-with open(sys.argv[1] + "/distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py", encoding="utf-8") as handle:
+with open(
+    sys.argv[1] + "/distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py",
+    encoding="utf-8",
+) as handle:
     sys.exit(0 if "k3-group-routing" in handle.read() else 1)

@@ -2,5 +2,7 @@
 
 import sys
 
-with open(sys.argv[1] + "/model_executor/layers/mamba/ops/gather_initial_states.py", encoding="utf-8") as handle:
+with open(
+    sys.argv[1] + "/model_executor/layers/mamba/ops/gather_initial_states.py", encoding="utf-8"
+) as handle:
     sys.exit(0 if "k3-kda-nosync" in handle.read() else 1)
