@@ -76,6 +76,10 @@ LEGACY_NAMES = frozenset(
     }
 )
 
+_MENTIONS = re.compile(
+    r"\b(?:" + "|".join(sorted(FORK_NAMES | K3PATCH_NAMES | LEGACY_NAMES)) + r")\b"
+)
+
 # ---------------------------------------------------------------------------------------------
 # k3patch's post-image, piece by piece. Each piece is inserted next to the fork statement it
 # generalises, so a fork build that differs elsewhere in these long files is still recognised.
@@ -231,6 +235,15 @@ def _dedent(source: str) -> str:
     import textwrap
 
     return textwrap.dedent(source).strip("\n") + "\n"
+
+
+def _head(stmt: ast.stmt) -> str:
+    """A cheap key of a statement (its kind and what it assigns) to skip most fingerprints."""
+    if isinstance(stmt, ast.Assign):
+        return "Assign " + " ".join(ast.unparse(t) for t in stmt.targets)
+    if isinstance(stmt, ast.AnnAssign):
+        return "AnnAssign " + ast.unparse(stmt.target)
+    return type(stmt).__name__
 
 
 def _is_self_attr(node: ast.AST, attr: str) -> bool:
@@ -784,11 +797,12 @@ class _Replace(_Part):
             return []
         n = _count_statements(source)
         want = source_fingerprint(source)
+        head = _head(ast.parse(_dedent(source)).body[0])
         return [
             body[i : i + n]
             for body in _bodies(fn)
             for i in range(len(body) - n + 1)
-            if _fingerprint(body[i : i + n]) == want
+            if _head(body[i]) == head and _fingerprint(body[i : i + n]) == want
         ]
 
     def look(self, src: SourceFile) -> _Look:
@@ -923,8 +937,12 @@ def _notify_all_groups(stmt: ast.stmt) -> str | None:
 
 
 def _is_layer_to_spec(stmt: ast.stmt) -> bool:
-    return site_fingerprint(stmt) == source_fingerprint(
-        "self.layer_to_spec = build_layer_to_spec(kv_cache_config)"
+    return (
+        isinstance(stmt, ast.Assign)
+        and len(stmt.targets) == 1
+        and _is_self_attr(stmt.targets[0], "layer_to_spec")
+        and site_fingerprint(stmt)
+        == source_fingerprint("self.layer_to_spec = build_layer_to_spec(kv_cache_config)")
     )
 
 
@@ -1160,7 +1178,11 @@ def _upstream_033(sources: Sources) -> bool:
         return False
     want = _expr_fingerprint("self.worker.layer_to_group[task.layer_name]")
     return any(
-        isinstance(node, ast.Subscript) and site_fingerprint(node) == want for node in ast.walk(fn)
+        isinstance(node, ast.Subscript)
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "layer_to_group"
+        and site_fingerprint(node) == want
+        for node in ast.walk(fn)
     )
 
 
@@ -1175,7 +1197,13 @@ def _upstream_031(sources: Sources) -> bool:
     return (
         find_function(tree, "_split_kv_cache_group_kinds") is not None
         and init is not None
-        and any(site_fingerprint(s) == want for body in _bodies(init) for s in body)
+        and any(
+            isinstance(s, ast.Assign)
+            and _is_self_attr(s.targets[0], "layer_to_group")
+            and site_fingerprint(s) == want
+            for body in _bodies(init)
+            for s in body
+        )
     )
 
 
@@ -1190,9 +1218,11 @@ def _upstream_single_group(sources: Sources) -> bool:
     cls = find_class(sources[CONNECTOR].tree, "MoRIIOConnector")
     if cls is None or "SupportsHMA" in {ast.unparse(b).split(".")[-1] for b in cls.bases}:
         return False
-    want = _expr_fingerprint("blocks.get_block_ids()[0]")
     return any(
-        isinstance(node, ast.Subscript) and site_fingerprint(node) == want
+        isinstance(node, ast.Subscript)
+        and isinstance(node.slice, ast.Constant)
+        and node.slice.value == 0
+        and ast.unparse(node.value) == "blocks.get_block_ids()"
         for node in ast.walk(sources[CONNECTOR].tree)
     )
 
@@ -1294,8 +1324,11 @@ class MoriioGroupRouting(Patch):
                 )
                 for rel in FILES
             ]
-        names = {rel: _names(sources[rel].tree) for rel in FILES}
-        every = set().union(*names.values())
+        # A word search first keeps upstream trees off a walk of three long ASTs; a hit is
+        # only a reason to look, never a verdict (it may be a comment).
+        if not any(_MENTIONS.search(sources[rel].text) for rel in FILES):
+            return self._classify_upstream(sources)
+        every = set().union(*(_names(sources[rel].tree) for rel in FILES))
         if every & LEGACY_NAMES:
             return self._classify_legacy(sources, bool(every & K3PATCH_NAMES))
         if every & (FORK_NAMES | K3PATCH_NAMES):
