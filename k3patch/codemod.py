@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import textwrap
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -54,19 +55,51 @@ def replace_statement(text: str, node: ast.stmt, new_source: str) -> str:
     return splice(text, start, end, indent_block(new_source, node.col_offset))
 
 
+@dataclass(frozen=True)
+class Cut:
+    """One statement's own lines cut out of a file, its indentation removed exactly: `col`
+    spaces off every line with code on it; whitespace-only lines (also inside strings) are kept
+    byte for byte. `put` splices a new version back at the same indentation."""
+
+    text: str
+    start: int  # 0-based line range [start, end) in `text`
+    end: int
+    col: int
+    segment: str
+
+    @property
+    def first_line(self) -> int:
+        """The 1-based line in the file of the segment's first line."""
+        return self.start + 1
+
+    def put(self, new_segment: str) -> str:
+        prefix = " " * self.col
+        lines = new_segment.splitlines(keepends=True)
+        return splice(
+            self.text,
+            self.start,
+            self.end,
+            "".join(prefix + ln if ln.strip() else ln for ln in lines),
+        )
+
+
+def cut(text: str, node: ast.stmt) -> Cut:
+    start, end = statement_lines(text, node)
+    prefix = " " * node.col_offset
+    lines = text.splitlines(keepends=True)[start:end]
+    for line in lines:
+        if line.strip() and not line.startswith(prefix):
+            raise SpliceError("the statement's lines are not uniformly indented")
+    segment = "".join(line[node.col_offset :] if line.strip() else line for line in lines)
+    return Cut(text, start, end, node.col_offset, segment)
+
+
 def transform_statement(text: str, node: ast.stmt, transformer: cst.CSTTransformer) -> str:
     """Run a libcst transformer over one statement's own lines and splice the result back."""
     import libcst
 
-    start, end = statement_lines(text, node)
-    segment = "".join(text.splitlines(keepends=True)[start:end])
-    prefix = " " * node.col_offset
-    for line in segment.splitlines():
-        if line.strip() and not line.startswith(prefix):
-            raise SpliceError("the statement's lines are not uniformly indented")
-    module = libcst.parse_module(textwrap.dedent(segment))
-    new_code = module.visit(transformer).code
-    return splice(text, start, end, indent_block(new_code, node.col_offset))
+    piece = cut(text, node)
+    return piece.put(libcst.parse_module(piece.segment).visit(transformer).code)
 
 
 def find_method_node(text: str, class_name: str, method_name: str) -> ast.FunctionDef:

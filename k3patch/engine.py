@@ -137,7 +137,7 @@ def scan(
     hashes = _hashes(sources, files)
     journal = Transaction(tree.package_dir).pending_journal()
     interrupted = str(journal.get("op")) if journal else None
-    if use_record and interrupted is None:
+    if use_record and interrupted is None and not os.environ.get("K3PATCH_NO_FASTPATH"):
         record = load(tree.state_dir)
         if (
             record is not None

@@ -817,29 +817,22 @@ def _g1_body_problems(gate: _Gate, shape: Shape) -> list[str]:
 
 def _loop_lines_ok(text: str, loop: ast.For) -> bool:
     """Whether the loop can be cut out on its own lines and dedented (what the splice needs)."""
-    lines = text.splitlines(keepends=True)
-    end = loop.end_lineno or 0
-    prefix = " " * loop.col_offset
-    segment = lines[loop.lineno - 1 : end]
-    if not segment or segment[0][: loop.col_offset].strip():
+    from k3patch.codemod import SpliceError, cut
+
+    try:
+        cut(text, loop)
+    except SpliceError:
         return False
-    tail = lines[end - 1][loop.end_col_offset or 0 :].strip()
-    if tail and not tail.startswith("#"):
-        return False
-    return all(line.startswith(prefix) or not line.strip() for line in segment)
+    return True
 
 
 def _rewrite_gates(text: str, g1: _Gate | None, g2: _Gate | None) -> str:
-    import textwrap
-
-    from k3patch.codemod import indent_block, splice, statement_lines
+    from k3patch.codemod import cut
 
     # Splice the later loop first so the earlier one's line numbers still hold.
     for gate in sorted((g for g in (g1, g2) if g), key=lambda g: -g.loop.lineno):
-        start, end = statement_lines(text, gate.loop)
-        segment = textwrap.dedent("".join(text.splitlines(keepends=True)[start:end]))
-        new = _rewrite_loop(segment, gate, first_line=gate.loop.lineno)
-        text = splice(text, start, end, indent_block(new, gate.loop.col_offset))
+        piece = cut(text, gate.loop)
+        text = piece.put(_rewrite_loop(piece.segment, gate, first_line=piece.first_line))
     return text
 
 

@@ -37,6 +37,12 @@ def fast(*args: str) -> tuple[int | None, list[str], str]:
     return code, heavy, rest
 
 
+def unmark(text: str) -> str:
+    return text.replace('"from_record": true', '"from_record": false').replace(
+        "  (from the state record)", ""
+    )
+
+
 def full(*args: str) -> subprocess.CompletedProcess:
     return run_cli(*args, env={"K3PATCH_NO_FASTPATH": "1"})
 
@@ -62,7 +68,8 @@ def test_fast_and_full_paths_agree_on_applied_trees(make_tree, version):
         assert heavy == [], f"{args} imported {heavy}"
         reference = full(*args, "--vllm", str(site))
         assert code == reference.returncode, args
-        assert out == reference.stdout, args
+        # The full path classified the code itself; only the "from the record" marks differ.
+        assert unmark(out) == unmark(reference.stdout), args
     # And the record agrees with a classification made from scratch.
     tree = locate(site)
     fresh = engine.scan(tree, use_record=False)
