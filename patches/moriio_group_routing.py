@@ -11,8 +11,10 @@ Fix: the worker maps each layer to its KV-cache group from `kv_cache_config.kv_c
 travel end to end (the scheduler's capture plus the blocks later prefill chunks add, ReqMeta,
 WriteTask, the decode node's notify message, RemoteAllocInfo); the transfer plan indexes those
 lists with the layer's own group. A transfer that lacks them (a peer without this fix) fails
-loudly; nothing falls back to group 0. A two-group [attention, mamba] model reads the same
-lists as before. Both nodes need the fix: the decode node sends the lists the prefill uses.
+loudly; nothing falls back to group 0. A two-group [attention, mamba] model routes exactly as
+before (with prefix caching off a Mamba group holds one block per request; with it on, the
+Mamba list now also carries blocks later chunks add, which the fork dropped). Both nodes need
+the fix: the decode node sends the lists the prefill node writes into.
 Check: `k3patch verify` drives the patched scheduler, notify message and transfer plan on CPU
 with K3's layout and checks that each MLA layer goes to group 3's blocks and each KDA layer to
 its own group's, on the prefill and the decode side.
