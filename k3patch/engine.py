@@ -166,7 +166,7 @@ class Plan:
     old_texts: dict[str, str]
 
     def diff(self) -> str:
-        chunks = []
+        chunks: list[str] = []
         for rel, new in self.new_texts.items():
             chunks.extend(
                 difflib.unified_diff(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from rich import box
@@ -54,7 +55,10 @@ def _rows(report: Report) -> list[tuple[str, str, str, str, str]]:
 
 
 def print_table(
-    out: Console, headers: tuple[str, ...], rows: list[tuple[str, ...]], styles: list[str]
+    out: Console,
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    styles: Sequence[str],
 ) -> None:
     """A coloured Rich table on a terminal; in logs (not a terminal) the plain table the fast
     path prints too: padded columns, nothing wrapped or cut, no colour. `styles` gives one Rich

@@ -244,9 +244,9 @@ class Transaction:
     def remove_litter(self, journal: dict[str, object] | None) -> list[str]:
         """Temp files left by a killed run, next to the state files and the journalled files."""
         dirs = {self.state_dir, self.state_dir / BLOBS}
-        if journal is not None:
-            for entry in journal.get("files", []):  # type: ignore[union-attr]
-                dirs.add((self.package_dir / entry["path"]).parent)
+        entries = journal.get("files", []) if journal is not None else []
+        for entry in entries if isinstance(entries, list) else []:
+            dirs.add((self.package_dir / entry["path"]).parent)
         removed = []
         for directory in dirs:
             if not directory.is_dir():
