@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -165,6 +166,10 @@ def verify(
 ) -> VerifyReport:
     patches = all_patches() if patches is None else patches
     report = scan(tree, patches, use_record=False)
+    if python and os.sep in python:
+        python = os.path.abspath(python)  # the child runs from a temp dir
+    elif python:
+        python = shutil.which(python) or python
     python = python or tree_python(tree)
     verdicts = report.verdicts()
     live = [p for p in patches if verdicts[p.id] in (Verdict.APPLIED, Verdict.SATISFIED)]
