@@ -336,8 +336,8 @@ def ungated_sync_points(func: ast.AST) -> tuple[list[str], list[str]]:
     sits in the body of an `if` whose test is the K3_KDA_GATHER_LOG gate."""
     parents: dict[int, ast.AST] = {}
     for node in ast.walk(func):
-        for child in ast.iter_child_nodes(node):
-            parents[id(child)] = node
+        for sub in ast.iter_child_nodes(node):
+            parents[id(sub)] = node
     gated: list[str] = []
     ungated: list[str] = []
     for node, kind in sync_points(func):

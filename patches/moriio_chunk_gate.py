@@ -26,7 +26,7 @@ from __future__ import annotations
 import ast
 import builtins
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -267,7 +267,7 @@ def _words(node: ast.AST) -> set[str]:
     return out
 
 
-def _loads(nodes: list[ast.stmt] | list[ast.AST]) -> set[str]:
+def _loads(nodes: Sequence[ast.AST]) -> set[str]:
     return {
         sub.id
         for node in nodes
@@ -276,7 +276,7 @@ def _loads(nodes: list[ast.stmt] | list[ast.AST]) -> set[str]:
     }
 
 
-def _stores(nodes: list[ast.stmt]) -> set[str]:
+def _stores(nodes: Sequence[ast.AST]) -> set[str]:
     return {
         sub.id
         for node in nodes
@@ -632,7 +632,7 @@ def _calls(expr: ast.expr, name: str) -> bool:
     )
 
 
-def _env(assigns: list[ast.stmt]) -> dict[str, ast.expr]:
+def _env(assigns: Sequence[ast.stmt]) -> dict[str, ast.expr]:
     env: dict[str, ast.expr] = {}
     for stmt in assigns:
         if (
@@ -1027,7 +1027,7 @@ def _scheduler(mc: types.ModuleType, block_size: int) -> Any:
     return sched
 
 
-def _empty_maps_of_init(cls: type) -> list[str]:
+def _empty_maps_of_init(cls: type[object]) -> list[str]:
     import inspect
     import textwrap
 
@@ -1174,11 +1174,12 @@ def probe_build_connector_meta() -> ProbeOutcome:
     results: list[tuple[str, bool]] = []
     try:
         # The producer role is process-global state set at connector start; pin it here.
-        mc.get_role = lambda: mc.ROLE.PRODUCER
+        # (mypy knows the vLLM module only as a bare ModuleType: vLLM is untyped here.)
+        mc.get_role = lambda: mc.ROLE.PRODUCER  # type: ignore[attr-defined]
         for case in PROBE_CASES:
             results.extend(judge_case(case, run_case(mc, case)))
     finally:
-        mc.get_role = saved_get_role
+        mc.get_role = saved_get_role  # type: ignore[attr-defined]
     checks = tuple(line for line, _ in results)
     failures = [line for line, ok in results if not ok]
     if failures:

@@ -290,6 +290,11 @@ def _short(text: str, lines: int = 40) -> str:
 # up, so everything outside the edited spans stays byte-identical.
 
 
+# The nodes whose positions an edit is computed from. ast.AST itself carries no position (a
+# module, an operator, an expression context has none); these four always do.
+_Located = ast.stmt | ast.expr | ast.keyword | ast.arg
+
+
 @dataclass(frozen=True)
 class _Edit:
     start: int
@@ -315,14 +320,14 @@ class _Text:
     def after_line(self, lineno: int) -> int:
         return self.starts[lineno] if lineno < len(self.starts) else len(self.text)
 
-    def indent_of(self, node: ast.AST) -> str:
+    def indent_of(self, node: _Located) -> str:
         line = self.line(node.lineno)
         prefix = line[: len(line.encode("utf-8")[: node.col_offset].decode("utf-8"))]
         if prefix.strip():
             raise ValueError(f"line {node.lineno}: the statement does not start its line")
         return prefix
 
-    def ends_line(self, node: ast.AST) -> bool:
+    def ends_line(self, node: _Located) -> bool:
         assert node.end_lineno is not None and node.end_col_offset is not None
         rest = self.text[
             self.offset(node.end_lineno, node.end_col_offset) : self.after_line(node.end_lineno)
@@ -360,7 +365,9 @@ def _replace(text: _Text, stmts: list[ast.stmt], source: str) -> _Edit:
     return _Edit(start, text.after_line(last.end_lineno), _block(source, text.indent_of(stmts[0])))
 
 
-def _append_item(text: _Text, opener: ast.AST, first: ast.AST, last: ast.AST, item: str) -> _Edit:
+def _append_item(
+    text: _Text, opener: _Located, first: _Located, last: _Located, item: str
+) -> _Edit:
     """Add `item` after the final argument / parameter / dict entry of `opener`, which begins
     at `first` (a keyword, a parameter, a dict key) and ends at `last` (its value/default)."""
     assert last.end_lineno is not None and last.end_col_offset is not None
@@ -629,7 +636,7 @@ class _Keyword(_Part):
         call = calls[0]
         want = self.added(call)
         assert want is not None
-        items: list[ast.AST] = [*call.args, *call.keywords]
+        items: list[_Located] = [*call.args, *call.keywords]
         last = max(items, key=lambda n: (n.end_lineno or 0, n.end_col_offset or 0))
         return [_append_item(text, call, last, last, f"{want[0]}={want[1]}")]
 
@@ -696,7 +703,7 @@ class _Param(_Part):
         assert fn is not None
         args = fn.args
         last_arg = [*args.posonlyargs, *args.args][-1]
-        last: ast.AST = last_arg
+        last: _Located = last_arg
         if args.defaults and args.args and args.args[-1] is last_arg:
             last = args.defaults[-1]
         return [_append_item(text, fn, last_arg, last, self.added)]
@@ -884,7 +891,7 @@ _USAA = (_SCHED, "update_state_after_alloc")
 
 
 def _assigns_reqs_save_mamba(stmt: ast.stmt) -> bool:
-    target = stmt.target if isinstance(stmt, ast.AnnAssign) else None
+    target: ast.expr | None = stmt.target if isinstance(stmt, ast.AnnAssign) else None
     if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
         target = stmt.targets[0]
     return target is not None and _is_self_attr(target, "_reqs_save_mamba")
@@ -1597,7 +1604,7 @@ def drive_write(layout: Layout, chunked: bool, *, decode_sends_groups: bool = Tr
             },
         )
         prefill.update_state_after_alloc(request, _blocks(first), 0)
-        steps = [(min(prompt, BLOCK_SIZE), None)]
+        steps: list[tuple[int, list[list[int]] | None]] = [(min(prompt, BLOCK_SIZE), None)]
         if chunked:
             steps.append((prompt - BLOCK_SIZE, more))
         meta = None
