@@ -9,7 +9,6 @@ from typing import Annotated, Any
 import typer
 
 from k3patch import __version__
-from k3patch.exitcodes import ExitCode
 
 app = typer.Typer(
     name="k3patch",
@@ -49,7 +48,7 @@ LockOpt = Annotated[
 def _guarded(command: str, as_json: bool, body: Callable[[], int]) -> None:
     """Run a command body; every exception becomes a one-line error and its documented code."""
     from k3patch import render
-    from k3patch.exitcodes import for_exception
+    from k3patch.exitcodes import describe, for_exception
 
     try:
         code = body()
@@ -59,13 +58,7 @@ def _guarded(command: str, as_json: bool, body: Callable[[], int]) -> None:
         if os.environ.get("K3PATCH_DEBUG"):
             raise
         code = int(for_exception(exc))
-        known = code != ExitCode.USAGE or type(exc).__name__ in (
-            "TreeError",
-            "UnknownPatchError",
-        )
-        message = str(exc) if known else f"internal error: {type(exc).__name__}: {exc}"
-        if type(exc).__name__ == "PatchBug":
-            message = f"internal error (a k3patch bug, nothing was written): {exc}"
+        message = describe(exc)
         if as_json:
             render.emit_json(command, code, {"error": message})
         else:

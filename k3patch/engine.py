@@ -46,6 +46,22 @@ class Report:
     hashes: dict[str, str | None]  # every target file read -> sha256 (None: absent)
     from_record: bool = False
     interrupted: str | None = None  # an interrupted commit's journal is present
+    # The files as read for this report, parsed trees cached: plan() reuses them.
+    sources: Sources | None = field(default=None, repr=False, compare=False)
+
+    def selected(self, patches: tuple[Patch, ...]) -> Report:
+        """The same classification restricted to `patches`."""
+        wanted = {p.id for p in patches}
+        results = [r for r in self.results if r.patch_id in wanted]
+        return Report(
+            self.tree,
+            patches,
+            results,
+            self.hashes,
+            self.from_record,
+            self.interrupted,
+            self.sources,
+        )
 
     def for_patch(self, patch_id: str) -> list[SiteResult]:
         return [r for r in self.results if r.patch_id == patch_id]
@@ -149,7 +165,7 @@ def scan(
             results = [r for r in record.results if r.patch_id in wanted]
             return Report(tree, patches, results, hashes, from_record=True)
     results = [r for patch in patches for r in _classify(patch, sources)]
-    return Report(tree, patches, results, hashes, interrupted=interrupted)
+    return Report(tree, patches, results, hashes, interrupted=interrupted, sources=sources)
 
 
 # ----------------------------------------------------------------------------------------
@@ -182,7 +198,7 @@ class Plan:
 def plan(report: Report) -> Plan:
     """Rewrite every pending site in memory, compile the results and re-classify them: every
     pending site must now read as applied and no other verdict may change."""
-    sources = Sources(report.tree.read)
+    sources = report.sources or Sources(report.tree.read)
     changes: dict[str, str] = {}
     for patch in report.patches:
         pending = [r for r in report.for_patch(patch.id) if r.verdict is Verdict.PENDING]
@@ -200,7 +216,14 @@ def plan(report: Report) -> Plan:
         except SyntaxError as exc:
             raise PatchBug(f"rewritten vllm/{rel} does not compile: {exc}") from exc
     after_sources = sources.with_changes(changes)
-    after = [r for p in report.patches for r in _classify(p, after_sources)]
+    # A patch none of whose files changed keeps its verdicts: its inputs are the same bytes.
+    after = [
+        r
+        for p in report.patches
+        for r in (
+            _classify(p, after_sources) if set(p.files) & set(changes) else report.for_patch(p.id)
+        )
+    ]
     before_by_key = {(r.patch_id, r.site, r.file): r for r in report.results}
     after_keys = {(r.patch_id, r.site, r.file) for r in after}
     for result in after:
@@ -255,7 +278,9 @@ def apply(
     """Bring every selected patch to applied (or leave it satisfied / not applicable).
     Refuses, writing nothing, when any selected site has drifted."""
     patches = all_patches() if patches is None else patches
-    report = scan(tree, patches)
+    # Every patch is classified (the record covers them all); the outcome speaks of `patches`.
+    first = scan(tree, all_patches())
+    report = first.selected(patches)
     if report.drifted:
         return ApplyOutcome(report, refused=True, check=check)
     if not report.pending and report.interrupted is None:
@@ -268,17 +293,17 @@ def apply(
     txn = Transaction(tree.package_dir, fault)
     with locked(tree.state_dir, lock_timeout):
         recovered = txn.recover()
-        # Another run may have finished the work while we waited for the lock; if so its
-        # record matches every file and answers without parsing.
-        full = scan(tree, all_patches())
-        selected = [r for r in full.results if r.patch_id in {p.id for p in patches}]
-        report = Report(tree, patches, selected, full.hashes)
+        # Another run may have finished the work while we waited for the lock (its record then
+        # matches every file); if no file changed since our first look, that look stands.
+        now = _hashes(Sources(tree.read), target_files(all_patches()))
+        full = first if now == first.hashes and not recovered else scan(tree, all_patches())
+        report = full.selected(patches)
         if report.drifted:
             return ApplyOutcome(report, refused=True, recovered=recovered)
         if not report.pending:
             return ApplyOutcome(report, recovered=recovered)
         the_plan = plan(report)
-        sources = Sources(tree.read)
+        sources = report.sources or Sources(tree.read)
         old = load(tree.state_dir)
         files = dict(old.files) if old else {}
         edits = []

@@ -62,3 +62,17 @@ def for_exception(exc: BaseException) -> ExitCode:
     if isinstance(exc, PatchBug):
         return ExitCode.USAGE
     return ExitCode.USAGE
+
+
+def describe(exc: BaseException) -> str:
+    """The one-line message for an error raised below the CLI. Errors k3patch expects say what
+    to do; anything else is named an internal error, never drift."""
+    from k3patch.engine import PatchBug
+    from k3patch.registry import UnknownPatchError
+    from k3patch.tree import TreeError
+
+    if isinstance(exc, PatchBug):
+        return f"internal error (a k3patch bug, nothing was written): {exc}"
+    if for_exception(exc) != ExitCode.USAGE or isinstance(exc, TreeError | UnknownPatchError):
+        return str(exc)
+    return f"internal error: {type(exc).__name__}: {exc}"

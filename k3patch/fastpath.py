@@ -114,6 +114,15 @@ def quiet_line(patch_id: str, results: Sequence[Mapping[str, Any]]) -> str:
     return line
 
 
+def apply_quiet_text(
+    patch_ids: Sequence[str], results: Sequence[Mapping[str, Any]], recovered: Sequence[str]
+) -> str:
+    """`apply --quiet`: one line per patch (and per recovery step), for entrypoint logs."""
+    lines = [f"k3patch: {quiet_line(patch_id, results)}" for patch_id in patch_ids]
+    lines += [f"k3patch: recovered: {line}" for line in recovered]
+    return "".join(f"{line}\n" for line in lines)
+
+
 def status_rows(
     patches: Sequence[Mapping[str, str]], results: Sequence[Mapping[str, Any]]
 ) -> list[tuple[str, str, str, str, str]]:
@@ -226,6 +235,25 @@ def fresh_record(state_dir: str, package_dir: str) -> dict[str, Any] | None:
     return record
 
 
+def _apply_quietly(tree: Any, opts: dict[str, Any]) -> int:
+    """`apply --quiet` with work to do, straight into the engine: the entrypoint's cold start
+    needs no option parser or terminal renderer, only the plain lines it prints."""
+    from k3patch import engine, exitcodes, registry
+
+    try:
+        patches = registry.select(opts["only"] or None, opts["skip"] or None)
+        outcome = engine.apply(tree, patches, lock_timeout=float(opts["lock_timeout"]))
+    except Exception as exc:
+        if os.environ.get("K3PATCH_DEBUG"):
+            raise
+        sys.stderr.write(f"k3patch: error: {exitcodes.describe(exc)}\n")
+        return int(exitcodes.for_exception(exc))
+    results = [r.to_json() for r in outcome.report.results]
+    sys.stdout.write(apply_quiet_text([p.id for p in patches], results, outcome.recovered))
+    sys.stdout.flush()
+    return int(exitcodes.for_apply(outcome))
+
+
 def try_fast(argv: list[str]) -> int | None:
     """Serve the command from the state record, or return None to let the full path run."""
     opts = _parse(argv)
@@ -253,6 +281,8 @@ def try_fast(argv: list[str]) -> int | None:
             return None
         record = fresh_record(state_dir, package_dir)
         if record is None:
+            if opts.get("quiet") and not opts.get("json"):
+                return _apply_quietly(tree, opts)
             return None
     scan: dict[str, str | None] = record["scan"]
     known = [p["id"] for p in record["patches"]]
@@ -289,7 +319,7 @@ def try_fast(argv: list[str]) -> int | None:
     elif opts.get("digest"):
         out.write(digest + "\n")
     elif opts["command"] == "apply":
-        out.write("".join(f"k3patch: {quiet_line(p['id'], results)}\n" for p in patches))
+        out.write(apply_quiet_text([p["id"] for p in patches], results, []))
     elif opts.get("quiet"):
         out.write("".join(f"{quiet_line(p['id'], results)}\n" for p in patches))
     elif out.isatty():

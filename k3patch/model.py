@@ -223,15 +223,21 @@ class Sources:
         return self._files[rel]
 
     def with_changes(self, changes: Mapping[str, str]) -> Sources:
-        """A view of the same tree with some files replaced by new text (nothing is written)."""
-        base = self
+        """A view of the same tree with some files replaced by new text (nothing is written).
+        Unchanged files are shared with this view, parsed trees included."""
+        return _ChangedSources(self, dict(changes))
 
-        def reader(rel: str) -> bytes | None:
-            if rel in changes:
-                return changes[rel].encode("utf-8")
-            return base[rel].data
 
-        return Sources(reader)
+class _ChangedSources(Sources):
+    def __init__(self, base: Sources, changes: dict[str, str]) -> None:
+        super().__init__(lambda rel: changes[rel].encode("utf-8"))
+        self._base = base
+        self._changes = changes
+
+    def __getitem__(self, rel: str) -> SourceFile:
+        if rel not in self._changes:
+            return self._base[rel]
+        return super().__getitem__(rel)
 
 
 # --------------------------------------------------------------------------------------------

@@ -125,11 +125,14 @@ def print_apply(outcome: ApplyOutcome, *, quiet: bool, diff: bool) -> None:
     if diff and outcome.plan is not None:
         sys.stdout.write(outcome.plan.diff())
     if quiet:
-        # One line per patch, for entrypoint logs.
-        for patch in report.patches:
-            out.print(f"k3patch: {escape(_quiet_line(report, patch))}")
-        for line in outcome.recovered:
-            out.print(f"k3patch: recovered: {line}")
+        out.file.write(
+            fastpath.apply_quiet_text(
+                [p.id for p in report.patches],
+                [r.to_json() for r in report.results],
+                outcome.recovered,
+            )
+        )
+        out.file.flush()
         return
     _header(out, report)
     _print_sites(out, report)

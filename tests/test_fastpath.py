@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, tree_hashes
 from k3patch import engine
 from k3patch.tree import locate
 
@@ -108,9 +108,31 @@ def test_fast_path_declines_what_it_does_not_serve(make_tree, args):
     assert fast(*args, "--vllm", str(site))[0] is None
 
 
-def test_fast_path_declines_pending_trees_and_journals(make_tree):
+def test_cold_quiet_apply_skips_the_cli_stack_and_matches_it(make_tree):
+    """The entrypoint's cold start: `apply --quiet` with work to do goes straight into the
+    engine (no typer, no rich) and prints what the full CLI prints."""
+    lean_site, full_site = make_tree("0.31.0"), make_tree("0.31.0")
+    code, heavy, out = fast("apply", "--quiet", "--vllm", str(lean_site))
+    assert code == 0
+    assert not {"typer", "rich", "click"} & set(heavy), heavy
+    reference = full("apply", "--quiet", "--vllm", str(full_site))
+    assert reference.returncode == 0 and out == reference.stdout
+    assert tree_hashes(lean_site / "vllm") == tree_hashes(full_site / "vllm")
+
+
+def test_cold_quiet_apply_reports_drift_like_the_cli(make_tree):
     site = make_tree("0.31.0")
-    assert fast("apply", "--quiet", "--vllm", str(site))[0] is None  # no record
+    target = site / "vllm" / "_aiter_ops.py"
+    target.write_text(target.read_text().replace("cls._AITER_ENABLED and", "cls._AITER_ENABLED or"))
+    code, _, out = fast("apply", "--quiet", "--vllm", str(site))
+    reference = full("apply", "--quiet", "--vllm", str(site))
+    assert code == reference.returncode == 1
+    assert out == reference.stdout
+    assert not (site / "vllm" / ".k3patch").exists()
+
+
+def test_fast_path_declines_journals(make_tree):
+    site = make_tree("0.31.0")
     run_cli("apply", "--vllm", str(site), env={"K3PATCH_TEST_CRASH_AT": "pycache-synced"})
     assert (site / "vllm" / ".k3patch" / "journal.json").exists()
     assert fast("status", "--vllm", str(site))[0] is None
