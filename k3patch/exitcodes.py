@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up cost)
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from k3patch.engine import ApplyOutcome, Report, RevertOutcome
     from k3patch.verify import VerifyReport
 

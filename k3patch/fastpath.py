@@ -16,8 +16,14 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up cost)
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping, Sequence
+    from typing import Any
+
+    from k3patch.tree import VllmTree
 
 JSON_SCHEMA_VERSION = 1
 STATE_SCHEMA_VERSION = 1
@@ -235,7 +241,7 @@ def fresh_record(state_dir: str, package_dir: str) -> dict[str, Any] | None:
     return record
 
 
-def _apply_quietly(tree: Any, opts: dict[str, Any]) -> int:
+def _apply_quietly(tree: VllmTree, opts: dict[str, Any]) -> int:
     """`apply --quiet` with work to do, straight into the engine: the entrypoint's cold start
     needs no option parser or terminal renderer, only the plain lines it prints."""
     from k3patch import engine, exitcodes, registry
@@ -265,8 +271,7 @@ def try_fast(argv: list[str]) -> int | None:
         tree = locate(opts["vllm"])
     except TreeError:
         return None  # the full path reports it
-    state_dir = str(tree.state_dir)
-    package_dir = str(tree.package_dir)
+    state_dir, package_dir = tree.state, tree.package
     record = fresh_record(state_dir, package_dir)
     if record is None:
         if opts["command"] != "apply":

@@ -33,7 +33,7 @@ def preflight_problem(package_dir: str) -> str | None:
         tree = locate(package_dir)
     except TreeError as exc:
         return str(exc)
-    state_dir, pkg = str(tree.state_dir), str(tree.package_dir)
+    state_dir, pkg = tree.state, tree.package
     if not os.path.exists(os.path.join(state_dir, "state.json")):
         return f"no k3patch state record in {pkg}; run `k3patch apply` on this tree"
     record = fastpath.fresh_record(state_dir, pkg)

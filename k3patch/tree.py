@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.machinery
 import os
 import re
 import sys
-from dataclasses import dataclass
-from pathlib import Path
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up cost)
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 class TreeError(Exception):
@@ -18,13 +20,41 @@ class TreeError(Exception):
         self.usage = usage
 
 
-@dataclass(frozen=True)
 class VllmTree:
-    package_dir: Path  # the `vllm` package directory
-    root: Path  # the directory that holds `vllm/` (site-packages or a source checkout)
-    kind: str  # "site-packages", "source checkout" or "package dir"
-    version: str | None
-    version_source: str
+    """A located vLLM tree. Held as plain strings so the no-op path never imports pathlib;
+    the Path views are made on first use."""
+
+    __slots__ = ("kind", "package", "version", "version_source")
+
+    def __init__(self, package: str, kind: str, version: str | None, version_source: str) -> None:
+        self.package = package  # the `vllm` package directory
+        self.kind = kind  # "site-packages", "source checkout" or "package dir"
+        self.version = version
+        self.version_source = version_source
+
+    def __repr__(self) -> str:
+        return f"VllmTree({self.package!r}, {self.kind!r}, {self.version!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, VllmTree) and other.package == self.package
+
+    def __hash__(self) -> int:
+        return hash(self.package)
+
+    @property
+    def package_dir(self) -> Path:
+        from pathlib import Path
+
+        return Path(self.package)
+
+    @property
+    def root(self) -> Path:
+        """The directory that holds `vllm/` (site-packages or a source checkout)."""
+        return self.package_dir.parent
+
+    @property
+    def state(self) -> str:
+        return os.path.join(self.package, ".k3patch")
 
     @property
     def state_dir(self) -> Path:
@@ -36,15 +66,16 @@ class VllmTree:
 
     def read(self, rel: str) -> bytes | None:
         """A target file's bytes, or None when absent. A symlinked target is refused."""
-        path = self.path(rel)
-        if path.is_symlink():
+        path = os.path.join(self.package, rel)
+        if os.path.islink(path):
             raise TreeError(
                 f"{path} is a symlink to {os.path.realpath(path)}; k3patch replaces files "
                 "atomically and will not turn a link into a copy. Patch the link's target tree.",
                 usage=True,
             )
         try:
-            return path.read_bytes()
+            with open(path, "rb") as handle:
+                return handle.read()
         except FileNotFoundError:
             return None
         except IsADirectoryError:
@@ -55,14 +86,18 @@ class VllmTree:
             ) from None
 
 
-def _looks_like_vllm(package_dir: Path) -> bool:
-    return (package_dir / "__init__.py").is_file() and (package_dir / "envs.py").is_file()
+def _looks_like_vllm(package_dir: str) -> bool:
+    return os.path.isfile(os.path.join(package_dir, "__init__.py")) and os.path.isfile(
+        os.path.join(package_dir, "envs.py")
+    )
 
 
 def locate(path: str | os.PathLike[str] | None = None) -> VllmTree:
     """The vLLM tree at `path` (package dir, source checkout or site-packages), or, with no
     path, the one the running interpreter would import, found without importing it."""
     if path is None:
+        import importlib.machinery
+
         spec = importlib.machinery.PathFinder.find_spec("vllm", sys.path)
         if spec is None or not spec.submodule_search_locations:
             raise TreeError(
@@ -70,42 +105,48 @@ def locate(path: str | os.PathLike[str] | None = None) -> VllmTree:
                 "(the vllm package dir, a source checkout or a site-packages dir)",
                 usage=False,
             )
-        package_dir = Path(next(iter(spec.submodule_search_locations)))
+        package_dir = str(next(iter(spec.submodule_search_locations)))
     else:
-        given = Path(path)
-        if not given.exists():
+        given = os.fspath(path)
+        if not os.path.exists(given):
             raise TreeError(f"{given}: no such directory", usage=True)
-        if not given.is_dir():
+        if not os.path.isdir(given):
             raise TreeError(f"{given}: not a directory; pass the vllm package dir", usage=True)
-        if given.name == "vllm" and _looks_like_vllm(given):
+        given = given.rstrip(os.sep) or os.sep
+        if os.path.basename(given) == "vllm" and _looks_like_vllm(given):
             package_dir = given
-        elif _looks_like_vllm(given / "vllm"):
-            package_dir = given / "vllm"
+        elif _looks_like_vllm(os.path.join(given, "vllm")):
+            package_dir = os.path.join(given, "vllm")
         else:
             raise TreeError(
                 f"{given}: not a vLLM tree (no vllm/__init__.py and vllm/envs.py); pass the vllm "
                 "package dir, a source checkout holding vllm/, or a site-packages dir",
                 usage=True,
             )
-    if package_dir.is_symlink():
+    if os.path.islink(package_dir):
+        real = os.path.realpath(package_dir)
         raise TreeError(
-            f"{package_dir} is a symlink to {os.path.realpath(package_dir)}; pass --vllm "
-            f"{os.path.realpath(package_dir)} so the files are patched where they live",
+            f"{package_dir} is a symlink to {real}; pass --vllm {real} so the files are "
+            "patched where they live",
             usage=True,
         )
     if not _looks_like_vllm(package_dir):
         raise TreeError(f"{package_dir}: not a vLLM package (no envs.py)", usage=True)
     # Parents may be links (a venv's lib64 -> lib); the package dir itself is not.
-    package_dir = Path(os.path.realpath(package_dir.parent)) / package_dir.name
-    root = package_dir.parent
+    package_dir = os.path.join(
+        os.path.realpath(os.path.dirname(os.path.abspath(package_dir))), "vllm"
+    )
+    root = os.path.dirname(package_dir)
     version, source = _read_version(root, package_dir)
     if source.startswith("dist-info"):
         kind = "site-packages"
-    elif (root / "pyproject.toml").is_file() or (root / "setup.py").is_file():
+    elif os.path.isfile(os.path.join(root, "pyproject.toml")) or os.path.isfile(
+        os.path.join(root, "setup.py")
+    ):
         kind = "source checkout"
     else:
         kind = "package dir"
-    return VllmTree(package_dir, root, kind, version, source)
+    return VllmTree(package_dir, kind, version, source)
 
 
 _VERSION_LINE = re.compile(r"^Version:\s*(\S+)\s*$", re.MULTILINE)
@@ -113,20 +154,32 @@ _NAME_LINE = re.compile(r"^Name:\s*(\S+)\s*$", re.MULTILINE)
 _VERSION_PY = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
 
 
-def _read_version(root: Path, package_dir: Path) -> tuple[str | None, str]:
-    for dist_info in sorted(root.glob("vllm-*.dist-info")):
-        metadata = dist_info / "METADATA"
-        try:
-            text = metadata.read_text(encoding="utf-8", errors="replace")
-        except OSError:
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return handle.read()
+    except OSError:
+        return None
+
+
+def _read_version(root: str, package_dir: str) -> tuple[str | None, str]:
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        names = []
+    for name in names:
+        if not (name.startswith("vllm-") and name.endswith(".dist-info")):
             continue
-        name = _NAME_LINE.search(text)
+        text = _read_text(os.path.join(root, name, "METADATA"))
+        if text is None:
+            continue
+        found_name = _NAME_LINE.search(text)
         version = _VERSION_LINE.search(text)
-        if name and version and name.group(1).lower() == "vllm":
-            return version.group(1), f"dist-info {dist_info.name}"
-    version_py = package_dir / "_version.py"
-    if version_py.is_file():
-        match = _VERSION_PY.search(version_py.read_text(encoding="utf-8", errors="replace"))
+        if found_name and version and found_name.group(1).lower() == "vllm":
+            return version.group(1), f"dist-info {name}"
+    text = _read_text(os.path.join(package_dir, "_version.py"))
+    if text is not None:
+        match = _VERSION_PY.search(text)
         if match:
             return match.group(1), "vllm/_version.py"
     return None, "unknown (no dist-info METADATA or vllm/_version.py)"
