@@ -152,7 +152,7 @@ def apply(
     """Apply every pending patch as one transaction. Refuses, writing nothing, on drift."""
 
     def body() -> int:
-        from k3patch import engine, exitcodes, render
+        from k3patch import engine, exitcodes, fastpath, render
         from k3patch.registry import select
 
         outcome = engine.apply(
@@ -160,14 +160,7 @@ def apply(
         )
         code = int(exitcodes.for_apply(outcome))
         if as_json:
-            payload = outcome.report.to_json()
-            payload.update(
-                check=outcome.check,
-                refused=outcome.refused,
-                written=[f"vllm/{rel}" for rel in outcome.written],
-                recovered=outcome.recovered,
-                bytecode=outcome.pycache,
-            )
+            payload = fastpath.apply_payload(outcome)
             if diff and outcome.plan is not None:
                 payload["diff"] = outcome.plan.diff()
             render.emit_json("apply", code, payload)

@@ -210,12 +210,13 @@ def plan(report: Report) -> Plan:
         except Exception as exc:
             raise PatchBug(f"{patch.id}: rewrite failed: {exc!r}") from exc
         changes.update(rewritten)
-    for rel, text in changes.items():
-        try:
-            compile(text, f"vllm/{rel}", "exec", dont_inherit=True)
-        except SyntaxError as exc:
-            raise PatchBug(f"rewritten vllm/{rel} does not compile: {exc}") from exc
     after_sources = sources.with_changes(changes)
+    for rel in changes:
+        # Parsed once: the tree feeds both the compile check and the re-classification.
+        try:
+            compile(after_sources[rel].tree, f"vllm/{rel}", "exec", dont_inherit=True)
+        except (SyntaxError, SourceError, ValueError) as exc:
+            raise PatchBug(f"rewritten vllm/{rel} does not compile: {exc}") from exc
     # A patch none of whose files changed keeps its verdicts: its inputs are the same bytes.
     after = [
         r

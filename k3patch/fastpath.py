@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
     from typing import Any
 
+    from k3patch.engine import ApplyOutcome
     from k3patch.tree import VllmTree
 
 JSON_SCHEMA_VERSION = 1
@@ -241,9 +242,23 @@ def fresh_record(state_dir: str, package_dir: str) -> dict[str, Any] | None:
     return record
 
 
-def _apply_quietly(tree: VllmTree, opts: dict[str, Any]) -> int:
-    """`apply --quiet` with work to do, straight into the engine: the entrypoint's cold start
-    needs no option parser or terminal renderer, only the plain lines it prints."""
+def apply_payload(outcome: ApplyOutcome) -> dict[str, Any]:
+    """The JSON of `apply` (inside the envelope), for both paths."""
+    payload = outcome.report.to_json()
+    payload.update(
+        check=outcome.check,
+        refused=outcome.refused,
+        written=[f"vllm/{rel}" for rel in outcome.written],
+        recovered=outcome.recovered,
+        bytecode=outcome.pycache,
+    )
+    return payload
+
+
+def _apply_lean(tree: VllmTree, opts: dict[str, Any]) -> int:
+    """`apply --quiet` or `apply --json` with work to do, straight into the engine: an
+    entrypoint's cold start needs no option parser or terminal renderer, only plain lines or
+    JSON, the same as the full CLI prints."""
     from k3patch import engine, exitcodes, registry
 
     try:
@@ -252,12 +267,20 @@ def _apply_quietly(tree: VllmTree, opts: dict[str, Any]) -> int:
     except Exception as exc:
         if os.environ.get("K3PATCH_DEBUG"):
             raise
-        sys.stderr.write(f"k3patch: error: {exitcodes.describe(exc)}\n")
-        return int(exitcodes.for_exception(exc))
-    results = [r.to_json() for r in outcome.report.results]
-    sys.stdout.write(apply_quiet_text([p.id for p in patches], results, outcome.recovered))
+        code, message = int(exitcodes.for_exception(exc)), exitcodes.describe(exc)
+        if opts.get("json"):
+            sys.stdout.write(envelope("apply", code, {"error": message}))
+        else:
+            sys.stderr.write(f"k3patch: error: {message}\n")
+        return code
+    code = int(exitcodes.for_apply(outcome))
+    if opts.get("json"):
+        sys.stdout.write(envelope("apply", code, apply_payload(outcome)))
+    else:
+        results = [r.to_json() for r in outcome.report.results]
+        sys.stdout.write(apply_quiet_text([p.id for p in patches], results, outcome.recovered))
     sys.stdout.flush()
-    return int(exitcodes.for_apply(outcome))
+    return code
 
 
 def try_fast(argv: list[str]) -> int | None:
@@ -281,14 +304,17 @@ def try_fast(argv: list[str]) -> int | None:
         from k3patch import lock
 
         try:
-            lock.hold(state_dir, float(opts["lock_timeout"]))
+            timeout = float(opts["lock_timeout"])
+            if not lock.hold_or_wait(state_dir, timeout):
+                record = fresh_record(state_dir, package_dir)
+                if record is None:
+                    lock.hold(state_dir, timeout)  # the other run left work: do it ourselves
         except (lock.EnvironmentProblem, ValueError):
             return None
-        record = fresh_record(state_dir, package_dir)
         if record is None:
-            if opts.get("quiet") and not opts.get("json"):
-                return _apply_quietly(tree, opts)
-            return None
+            record = fresh_record(state_dir, package_dir)
+        if record is None:
+            return _apply_lean(tree, opts)
     scan: dict[str, str | None] = record["scan"]
     known = [p["id"] for p in record["patches"]]
     if any(p not in known for p in opts["only"] + opts["skip"]):

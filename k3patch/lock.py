@@ -36,8 +36,8 @@ def env_error(action: str, path: Path | str, exc: OSError) -> EnvironmentProblem
     return EnvironmentProblem(f"cannot {action} {path}: {hint}")
 
 
-# state dir -> the fd whose flock this process holds (closed only at exit)
-_held: dict[str, int] = {}
+# state dir -> (the fd whose flock this process holds, exclusive?); closed at exit at the latest
+_held: dict[str, tuple[int, bool]] = {}
 
 
 def hold(state_dir: Path | str, timeout: float) -> None:
@@ -45,8 +45,34 @@ def hold(state_dir: Path | str, timeout: float) -> None:
     directory itself, so no lock file is left behind. A directory removed by a revert while we
     waited is noticed (its inode changed) and the lock is taken on the new one."""
     key = os.path.abspath(state_dir)
-    if key in _held:
+    if _held.get(key, (0, False))[1]:
         return
+    release(key)
+    _held[key] = (_acquire(key, fcntl.LOCK_EX, timeout), True)
+
+
+def hold_or_wait(state_dir: Path | str, timeout: float) -> bool:
+    """True: this process now holds the lock (it is the one to do the work). False: another
+    run holds it; we waited, asleep, until it let go, and now share the lock with every other
+    waiter, so that all of them can read its result at once instead of one after another."""
+    key = os.path.abspath(state_dir)
+    if key in _held:
+        return _held[key][1]
+    try:
+        _held[key] = (_acquire(key, fcntl.LOCK_EX, 0.0), True)
+        return True
+    except EnvironmentProblem as exc:
+        if not isinstance(exc, _Busy):
+            raise
+    _held[key] = (_acquire(key, fcntl.LOCK_SH, timeout), False)
+    return False
+
+
+class _Busy(EnvironmentProblem):
+    pass
+
+
+def _acquire(key: str, mode: int, timeout: float) -> int:
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -55,17 +81,21 @@ def hold(state_dir: Path | str, timeout: float) -> None:
         except OSError as exc:
             raise env_error("create the state directory", key, exc) from None
         try:
+            # Back off from 1 ms to 25 ms: dozens of ranks waiting on one tree must not eat
+            # the CPU that the run holding the lock needs.
+            pause = 0.001
             while True:
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise EnvironmentProblem(
+                    if time.monotonic() >= deadline:
+                        raise _Busy(
                             f"another k3patch run holds the lock on {key} for over "
                             f"{timeout:g}s; wait for it or raise --lock-timeout"
                         ) from None
-                    time.sleep(0.005)
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.025)
             try:
                 same = os.stat(key).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
@@ -74,8 +104,7 @@ def hold(state_dir: Path | str, timeout: float) -> None:
             os.close(fd)
             raise
         if same:
-            _held[key] = fd
-            return
+            return fd
         os.close(fd)
 
 
@@ -83,14 +112,14 @@ def release(state_dir: Path | str) -> None:
     """Give the lock back. A state dir this run created and left empty (nothing to write, a
     refusal, an error) is removed first, so a run that wrote nothing leaves no trace."""
     key = os.path.abspath(state_dir)
-    fd = _held.pop(key, None)
-    if fd is None:
+    held = _held.pop(key, None)
+    if held is None:
         return
     try:
         os.rmdir(key)
     except OSError:
         pass
-    os.close(fd)
+    os.close(held[0])
 
 
 @atexit.register
@@ -103,7 +132,7 @@ def _release_all() -> None:
 def locked(state_dir: Path | str, timeout: float) -> Iterator[None]:
     """Hold the lock for a block; if this process already holds it, keep holding it after."""
     key = os.path.abspath(state_dir)
-    already = key in _held
+    already = _held.get(key, (0, False))[1]
     hold(key, timeout)
     try:
         yield

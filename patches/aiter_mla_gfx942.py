@@ -125,9 +125,14 @@ class AiterMlaGfx942(Patch):
         return missing
 
     def rewrite(self, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
-        from k3patch.codemod import replace_method
+        from k3patch.codemod import replace_statement
 
-        return {FILE: replace_method(sources[FILE].text, CLASS, METHOD, POST_IMAGE)}
+        src = sources[FILE]
+        cls = find_class(src.tree, CLASS)
+        method = find_method(cls, METHOD) if cls else None
+        if method is None:
+            raise ValueError(f"{SITE} vanished between classification and rewrite")
+        return {FILE: replace_statement(src.text, method, POST_IMAGE)}
 
     def probe(self) -> ProbeOutcome:
         return probe_truth_table()
