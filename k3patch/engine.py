@@ -394,7 +394,11 @@ def revert(
             return RevertOutcome(conflicts=conflicts, recovered=recovered)
         state_bytes = (tree.state_dir / "state.json").read_bytes()
         edits.append(FileEdit(STATE_REL, state_bytes, None))
-        pycache = txn.commit(edits, "revert")
+        try:
+            pycache = txn.commit(edits, "revert")
+        except BaseException:
+            _forget_failed_commit(tree, txn, record)
+            raise
         _remove_state_dir(tree, txn)
         return RevertOutcome(
             restored=[e.rel for e in edits[:-1]], recovered=recovered, pycache=pycache

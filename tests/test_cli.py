@@ -104,6 +104,20 @@ def test_symlinked_package_dir_is_refused(make_tree, tmp_path):
 
 
 @pytest.mark.wheel
+def test_symlinked_site_packages_patches_the_real_files(make_tree, tmp_path):
+    # A link above the package (a venv's lib64 -> lib) is followed: the real files are
+    # patched in place and the link stays a link.
+    site = make_tree("0.31.0")
+    link = tmp_path / "lib64"
+    link.symlink_to(site)
+    proc = run_cli("apply", "--vllm", str(link))
+    assert proc.returncode == 0, proc.stderr
+    assert link.is_symlink()
+    assert "envs.is_set" in (site / "vllm" / "_aiter_ops.py").read_text()
+    assert (site / "vllm" / ".k3patch" / "state.json").exists()
+
+
+@pytest.mark.wheel
 def test_symlinked_target_file_is_refused(make_tree, tmp_path):
     site = make_tree("0.31.0")
     target = site / "vllm" / "_aiter_ops.py"

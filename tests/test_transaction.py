@@ -19,6 +19,7 @@ from k3patch.transaction import Transaction
 
 pytestmark = pytest.mark.wheel
 
+
 def planned_files(version: str = "0.31.0") -> list[str]:
     """The files a full apply writes on a fresh tree (every landed patch that is pending)."""
     from conftest import pristine_tree
@@ -68,6 +69,28 @@ def test_exception_at_each_step_rolls_back(make_tree, step):
     # And the next apply completes normally.
     assert engine.apply(tree).written == planned_files()
     assert engine.scan(tree).verdict("aiter-mla-gfx942").value == "applied"
+
+
+REVERT_STEPS = [
+    "blobs-written",
+    "journal-written",
+    *(f"replaced:{rel}" for rel in planned_files()),
+    "pycache-synced",
+]
+
+
+@pytest.mark.parametrize("step", REVERT_STEPS)
+def test_exception_at_each_revert_step_rolls_back_to_patched(make_tree, step):
+    site = make_tree("0.31.0")
+    tree = locate(site)
+    engine.apply(tree)
+    patched = tree_hashes(site)
+    with pytest.raises(Boom):
+        engine.revert(tree, fault=fault_at(step))
+    assert tree_hashes(site) == patched, "a failed revert must leave the patched tree whole"
+    assert not (tree.state_dir / "journal.json").exists()
+    # And the next revert completes.
+    assert engine.revert(tree).restored == planned_files()
 
 
 KILL_STEPS = [*STEPS, "journal-removed"]
@@ -134,7 +157,7 @@ def test_mode_and_owner_are_kept(make_tree):
 
 def test_concurrent_applies_serialise_one_writer(make_tree):
     site = make_tree("0.31.0")
-    n = 8
+    n = 32
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "k3patch", "apply", "--vllm", str(site), "--json"],
