@@ -265,6 +265,29 @@ def find_function(module: ast.Module, name: str) -> ast.FunctionDef | None:
     return None
 
 
+def mentioned_names(node: ast.AST, *, everything: bool = False) -> set[str]:
+    """The names, attribute names and keyword-argument names a node mentions. With
+    `everything`, also parameter names, def/class names and string constants (the identifiers
+    a marker or a fork field can hide in)."""
+    found: set[str] = set()
+    for child in ast.walk(node):
+        if isinstance(child, ast.Name):
+            found.add(child.id)
+        elif isinstance(child, ast.Attribute):
+            found.add(child.attr)
+        elif isinstance(child, ast.keyword) and child.arg:
+            found.add(child.arg)
+        elif not everything:
+            continue
+        elif isinstance(child, ast.arg):
+            found.add(child.arg)
+        elif isinstance(child, ast.Constant) and isinstance(child.value, str):
+            found.add(child.value)
+        elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            found.add(child.name)
+    return found
+
+
 def module_binds(module: ast.Module, name: str) -> bool:
     """Whether the module binds `name` at top level (an import, a def, a class or an assignment)."""
     for node in module.body:

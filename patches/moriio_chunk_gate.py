@@ -40,6 +40,7 @@ from k3patch.model import (
     Verdict,
     find_class,
     find_method,
+    mentioned_names,
     normalised_dump,
     site_fingerprint,
 )
@@ -256,15 +257,7 @@ def _expr_dump(source: str) -> str:
 
 def _words(node: ast.AST) -> set[str]:
     """Every name and attribute name a node mentions."""
-    out: set[str] = set()
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.Name):
-            out.add(sub.id)
-        elif isinstance(sub, ast.Attribute):
-            out.add(sub.attr)
-        elif isinstance(sub, ast.keyword) and sub.arg:
-            out.add(sub.arg)
-    return out
+    return mentioned_names(node)
 
 
 def _loads(nodes: Sequence[ast.AST]) -> set[str]:

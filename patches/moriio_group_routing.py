@@ -41,6 +41,7 @@ from k3patch.model import (
     Verdict,
     find_class,
     find_function,
+    mentioned_names,
     module_binds,
     site_fingerprint,
     source_fingerprint,
@@ -176,21 +177,7 @@ _k3_sel = self.worker.kv_group_of_layer[task.layer_name]
 
 def _names(node: ast.AST) -> set[str]:
     """Identifiers, attribute names, keywords, parameters and string constants under `node`."""
-    found: set[str] = set()
-    for child in ast.walk(node):
-        if isinstance(child, ast.Name):
-            found.add(child.id)
-        elif isinstance(child, ast.Attribute):
-            found.add(child.attr)
-        elif isinstance(child, ast.keyword) and child.arg:
-            found.add(child.arg)
-        elif isinstance(child, ast.arg):
-            found.add(child.arg)
-        elif isinstance(child, ast.Constant) and isinstance(child.value, str):
-            found.add(child.value)
-        elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            found.add(child.name)
-    return found
+    return mentioned_names(node, everything=True)
 
 
 def _scope(tree: ast.Module, path: tuple[str, ...]) -> ast.AST | None:
