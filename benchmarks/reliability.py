@@ -74,11 +74,13 @@ def main() -> None:
     _copy_minimal(pristine_tree(args.version), pristine, engine.target_files(all_patches()))
     started = time.time()
     rows = []
+    failures: list[str] = []
     runs, mixed = step_kills(pristine, work)
     rows.append(("kill -9 at every named commit step (apply and revert)", runs, runs, mixed))
     for op, n, seed in (("apply", args.apply_runs, 11), ("revert", args.revert_runs, 12)):
         (work / op).mkdir()
         r = campaign(pristine, work / op, runs=n, op=op, seed=seed)
+        failures += [f"{op}: {line}" for line in r.failures]
         rows.append(
             (
                 f"kill -9 at a random moment during {op}",
@@ -98,6 +100,8 @@ def main() -> None:
         "|---|---:|---:|---:|",
         *(f"| {case} | {runs} | {killed} | {bad} |" for case, runs, killed, bad in rows),
     ]
+    if failures:
+        lines += ["", "Failures:", "", *(f"- {line}" for line in failures)]
     text = "\n".join(lines) + "\n"
     print(text)
     (Path(__file__).resolve().parent / "RELIABILITY.md").write_text(text)
