@@ -15,7 +15,14 @@ def main() -> None:
     if not os.environ.get("K3PATCH_NO_FASTPATH"):
         from k3patch.fastpath import try_fast
 
-        code = try_fast(sys.argv[1:])
+        try:
+            code = try_fast(sys.argv[1:])
+        except Exception:
+            # The shortcut must never be the thing that fails: the full path decides and
+            # reports. (Its own errors, e.g. a lock timeout, are returned as codes.)
+            if os.environ.get("K3PATCH_DEBUG"):
+                raise
+            code = None
         if code is not None:
             sys.exit(code)
     from k3patch.cli import app
