@@ -117,6 +117,13 @@ def run_as_nobody(args: list[str]) -> tuple[int, str, str]:
     for info in pkgutil.iter_modules(k3patch.__path__):
         importlib.import_module(f"k3patch.{info.name}")
     all_patches()
+    # typer and rich import parts of themselves on first use: use them once here, on a path
+    # that does not exist (so nothing is written), with the same options.
+    from typer.testing import CliRunner
+
+    missing = ["--vllm", "/nonexistent/k3patch-warm-up"]
+    for warm in ([args[0], *missing], [args[0], "--quiet", *missing], [args[0], "--help"]):
+        CliRunner().invoke(k3patch.cli.app, warm)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     pid = os.fork()
@@ -137,6 +144,10 @@ def run_as_nobody(args: list[str]) -> tuple[int, str, str]:
                 code = 0
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
