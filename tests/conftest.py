@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -137,6 +138,23 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
         env=full_env,
         cwd=cwd,
     )
+
+
+def status_json(site: Path, *args: str) -> dict:
+    """`k3patch status --json` on a tree, with its exit code under "_rc"."""
+    proc = run_cli("status", "--vllm", str(site), "--json", *args)
+    data = json.loads(proc.stdout)
+    data["_rc"] = proc.returncode
+    return data
+
+
+def sites_of(site: Path, *args: str) -> dict[str, dict]:
+    """The first reported patch's sites by name (use --only to choose the patch)."""
+    return {s["site"]: s for s in status_json(site, *args)["patches"][0]["sites"]}
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 VERIFY_PYTHON_ENV = "K3PATCH_TEST_VLLM_PYTHON"

@@ -3,32 +3,24 @@ formatting insensitivity, marker comments, semantic drift, and missing precondit
 
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from conftest import run_cli, tree_hashes
-from k3patch.model import Verdict, source_fingerprint
+from conftest import run_cli, sha, tree_hashes
+from conftest import status_json as _status_json
 from k3patch.patches import aiter_mla_gfx942 as aiter
+
+from k3patch.model import Verdict, source_fingerprint
 
 VERSIONS = ["0.29.0", "0.31.0", "0.33.0"]
 ONLY = ["--only", "aiter-mla-gfx942"]
 
 
-def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def status_json(site: Path) -> dict:
-    proc = run_cli("status", "--vllm", str(site), "--json", *ONLY)
-    data = json.loads(proc.stdout)
-    data["_rc"] = proc.returncode
-    return data
+    return _status_json(site, *ONLY)
 
 
 def verdict_of(site: Path) -> str:

@@ -15,10 +15,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import FIXTURES, run_cli, tree_hashes
-from k3patch import model
+from conftest import sites_of as _sites_of
+from conftest import status_json as _status_json
 from k3patch.patches import kda_gather_diagnostic as kda
+
+from k3patch import model
 from k3patch.registry import patch_module_file
 
 ONLY = ["--only", "kda-gather-diagnostic"]
@@ -35,14 +37,11 @@ def copy_fixture(name: str, tmp_path: Path) -> Path:
 
 
 def status_json(tree: Path) -> dict:
-    proc = run_cli("status", "--vllm", str(tree), "--json", *ONLY)
-    data = json.loads(proc.stdout)
-    data["_rc"] = proc.returncode
-    return data
+    return _status_json(tree, *ONLY)
 
 
 def sites_of(tree: Path) -> dict[str, dict]:
-    return {s["site"]: s for s in status_json(tree)["patches"][0]["sites"]}
+    return _sites_of(tree, *ONLY)
 
 
 def source_hashes(tree: Path) -> dict[str, str]:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import ast
 import difflib
-import hashlib
-import json
 import re
 import shutil
 import subprocess
@@ -16,10 +14,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from conftest import FIXTURES, run_cli, tree_hashes
-from k3patch.model import Sources, Verdict
+from conftest import FIXTURES, run_cli, sha, tree_hashes
+from conftest import sites_of as _sites_of
+from conftest import status_json as _status_json
 from k3patch.patches import moriio_chunk_gate as gate
+
+from k3patch.model import Sources, Verdict
 
 ONLY = ["--only", "moriio-chunk-gate"]
 REL = "vllm/" + gate.FILE
@@ -31,19 +31,12 @@ SHAPE_OF = {
 }
 
 
-def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def status_json(site: Path) -> dict:
-    proc = run_cli("status", "--vllm", str(site), "--json", *ONLY)
-    data = json.loads(proc.stdout)
-    data["_rc"] = proc.returncode
-    return data
+    return _status_json(site, *ONLY)
 
 
 def sites_of(site: Path) -> dict[str, dict]:
-    return {s["site"]: s for s in status_json(site)["patches"][0]["sites"]}
+    return _sites_of(site, *ONLY)
 
 
 def verdicts_of(site: Path) -> tuple[str, str]:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, run_cli, tree_hashes
+from conftest import status_json as _status_json
 from k3patch.patches import moriio_group_routing as gr
 
 from k3patch import model
@@ -38,10 +39,7 @@ def copy_fixture(name: str, tmp_path: Path, as_name: str | None = None) -> Path:
 
 
 def status_json(tree: Path, *only: str) -> dict:
-    proc = run_cli("status", "--vllm", str(tree), "--json", *(only or ONLY))
-    data = json.loads(proc.stdout)
-    data["_rc"] = proc.returncode
-    return data
+    return _status_json(tree, *(only or ONLY))
 
 
 def patch_of(data: dict, patch_id: str = "moriio-group-routing") -> dict:
@@ -85,9 +83,7 @@ def test_legacy_fixture_reads_satisfied_and_is_left_alone(tmp_path):
     before = source_hashes(tree)
     patch = patch_of(status_json(tree))
     assert patch["verdict"] == "satisfied"
-    assert {s["shape"] for s in patch["sites"]} == {
-        "older anchor script k3-group-routing (legacy)"
-    }
+    assert {s["shape"] for s in patch["sites"]} == {"older anchor script k3-group-routing (legacy)"}
     # Its pitfall is named, not hidden: the group map falls back to group 0 on any exception.
     assert all("except Exception" in s["detail"] for s in patch["sites"])
     assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 0
@@ -123,9 +119,19 @@ def test_formatting_never_changes_a_verdict(tmp_path, line_length, quote):
             ast.parse(noisy)
             (tree / rel).write_text(noisy)
             subprocess.run(
-                [ruff, "format", "--no-cache", "--isolated", "--line-length", str(line_length),
-                 "--config", f"format.quote-style='{quote}'", str(tree / rel)],
-                check=True, capture_output=True,
+                [
+                    ruff,
+                    "format",
+                    "--no-cache",
+                    "--isolated",
+                    "--line-length",
+                    str(line_length),
+                    "--config",
+                    f"format.quote-style='{quote}'",
+                    str(tree / rel),
+                ],
+                check=True,
+                capture_output=True,
             )
             assert (tree / rel).read_text() != text
         sites = patch_of(status_json(tree))["sites"]
@@ -198,7 +204,8 @@ def test_no_fallback_to_group_zero_in_the_post_image(tmp_path):
     for rel, text in texts.items():
         fork = (FIXTURES / FORK / rel).read_text()
         added = "\n".join(
-            line[2:] for line in difflib.ndiff(fork.splitlines(), text.splitlines())
+            line[2:]
+            for line in difflib.ndiff(fork.splitlines(), text.splitlines())
             if line.startswith("+ ")
         )
         assert "except Exception" not in added, rel
@@ -219,8 +226,10 @@ def test_half_patched_package_reads_pending_and_apply_completes_it(tmp_path):
     (tree / CONNECTOR).write_text(texts[CONNECTOR])
     (tree / ENGINE).write_text(texts[ENGINE])
     sites = sites_of(tree)
-    by_file = {rel: {s["verdict"] for s in sites.values() if s["file"] == rel[5:]}
-               for rel in (COMMON, CONNECTOR, ENGINE)}
+    by_file = {
+        rel: {s["verdict"] for s in sites.values() if s["file"] == rel[5:]}
+        for rel in (COMMON, CONNECTOR, ENGINE)
+    }
     assert by_file == {COMMON: {"pending"}, CONNECTOR: {"applied"}, ENGINE: {"applied"}}
     assert patch_of(status_json(tree))["verdict"] == "pending"
 
@@ -349,14 +358,24 @@ DRIVER = textwrap.dedent(
 
 def drive(python: str, tree: Path, layout: str, chunked: bool, groups: bool = True) -> dict:
     proc = subprocess.run(
-        [python, "-c", DRIVER, model.__file__, str(patch_module_file(gr.PATCH)), layout,
-         "chunked" if chunked else "single", "groups" if groups else "no-groups"],
-        capture_output=True, text=True, cwd=tree.parent,
+        [
+            python,
+            "-c",
+            DRIVER,
+            model.__file__,
+            str(patch_module_file(gr.PATCH)),
+            layout,
+            "chunked" if chunked else "single",
+            "groups" if groups else "no-groups",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tree.parent,
         env={**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"},
     )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line, proc.stderr[-3000:]
-    data = json.loads(line[len("RESULT "):])
+    data = json.loads(line[len("RESULT ") :])
     data["routes"] = {k: (v[0], v[1]) for k, v in (data["routes"] or {}).items()}
     return data
 
@@ -447,9 +466,7 @@ def test_a_decode_node_without_the_fix_is_refused_loudly(fork_trees, verify_pyth
 
 def test_verify_runs_the_probe_on_the_patched_fork(fork_trees, verify_python):
     _, applied = fork_trees
-    proc = run_cli(
-        "verify", "--vllm", str(applied), "--python", verify_python, "--json", *ONLY
-    )
+    proc = run_cli("verify", "--vllm", str(applied), "--python", verify_python, "--json", *ONLY)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     check = json.loads(proc.stdout)["verify"]["patches"][0]
     assert [m["status"] for m in check["modules"]] == ["ok", "ok", "ok"]
