@@ -16,7 +16,7 @@ from typing import Any
 from k3patch import __version__, fastpath
 from k3patch.model import Patch, SiteResult, SourceError, Sources, Verdict, summarise
 from k3patch.registry import all_patches, patch_set_digest
-from k3patch.state import STATE_REL, FileState, StateRecord, load
+from k3patch.state import STATE_FILE, STATE_REL, FileState, StateRecord, load
 from k3patch.transaction import (
     EnvironmentProblem,
     FaultHook,
@@ -324,7 +324,7 @@ def apply(
             after_hashes[rel] = sha256(text.encode("utf-8"))
         unselected = [r for r in full.results if r.patch_id not in {p.id for p in patches}]
         record = _record(tree, the_plan.after_results + unselected, after_hashes, files)
-        state_path = tree.state_dir / "state.json"
+        state_path = tree.state_dir / STATE_FILE
         old_state = state_path.read_bytes() if state_path.exists() else None
         edits.append(FileEdit(STATE_REL, old_state, record.to_bytes()))
         try:
@@ -367,9 +367,9 @@ def revert(
     with locked(tree.state_dir, lock_timeout):
         recovered = txn.recover()
         record = load(tree.state_dir)
-        if record is None and (tree.state_dir / "state.json").exists():
+        if record is None and (tree.state_dir / STATE_FILE).exists():
             raise EnvironmentProblem(
-                f"{tree.state_dir / 'state.json'} is unreadable; revert cannot tell what k3patch "
+                f"{tree.state_dir / STATE_FILE} is unreadable; revert cannot tell what k3patch "
                 "changed. Reinstall vLLM to get the original files back"
             )
         changed = {rel: fs for rel, fs in (record.files.items() if record else []) if fs.applied}
@@ -392,7 +392,7 @@ def revert(
             edits.append(FileEdit(rel, data, original))
         if conflicts:
             return RevertOutcome(conflicts=conflicts, recovered=recovered)
-        state_bytes = (tree.state_dir / "state.json").read_bytes()
+        state_bytes = (tree.state_dir / STATE_FILE).read_bytes()
         edits.append(FileEdit(STATE_REL, state_bytes, None))
         try:
             pycache = txn.commit(edits, "revert")
@@ -419,7 +419,7 @@ def _refresh_record(tree: VllmTree, lock_timeout: float) -> None:
             old = load(tree.state_dir)
             record = _record(tree, full.results, full.hashes, dict(old.files) if old else {})
             # One file replaced atomically: no journal needed.
-            write_atomically(tree.state_dir / "state.json", record.to_bytes())
+            write_atomically(tree.state_dir / STATE_FILE, record.to_bytes())
     except EnvironmentProblem:
         try:
             tree.state_dir.rmdir()  # only if this run created it and left it empty
@@ -442,7 +442,7 @@ def _forget_failed_commit(tree: VllmTree, txn: Transaction, old: StateRecord | N
 def _remove_state_dir(tree: VllmTree, txn: Transaction) -> None:
     """A reverted tree carries nothing of k3patch's."""
     txn.prune_blobs(set())
-    for sub in (tree.state_dir / "blobs", tree.state_dir / "state.json"):
+    for sub in (tree.state_dir / "blobs", tree.state_dir / STATE_FILE):
         try:
             if sub.is_dir():
                 sub.rmdir()

@@ -96,15 +96,12 @@ def _drift_details(out: Console, report: Report) -> None:
             out.print("expected one of: " + escape(", ".join(result.expected)))
 
 
-def _quiet_line(report: Report, patch: Patch) -> str:
-    return fastpath.quiet_line(patch.id, [r.to_json() for r in report.results])
-
-
 def print_status(report: Report, quiet: bool = False) -> None:
     out = console()
     if quiet:
+        results = [r.to_json() for r in report.results]
         for patch in report.patches:
-            out.print(escape(_quiet_line(report, patch)))
+            out.print(escape(fastpath.quiet_line(patch.id, results)))
         return
     _header(out, report)
     _print_sites(out, report)
@@ -114,9 +111,7 @@ def print_status(report: Report, quiet: bool = False) -> None:
             f"[bold red]an interrupted k3patch {escape(report.interrupted)} left a journal;[/] "
             "the next apply or revert rolls it back first"
         )
-    out.print(
-        f"digest {report.digest}" + ("  (from the state record)" if report.from_record else "")
-    )
+    out.print(fastpath.digest_line(report.digest, report.from_record))
 
 
 def print_apply(outcome: ApplyOutcome, *, quiet: bool, diff: bool) -> None:
