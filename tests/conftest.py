@@ -119,6 +119,56 @@ def make_tree(tmp_path: Path) -> Callable[..., Path]:
     return make
 
 
+def _forktree_digest() -> str:
+    """A hash of the builder's own source: a cached fork tree made by other builder code is stale."""
+    h = hashlib.sha256()
+    for path in sorted((Path(__file__).parent / "forktree").glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def built_fork_tree(name: str) -> Path:
+    """A read-only cache of fork tree `name` (tests/forktree): the real 0.28.0 wheel + the older
+    scripts' site edits, built once per builder version."""
+    import forktree
+
+    target = TREES / f"fork-{name}-{_forktree_digest()}"
+    done = target / ".complete"
+    if done.exists():
+        return target
+    base = pristine_tree(forktree.BASE_VERSION)
+    with _cache_lock():
+        if done.exists():
+            return target
+        if target.exists():
+            shutil.rmtree(target)
+        forktree.build(name, base, target)
+        done.write_text("ok\n")
+    return target
+
+
+@pytest.fixture
+def fork_tree(tmp_path: Path) -> Callable[..., Path]:
+    """fork_tree("a") -> a writable site-packages dir holding fork tree "a" (see tests/forktree).
+
+    full=False copies only what the engine reads (as make_tree does); full=True every .py file."""
+    from k3patch.engine import target_files
+    from k3patch.registry import all_patches
+
+    counter = iter(range(1000))
+
+    def make(name: str, full: bool = False) -> Path:
+        src = built_fork_tree(name)
+        dst = tmp_path / f"fork-{name}-{next(counter)}"
+        if full:
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".complete"))
+        else:
+            _copy_minimal(src, dst, target_files(all_patches()))
+        return dst
+
+    return make
+
+
 def tree_hashes(root: Path) -> dict[str, str]:
     """sha256 of every file under root (relative path -> hex), to prove what changed."""
     out = {}
