@@ -147,16 +147,29 @@ def apply(
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="One line per patch (for entrypoints).")
     ] = False,
+    all_or_nothing: Annotated[
+        bool,
+        typer.Option(
+            "--all-or-nothing",
+            help="Write nothing at all when any selected patch has drifted (by default the "
+            "drifted patch is refused and the others are applied).",
+        ),
+    ] = False,
     lock_timeout: LockOpt = 120.0,
 ) -> None:
-    """Apply every pending patch as one transaction. Refuses, writing nothing, on drift."""
+    """Apply every pending patch as one transaction. A drifted patch is refused (nothing of it
+    is written, exit 1) and the other patches are still applied."""
 
     def body() -> int:
         from k3patch import engine, exitcodes, fastpath, render
         from k3patch.registry import select
 
         outcome = engine.apply(
-            _tree(vllm), select(only, skip), check=check, lock_timeout=lock_timeout
+            _tree(vllm),
+            select(only, skip),
+            check=check,
+            lock_timeout=lock_timeout,
+            all_or_nothing=all_or_nothing,
         )
         code = int(exitcodes.for_apply(outcome))
         if as_json:

@@ -76,6 +76,11 @@ class Report:
     def pending(self) -> list[SiteResult]:
         return [r for r in self.results if r.verdict is Verdict.PENDING]
 
+    def pending_outside(self, refused: Iterable[str]) -> list[SiteResult]:
+        """The pending sites of every patch not in `refused` (what an apply will rewrite)."""
+        skip = set(refused)
+        return [r for r in self.pending if r.patch_id not in skip]
+
     @property
     def drifted(self) -> list[SiteResult]:
         return [r for r in self.results if r.verdict is Verdict.DRIFTED]
@@ -195,12 +200,17 @@ class Plan:
         return "".join(chunks)
 
 
-def plan(report: Report) -> Plan:
+def plan(report: Report, refused: Iterable[str] = ()) -> Plan:
     """Rewrite every pending site in memory, compile the results and re-classify them: every
-    pending site must now read as applied and no other verdict may change."""
+    pending site must now read as applied and no other verdict may change. The patches named
+    in `refused` (drifted ones) are not rewritten: each of their sites must keep its verdict,
+    so another patch's edit of a shared file cannot have touched them."""
     sources = report.sources or Sources(report.tree.read)
+    refused = frozenset(refused)
     changes: dict[str, str] = {}
     for patch in report.patches:
+        if patch.id in refused:
+            continue
         pending = [r for r in report.for_patch(patch.id) if r.verdict is Verdict.PENDING]
         if not pending:
             continue
@@ -229,7 +239,12 @@ def plan(report: Report) -> Plan:
     after_keys = {(r.patch_id, r.site, r.file) for r in after}
     for result in after:
         old = before_by_key.get((result.patch_id, result.site, result.file))
-        want = Verdict.APPLIED if old and old.verdict is Verdict.PENDING else (old and old.verdict)
+        was_rewritten = old is not None and old.patch_id not in refused
+        want = (
+            Verdict.APPLIED
+            if old and was_rewritten and old.verdict is Verdict.PENDING
+            else (old and old.verdict)
+        )
         if want != result.verdict:
             raise PatchBug(
                 f"{result.patch_id}: after the rewrite {result.site} in vllm/{result.file} reads "
@@ -246,7 +261,11 @@ class ApplyOutcome:
     report: Report  # the classification the outcome rests on (after the commit, if any)
     plan: Plan | None = None
     written: list[str] = field(default_factory=list)  # files replaced by this run
-    refused: bool = False  # drift: nothing written
+    refused: bool = False  # a selected patch drifted: nothing of it was written
+    # The drifted patches refused (nothing of them written). Without --all-or-nothing the
+    # other patches are still applied in the same run; with it, nothing at all is written.
+    refused_patches: list[str] = field(default_factory=list)
+    all_or_nothing: bool = False
     recovered: list[str] = field(default_factory=list)
     pycache: list[str] = field(default_factory=list)
     check: bool = False
@@ -275,21 +294,30 @@ def apply(
     check: bool = False,
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
     fault: FaultHook | None = None,
+    all_or_nothing: bool = False,
 ) -> ApplyOutcome:
     """Bring every selected patch to applied (or leave it satisfied / not applicable).
-    Refuses, writing nothing, when any selected site has drifted."""
+
+    A patch with a drifted site is refused: nothing of it is written. The other selected
+    patches are still applied, in one transaction, so an entrypoint that goes on in warn mode
+    starts vLLM with every fix that is safe. With `all_or_nothing`, any drift refuses the whole
+    run and nothing is written."""
     patches = all_patches() if patches is None else patches
     # Every patch is classified (the record covers them all); the outcome speaks of `patches`.
     first = scan(tree, all_patches())
     report = first.selected(patches)
-    if report.drifted:
-        return ApplyOutcome(report, refused=True, check=check)
-    if not report.pending and report.interrupted is None:
+    refused = _drifted_patches(report)
+    if refused and all_or_nothing:
+        return _refused(report, refused, check=check, all_or_nothing=True)
+    if not report.pending_outside(refused) and report.interrupted is None:
         if not report.from_record and not check:
             _refresh_record(tree, lock_timeout)
-        return ApplyOutcome(report, check=check)
+        return _refused(report, refused, check=check)
     if check:
-        return ApplyOutcome(report, plan=plan(report) if report.pending else None, check=True)
+        the_plan = plan(report, refused) if report.pending_outside(refused) else None
+        outcome = _refused(report, refused, check=True)
+        outcome.plan = the_plan
+        return outcome
 
     txn = Transaction(tree.package_dir, fault)
     with locked(tree.state_dir, lock_timeout):
@@ -299,11 +327,12 @@ def apply(
         now = _hashes(Sources(tree.read), target_files(all_patches()))
         full = first if now == first.hashes and not recovered else scan(tree, all_patches())
         report = full.selected(patches)
-        if report.drifted:
-            return ApplyOutcome(report, refused=True, recovered=recovered)
-        if not report.pending:
-            return ApplyOutcome(report, recovered=recovered)
-        the_plan = plan(report)
+        refused = _drifted_patches(report)
+        if refused and all_or_nothing:
+            return _refused(report, refused, recovered=recovered, all_or_nothing=True)
+        if not report.pending_outside(refused):
+            return _refused(report, refused, recovered=recovered)
+        the_plan = plan(report, refused)
         sources = report.sources or Sources(tree.read)
         old = load(tree.state_dir)
         files = dict(old.files) if old else {}
@@ -313,7 +342,11 @@ def apply(
             after = text.encode("utf-8")
             edits.append(FileEdit(rel, before, after))
             prior = files.get(rel)
-            touched = {r.patch_id for r in the_plan.before.pending if r.file == rel}
+            touched = {
+                r.patch_id
+                for r in the_plan.before.pending
+                if r.file == rel and r.patch_id not in refused
+            }
             files[rel] = FileState(
                 original=prior.original if prior else (None if before is None else sha256(before)),
                 applied=sha256(after),
@@ -338,9 +371,36 @@ def apply(
             final,
             plan=the_plan,
             written=list(the_plan.new_texts),
+            refused=bool(refused),
+            refused_patches=refused,
             recovered=recovered,
             pycache=pycache,
         )
+
+
+def _drifted_patches(report: Report) -> list[str]:
+    """The selected patches with a drifted site, in report order."""
+    drifted = {r.patch_id for r in report.drifted}
+    return [p.id for p in report.patches if p.id in drifted]
+
+
+def _refused(
+    report: Report,
+    refused: list[str],
+    *,
+    check: bool = False,
+    recovered: list[str] | None = None,
+    all_or_nothing: bool = False,
+) -> ApplyOutcome:
+    """An outcome that writes nothing (more), naming the drifted patches it refused."""
+    return ApplyOutcome(
+        report,
+        refused=bool(refused),
+        refused_patches=refused,
+        all_or_nothing=all_or_nothing and bool(refused),
+        recovered=recovered or [],
+        check=check,
+    )
 
 
 # ----------------------------------------------------------------------------------------

@@ -122,12 +122,27 @@ def quiet_line(patch_id: str, results: Sequence[Mapping[str, Any]]) -> str:
 
 
 def apply_quiet_text(
-    patch_ids: Sequence[str], results: Sequence[Mapping[str, Any]], recovered: Sequence[str]
+    patch_ids: Sequence[str],
+    results: Sequence[Mapping[str, Any]],
+    recovered: Sequence[str],
+    refused: Sequence[str] = (),
+    all_or_nothing: bool = False,
 ) -> str:
     """`apply --quiet`: one line per patch (and per recovery step), for entrypoint logs."""
     lines = [f"k3patch: {quiet_line(patch_id, results)}" for patch_id in patch_ids]
     lines += [f"k3patch: recovered: {line}" for line in recovered]
+    lines += [refused_line(refused, all_or_nothing)] if refused else []
     return "".join(f"{line}\n" for line in lines)
+
+
+def refused_line(refused: Sequence[str], all_or_nothing: bool) -> str:
+    """The line that names the drifted patches an apply refused, and what it did instead."""
+    rest = (
+        "nothing was written (--all-or-nothing)"
+        if all_or_nothing
+        else "nothing of it was written (the other patches were not held back)"
+    )
+    return f"k3patch: refused: {', '.join(refused)} (drifted): {rest}"
 
 
 def status_rows(
@@ -248,6 +263,8 @@ def apply_payload(outcome: ApplyOutcome) -> dict[str, Any]:
     payload.update(
         check=outcome.check,
         refused=outcome.refused,
+        refused_patches=outcome.refused_patches,
+        all_or_nothing=outcome.all_or_nothing,
         written=[f"vllm/{rel}" for rel in outcome.written],
         recovered=outcome.recovered,
         bytecode=outcome.pycache,
@@ -278,7 +295,15 @@ def _apply_lean(tree: VllmTree, opts: dict[str, Any]) -> int:
         sys.stdout.write(envelope("apply", code, apply_payload(outcome)))
     else:
         results = [r.to_json() for r in outcome.report.results]
-        sys.stdout.write(apply_quiet_text([p.id for p in patches], results, outcome.recovered))
+        sys.stdout.write(
+            apply_quiet_text(
+                [p.id for p in patches],
+                results,
+                outcome.recovered,
+                outcome.refused_patches,
+                outcome.all_or_nothing,
+            )
+        )
     sys.stdout.flush()
     return code
 
@@ -345,7 +370,15 @@ def try_fast(argv: list[str]) -> int | None:
     if opts.get("json"):
         payload = report_json(vllm, digest, True, None, patches, results)
         if opts["command"] == "apply":
-            payload.update(check=False, refused=False, written=[], recovered=[], bytecode=[])
+            payload.update(
+                check=False,
+                refused=False,
+                refused_patches=[],
+                all_or_nothing=False,
+                written=[],
+                recovered=[],
+                bytecode=[],
+            )
         out.write(envelope(opts["command"], code, payload))
     elif opts.get("digest"):
         out.write(digest + "\n")

@@ -125,6 +125,8 @@ def print_apply(outcome: ApplyOutcome, *, quiet: bool, diff: bool) -> None:
                 [p.id for p in report.patches],
                 [r.to_json() for r in report.results],
                 outcome.recovered,
+                outcome.refused_patches,
+                outcome.all_or_nothing,
             )
         )
         out.file.flush()
@@ -135,18 +137,20 @@ def print_apply(outcome: ApplyOutcome, *, quiet: bool, diff: bool) -> None:
     for line in outcome.recovered:
         out.print(f"recovered: {escape(line)}")
     if outcome.refused:
-        out.print("[bold red]refused:[/] a site has drifted; nothing was written")
-    elif outcome.check:
-        pending = sorted({r.patch_id for r in report.pending})
-        if pending:
+        line = fastpath.refused_line(outcome.refused_patches, outcome.all_or_nothing)
+        out.print("[bold red]refused:[/] " + escape(line.removeprefix("k3patch: refused: ")))
+    if outcome.check:
+        refused = [] if outcome.all_or_nothing else outcome.refused_patches
+        pending = sorted({r.patch_id for r in report.pending_outside(refused)})
+        if pending and not outcome.all_or_nothing:
             out.print("would apply: " + ", ".join(pending) + " (--check: nothing written)")
-        else:
+        elif not outcome.refused:
             out.print("nothing to do")
     elif outcome.written:
         out.print("wrote " + ", ".join(f"vllm/{rel}" for rel in outcome.written))
         for line in outcome.pycache:
             out.print(f"bytecode: {escape(line)}")
-    else:
+    elif not outcome.refused:
         out.print("nothing to do")
 
 

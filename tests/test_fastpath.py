@@ -130,7 +130,10 @@ def test_cold_quiet_apply_reports_drift_like_the_cli(make_tree):
     reference = full("apply", "--quiet", "--vllm", str(site))
     assert code == reference.returncode == 1
     assert out == reference.stdout
-    assert not (site / "vllm" / ".k3patch").exists()
+    # The drifted patch is refused on its own; the chunk gate (pending on 0.31.0) is applied.
+    assert "k3patch: aiter-mla-gfx942: drifted" in out
+    assert "k3patch: moriio-chunk-gate: applied" in out
+    assert "refused: aiter-mla-gfx942 (drifted)" in out
 
 
 def test_fast_path_declines_journals(make_tree):
