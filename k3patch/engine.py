@@ -7,6 +7,7 @@ the state record is written in the same transaction. Nothing here prints.
 
 from __future__ import annotations
 
+import ast
 import difflib
 import os
 from collections.abc import Iterable
@@ -14,9 +15,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3patch import __version__, fastpath
-from k3patch.model import Patch, SiteResult, SourceError, Sources, Verdict, summarise
+from k3patch.model import (
+    AmbiguousDefinition,
+    Patch,
+    SiteResult,
+    SourceError,
+    Sources,
+    Verdict,
+    summarise,
+)
 from k3patch.registry import all_patches, patch_set_digest
-from k3patch.state import STATE_FILE, STATE_REL, FileState, StateRecord, load
+from k3patch.state import (
+    STATE_FILE,
+    STATE_REL,
+    FileState,
+    RecordProblem,
+    StateRecord,
+    load,
+    load_or_none,
+)
 from k3patch.transaction import (
     EnvironmentProblem,
     FaultHook,
@@ -126,6 +143,26 @@ def target_files(patches: Iterable[Patch]) -> list[str]:
 def _classify(patch: Patch, sources: Sources) -> list[SiteResult]:
     try:
         return patch.classify(sources)
+    except AmbiguousDefinition as exc:
+        rel = next(
+            (
+                rel
+                for rel in patch.files
+                if sources[rel].exists
+                and any(node is exc.scope for node in ast.walk(sources[rel].tree))
+            ),
+            patch.files[0],
+        )
+        return [
+            SiteResult(
+                patch_id=patch.id,
+                site=exc.name,
+                file=rel,
+                verdict=Verdict.DRIFTED,
+                detail=str(exc),
+                line=exc.lines[-1],
+            )
+        ]
     except SourceError as exc:
         rel = str(exc).split(":", 1)[0]
         return [
@@ -156,10 +193,9 @@ def scan(
     sources = Sources(tree.read)
     files = target_files(all_patches())
     hashes = _hashes(sources, files)
-    journal = Transaction(tree.package_dir).pending_journal()
-    interrupted = str(journal.get("op")) if journal else None
+    interrupted = _interrupted(tree)
     if use_record and interrupted is None and not os.environ.get("K3PATCH_NO_FASTPATH"):
-        record = load(tree.state_dir)
+        record = load_or_none(tree.state_dir)
         if (
             record is not None
             and record.patch_set == patch_set_digest()
@@ -171,6 +207,39 @@ def scan(
             return Report(tree, patches, results, hashes, from_record=True)
     results = [r for patch in patches for r in _classify(patch, sources)]
     return Report(tree, patches, results, hashes, interrupted=interrupted, sources=sources)
+
+
+def _interrupted(tree: VllmTree) -> str | None:
+    """The op of an interrupted commit's journal, or None. A journal that a live run holding
+    the lock is writing right now is not an interrupted one: wait for that run to finish."""
+    from k3patch import lock
+
+    txn = Transaction(tree.package_dir)
+    try:
+        journal = txn.pending_journal()
+        if journal is not None and lock.wait_if_busy(tree.state, DEFAULT_LOCK_TIMEOUT):
+            journal = txn.pending_journal()
+    except RecordProblem:
+        return "unknown (damaged journal)"
+    except EnvironmentProblem:
+        return None  # no journal can be read there; apply and revert report why
+    return str(journal["op"]) if journal else None
+
+
+def _carried_files(
+    record: StateRecord | None, hashes: dict[str, str | None]
+) -> dict[str, FileState]:
+    """The record's files that still hold what k3patch wrote. After an upgrade or a reinstall a
+    file holds other bytes: the recorded original is then not this file's, and is dropped."""
+    if record is None:
+        return {}
+    return {rel: fs for rel, fs in record.files.items() if hashes.get(rel) == fs.applied}
+
+
+def _state_bytes(tree: VllmTree) -> bytes | None:
+    from k3patch.state import read_bytes
+
+    return read_bytes(tree.state_dir)
 
 
 # ----------------------------------------------------------------------------------------
@@ -326,6 +395,7 @@ def apply(
         # matches every file); if no file changed since our first look, that look stands.
         now = _hashes(Sources(tree.read), target_files(all_patches()))
         full = first if now == first.hashes and not recovered else scan(tree, all_patches())
+        full.interrupted = None  # recovered above, under the lock: no journal is left
         report = full.selected(patches)
         refused = _drifted_patches(report)
         if refused and all_or_nothing:
@@ -334,8 +404,9 @@ def apply(
             return _refused(report, refused, recovered=recovered)
         the_plan = plan(report, refused)
         sources = report.sources or Sources(tree.read)
+        # Damaged or of another schema: stop (exit 3) before its saved originals are pruned.
         old = load(tree.state_dir)
-        files = dict(old.files) if old else {}
+        files = _carried_files(old, full.hashes)
         edits = []
         for rel, text in the_plan.new_texts.items():
             before = sources[rel].data
@@ -357,9 +428,7 @@ def apply(
             after_hashes[rel] = sha256(text.encode("utf-8"))
         unselected = [r for r in full.results if r.patch_id not in {p.id for p in patches}]
         record = _record(tree, the_plan.after_results + unselected, after_hashes, files)
-        state_path = tree.state_dir / STATE_FILE
-        old_state = state_path.read_bytes() if state_path.exists() else None
-        edits.append(FileEdit(STATE_REL, old_state, record.to_bytes()))
+        edits.append(FileEdit(STATE_REL, _state_bytes(tree), record.to_bytes()))
         try:
             pycache = txn.commit(edits, "apply")
         except BaseException:
@@ -421,16 +490,19 @@ def revert(
 ) -> RevertOutcome:
     """Put back the recorded originals, byte for byte, where each file still holds exactly what
     k3patch wrote. Any file changed since: refuse and write nothing."""
-    if not tree.state_dir.exists():
+    if not os.path.lexists(tree.state_dir):
         return RevertOutcome(nothing_recorded=True)
     txn = Transaction(tree.package_dir, fault)
     with locked(tree.state_dir, lock_timeout):
         recovered = txn.recover()
+        # Damaged or of another schema: RecordProblem (exit 3), nothing removed.
         record = load(tree.state_dir)
-        if record is None and (tree.state_dir / STATE_FILE).exists():
+        if record is None and txn.blob_names():
             raise EnvironmentProblem(
-                f"{tree.state_dir / STATE_FILE} is unreadable; revert cannot tell what k3patch "
-                "changed. Reinstall vLLM to get the original files back"
+                f"{tree.state_dir / STATE_FILE} is missing but saved originals are still in "
+                f"{tree.state_dir / 'blobs'}; revert cannot tell which file each belongs to. "
+                "Nothing was removed: restore state.json from a backup, or reinstall vLLM and "
+                "then remove the .k3patch directory"
             )
         changed = {rel: fs for rel, fs in (record.files.items() if record else []) if fs.applied}
         if record is None or not changed:
@@ -442,18 +514,21 @@ def revert(
         for rel, fs in sorted(changed.items()):
             data = sources[rel].data
             current = None if data is None else sha256(data)
+            if current == fs.original:
+                continue  # already the original (a reinstall put it back): nothing to do
             if current != fs.applied:
                 conflicts.append(
-                    f"vllm/{rel} changed since k3patch applied it "
-                    f"(now {current and current[:12]}, recorded {fs.applied and fs.applied[:12]})"
+                    f"vllm/{rel} changed since k3patch applied it and is not the recorded "
+                    f"original either (now {current and current[:12]}, k3patch wrote "
+                    f"{fs.applied and fs.applied[:12]}, original "
+                    f"{fs.original and fs.original[:12]})"
                 )
                 continue
             original = None if fs.original is None else txn.load_blob(fs.original)
             edits.append(FileEdit(rel, data, original))
         if conflicts:
             return RevertOutcome(conflicts=conflicts, recovered=recovered)
-        state_bytes = (tree.state_dir / STATE_FILE).read_bytes()
-        edits.append(FileEdit(STATE_REL, state_bytes, None))
+        edits.append(FileEdit(STATE_REL, _state_bytes(tree), None))
         try:
             pycache = txn.commit(edits, "revert")
         except BaseException:
@@ -477,14 +552,15 @@ def _refresh_record(tree: VllmTree, lock_timeout: float) -> None:
             if full.from_record or full.pending or full.drifted or full.interrupted:
                 return
             old = load(tree.state_dir)
-            record = _record(tree, full.results, full.hashes, dict(old.files) if old else {})
+            record = _record(tree, full.results, full.hashes, _carried_files(old, full.hashes))
             # One file replaced atomically: no journal needed.
-            write_atomically(tree.state_dir / STATE_FILE, record.to_bytes())
+            write_atomically(
+                tree.state_dir / STATE_FILE, record.to_bytes(), root=tree.package_dir
+            )
     except EnvironmentProblem:
-        try:
-            tree.state_dir.rmdir()  # only if this run created it and left it empty
-        except OSError:
-            pass
+        # A damaged record is never overwritten; an empty state dir this run created is
+        # removed by the lock's release, which knows whether another run holds it.
+        pass
 
 
 def _forget_failed_commit(tree: VllmTree, txn: Transaction, old: StateRecord | None) -> None:
@@ -502,15 +578,4 @@ def _forget_failed_commit(tree: VllmTree, txn: Transaction, old: StateRecord | N
 def _remove_state_dir(tree: VllmTree, txn: Transaction) -> None:
     """A reverted tree carries nothing of k3patch's."""
     txn.prune_blobs(set())
-    for sub in (tree.state_dir / "blobs", tree.state_dir / STATE_FILE):
-        try:
-            if sub.is_dir():
-                sub.rmdir()
-            else:
-                sub.unlink()
-        except FileNotFoundError:
-            pass
-    try:
-        tree.state_dir.rmdir()
-    except OSError:
-        pass
+    txn.remove_state_dir()

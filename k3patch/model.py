@@ -244,25 +244,75 @@ class _ChangedSources(Sources):
 # Helpers that patches use to find their sites.
 
 
-def find_class(module: ast.Module, name: str) -> ast.ClassDef | None:
-    for node in module.body:
-        if isinstance(node, ast.ClassDef) and node.name == name:
-            return node
+class AmbiguousDefinition(Exception):
+    """A name a patch looks up is bound more than once in its scope. The last binding is the live
+    one, so patching the first would patch dead code and still read as applied: this is drift."""
+
+    def __init__(self, scope: ast.AST, name: str, lines: list[int]) -> None:
+        self.scope = scope
+        self.name = name
+        self.lines = lines
+        where = ", ".join(str(n) for n in lines)
+        super().__init__(
+            f"{name} is bound {len(lines)} times in one scope (lines {where}); "
+            "the last binding is the live one, so k3patch will not guess which to patch"
+        )
+
+
+def _binds(stmt: ast.stmt, name: str) -> bool:
+    """Whether a statement of a scope's body binds `name` in that scope."""
+    if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return stmt.name == name
+    if isinstance(stmt, ast.Import | ast.ImportFrom):
+        return any((a.asname or a.name.split(".")[0]) == name for a in stmt.names)
+    if isinstance(stmt, ast.Assign | ast.AnnAssign | ast.AugAssign):
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+        return any(isinstance(n, ast.Name) and n.id == name for t in targets for n in ast.walk(t))
+    return False
+
+
+def _bound_once(scope: ast.AST, body: list[ast.stmt], name: str, kind: type) -> Any:
+    """The one statement of `body` that defines `name` as a `kind`; None when there is none.
+    Raises AmbiguousDefinition when `name` is bound more than once there."""
+    bindings = [stmt for stmt in body if _binds(stmt, name)]
+    if len(bindings) > 1:
+        raise AmbiguousDefinition(scope, name, [stmt.lineno for stmt in bindings])
+    if bindings and isinstance(bindings[0], kind):
+        return bindings[0]
     return None
+
+
+def find_class(module: ast.Module, name: str) -> ast.ClassDef | None:
+    """The module's class `name`; AmbiguousDefinition if the module binds `name` twice."""
+    found: ast.ClassDef | None = _bound_once(module, module.body, name, ast.ClassDef)
+    return found
 
 
 def find_method(cls: ast.ClassDef, name: str) -> ast.FunctionDef | None:
-    for node in cls.body:
-        if isinstance(node, ast.FunctionDef) and node.name == name:
-            return node
-    return None
+    """The class's method `name`; AmbiguousDefinition if the class body binds `name` twice."""
+    found: ast.FunctionDef | None = _bound_once(cls, cls.body, name, ast.FunctionDef)
+    return found
 
 
 def find_function(module: ast.Module, name: str) -> ast.FunctionDef | None:
-    for node in module.body:
-        if isinstance(node, ast.FunctionDef) and node.name == name:
-            return node
-    return None
+    """The module's function `name`; AmbiguousDefinition if the module binds `name` twice."""
+    found: ast.FunctionDef | None = _bound_once(module, module.body, name, ast.FunctionDef)
+    return found
+
+
+def find_scope(module: ast.Module, path: str) -> ast.ClassDef | ast.FunctionDef | None:
+    """The class or function at `path` ("Class", "Class.method", "function"): each component
+    looked up with the same refusal of ambiguity as find_class / find_method."""
+    node: ast.AST = module
+    for part in path.split("."):
+        body = getattr(node, "body", None)
+        if not isinstance(body, list):
+            return None
+        node = _bound_once(node, body, part, ast.ClassDef | ast.FunctionDef)
+        if node is None:
+            return None
+    assert isinstance(node, ast.ClassDef | ast.FunctionDef)
+    return node
 
 
 def mentioned_names(node: ast.AST, *, everything: bool = False) -> set[str]:
