@@ -271,7 +271,9 @@ def _binds(stmt: ast.stmt, name: str) -> bool:
     return False
 
 
-def _bound_once(scope: ast.AST, body: list[ast.stmt], name: str, kind: type) -> Any:
+def _bound_once(
+    scope: ast.AST, body: list[ast.stmt], name: str, kind: type | tuple[type, ...]
+) -> Any:
     """The one statement of `body` that defines `name` as a `kind`; None when there is none.
     Raises AmbiguousDefinition when `name` is bound more than once there."""
     bindings = [stmt for stmt in body if _binds(stmt, name)]
@@ -308,7 +310,7 @@ def find_scope(module: ast.Module, path: str) -> ast.ClassDef | ast.FunctionDef 
         body = getattr(node, "body", None)
         if not isinstance(body, list):
             return None
-        node = _bound_once(node, body, part, ast.ClassDef | ast.FunctionDef)
+        node = _bound_once(node, body, part, (ast.ClassDef, ast.FunctionDef))
         if node is None:
             return None
     assert isinstance(node, ast.ClassDef | ast.FunctionDef)
@@ -417,6 +419,10 @@ class Patch:
     modules: tuple[str, ...] = ()
     # One line for `status --help`-like listings: what the patch does not cover.
     caveat: str = ""
+    # Ids of patches whose rewrite must run before this one's (and whose probe's names this
+    # one may rely on). The registry orders patches by these, then by id; a cycle or an unknown
+    # id is a bug in the patch set and fails at load.
+    after: tuple[str, ...] = ()
 
     def classify(self, sources: Sources) -> list[SiteResult]:
         raise NotImplementedError

@@ -26,7 +26,32 @@ def all_patches() -> tuple[Patch, ...]:
         patch = getattr(module, "PATCH", None)
         if isinstance(patch, Patch):
             found.append(patch)
-    return tuple(found)
+    return ordered(found)
+
+
+class PatchOrderError(ValueError):
+    """The patches' declared `after` ids name an unknown patch or form a cycle."""
+
+
+def ordered(patches: list[Patch]) -> tuple[Patch, ...]:
+    """The patches in the order their `after` declarations ask for, by id where free."""
+    by_id = {p.id: p for p in patches}
+    for patch in patches:
+        unknown = [dep for dep in patch.after if dep not in by_id]
+        if unknown:
+            raise PatchOrderError(f"{patch.id}: after names unknown patch(es) {unknown}")
+    done: list[Patch] = []
+    placed: set[str] = set()
+    waiting = sorted(by_id)
+    while waiting:
+        ready = [pid for pid in waiting if set(by_id[pid].after) <= placed]
+        if not ready:
+            raise PatchOrderError(f"the after declarations of {waiting} form a cycle")
+        first = ready[0]
+        done.append(by_id[first])
+        placed.add(first)
+        waiting.remove(first)
+    return tuple(done)
 
 
 def select(only: list[str] | None = None, skip: list[str] | None = None) -> tuple[Patch, ...]:

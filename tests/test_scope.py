@@ -90,3 +90,34 @@ def test_duplicated_site_is_drift_and_nothing_of_it_is_written(make_tree, where)
     assert "bound 2 times" in result["detail"] and result["file"] == "_aiter_ops.py"
     assert run_cli("apply", "--vllm", str(site), "--only", "aiter-mla-gfx942").returncode == 1
     assert sha(target) == before
+
+
+def _patch(pid: str, after: tuple[str, ...] = ()):
+    from k3patch.model import Patch
+
+    patch = Patch()
+    patch.id = pid
+    patch.after = after
+    return patch
+
+
+def test_patch_order_follows_after_then_id():
+    from k3patch.registry import ordered
+
+    got = ordered([_patch("b"), _patch("a", after=("c",)), _patch("c")])
+    assert [p.id for p in got] == ["b", "c", "a"]
+    assert [p.id for p in ordered([_patch("b"), _patch("a")])] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "patches",
+    [
+        [_patch("a", after=("b",)), _patch("b", after=("a",))],
+        [_patch("a", after=("nope",))],
+    ],
+)
+def test_patch_order_refuses_cycles_and_unknown_ids(patches):
+    from k3patch.registry import PatchOrderError, ordered
+
+    with pytest.raises(PatchOrderError):
+        ordered(patches)
