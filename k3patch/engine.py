@@ -410,7 +410,7 @@ def apply(
         edits = []
         for rel, text in the_plan.new_texts.items():
             before = sources[rel].data
-            after = text.encode("utf-8")
+            after = sources[rel].encode(text)
             edits.append(FileEdit(rel, before, after))
             prior = files.get(rel)
             touched = {
@@ -425,7 +425,7 @@ def apply(
             )
         after_hashes = dict(full.hashes)
         for rel, text in the_plan.new_texts.items():
-            after_hashes[rel] = sha256(text.encode("utf-8"))
+            after_hashes[rel] = sha256(sources[rel].encode(text))
         unselected = [r for r in full.results if r.patch_id not in {p.id for p in patches}]
         record = _record(tree, the_plan.after_results + unselected, after_hashes, files)
         edits.append(FileEdit(STATE_REL, _state_bytes(tree), record.to_bytes()))

@@ -161,6 +161,9 @@ def _dedent(source: str) -> str:
 # The sources a patch reads: a read-only view over the target files of one tree.
 
 
+BOM = b"\xef\xbb\xbf"
+
+
 class SourceError(Exception):
     """A target file exists but cannot be read as Python source (binary junk, syntax error)."""
 
@@ -179,12 +182,22 @@ class SourceFile:
         return self.data is not None
 
     @property
+    def bom(self) -> bool:
+        """Whether the file starts with a UTF-8 byte-order mark (Python accepts it; `text`
+        leaves it out, and `encode` puts it back)."""
+        return self.data is not None and self.data.startswith(BOM)
+
+    def encode(self, text: str) -> bytes:
+        """New text for this file as bytes, with its byte-order mark kept if it had one."""
+        return (BOM if self.bom else b"") + text.encode("utf-8")
+
+    @property
     def text(self) -> str:
         if self._text is None:
             if self.data is None:
                 raise SourceError(f"{self.rel}: file is absent")
             try:
-                self._text = self.data.decode("utf-8")
+                self._text = self.data[len(BOM) if self.bom else 0 :].decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise SourceError(
                     f"{self.rel}: not UTF-8 text (byte {exc.start}); restore it from the wheel"
@@ -230,7 +243,7 @@ class Sources:
 
 class _ChangedSources(Sources):
     def __init__(self, base: Sources, changes: dict[str, str]) -> None:
-        super().__init__(lambda rel: changes[rel].encode("utf-8"))
+        super().__init__(lambda rel: base[rel].encode(changes[rel]))
         self._base = base
         self._changes = changes
 

@@ -1,0 +1,145 @@
+"""The engine's one line model and Edit type, on the files Python accepts that str.splitlines
+and naive line models get wrong: form feed and the other Unicode line-break characters inside
+strings, CRLF and CR files, tab indentation, a UTF-8 byte-order mark; overlapping edits refused."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from k3patch import edits
+from k3patch.edits import Edit, EditError, SourceText, apply_edits
+from k3patch.model import SourceFile
+
+ODD_CHARS = ["\f", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+
+
+def _run(text: str, name: str = "x"):
+    scope: dict = {}
+    exec(compile(text, "t.py", "exec"), scope)
+    return scope.get(name)
+
+
+@pytest.mark.parametrize("char", ODD_CHARS)
+def test_odd_line_break_characters_in_strings_are_not_lines(char):
+    text = f'def f():\n    s = "a{char}b"\n    x = 1\n    return x\n'
+    module = ast.parse(text)
+    func = module.body[0]
+    assert isinstance(func, ast.FunctionDef)
+    src = SourceText(text)
+    assert len(src.starts) == 5  # four lines and the end, whatever the string holds
+    new = apply_edits(text, [edits.insert_after(src, func.body[1], "x = x + 41")])
+    assert f'"a{char}b"' in new  # the string is untouched
+    assert _run(new + "x = f()\n") == 42
+
+
+def test_form_feed_before_an_indented_statement():
+    text = "def f():\n    x = 1\n\f    y = 2\n    return x + y\n"
+    func = ast.parse(text).body[0]
+    assert isinstance(func, ast.FunctionDef)
+    src = SourceText(text)
+    assert src.indent_of(func.body[1]) == "\f    "
+    new = apply_edits(text, [edits.replace(src, [func.body[1]], "y = 40")])
+    assert _run(new + "x = f()\n") == 41
+
+
+@pytest.mark.parametrize("newline", ["\r\n", "\r"])
+def test_crlf_and_cr_files_keep_their_newlines(newline):
+    text = newline.join(["def f():", "    x = 1", "    return x", ""])
+    func = ast.parse(text).body[0]
+    assert isinstance(func, ast.FunctionDef)
+    src = SourceText(text)
+    assert src.newline == newline
+    new = apply_edits(
+        text,
+        [
+            edits.insert_after(src, func.body[0], "x += 1\nx += 1"),
+            edits.nest_under(src, [func.body[1]], "if x:"),
+        ],
+    )
+    assert "\n" not in new.replace("\r\n", "") if newline == "\r\n" else "\n" not in new
+    assert new.count(newline) == text.count(newline) + 3
+    assert _run(new + newline + "x = f()" + newline) == 3
+
+
+def test_tab_indented_code_is_edited_with_tabs():
+    text = "def f():\n\tx = 1\n\tif x:\n\t\tx = 2\n\treturn x\n"
+    func = ast.parse(text).body[0]
+    assert isinstance(func, ast.FunctionDef)
+    src = SourceText(text)
+    new = apply_edits(
+        text,
+        [
+            edits.insert_before(src, func.body[0], "y = 5"),
+            edits.nest_under(src, [func.body[2]], "if True:"),
+        ],
+    )
+    assert "\ty = 5\n" in new and "\tif True:\n\t\treturn x\n" in new
+    assert " " * 4 not in new
+    assert _run(new + "x = f()\n") == 2
+
+
+def test_a_byte_order_mark_is_read_and_kept():
+    data = b"\xef\xbb\xbfimport os\nx = 1\n"
+    src_file = SourceFile("m.py", data)
+    assert src_file.bom and src_file.text == "import os\nx = 1\n"
+    assert isinstance(src_file.tree, ast.Module)
+    new_text = src_file.text.replace("x = 1", "x = 2")
+    assert src_file.encode(new_text) == b"\xef\xbb\xbfimport os\nx = 2\n"
+    assert SourceFile("n.py", b"x = 1\n").encode("x = 2\n") == b"x = 2\n"
+
+
+def test_ensure_import_only_when_unbound():
+    text = '"""doc"""\nimport sys\n\nx = 1\n'
+    module = ast.parse(text)
+    edit = edits.ensure_import(SourceText(text), module, "os")
+    assert edit is not None
+    assert apply_edits(text, [edit]) == '"""doc"""\nimport sys\nimport os\n\nx = 1\n'
+    bound = "import os as os\n"
+    assert edits.ensure_import(SourceText(bound), ast.parse(bound), "os") is None
+    assert edits.binds(ast.parse("os = None\n"), "os")
+    assert not edits.binds(ast.parse("def f():\n    import os\n"), "os")
+
+
+def test_append_item_keeps_one_item_per_line():
+    text = "f(\n    a=1,\n    b=2,\n)\n"
+    call = ast.parse(text).body[0]
+    assert isinstance(call, ast.Expr) and isinstance(call.value, ast.Call)
+    kws = call.value.keywords
+    src = SourceText(text)
+    new = apply_edits(text, [edits.append_item(src, call.value, kws[0], kws[-1].value, "c=3")])
+    assert new == "f(\n    a=1,\n    b=2,\n    c=3,\n)\n"
+    flat = "f(a=1, b=2)\n"
+    call = ast.parse(flat).body[0]
+    assert isinstance(call, ast.Expr) and isinstance(call.value, ast.Call)
+    kws = call.value.keywords
+    src = SourceText(flat)
+    out = apply_edits(flat, [edits.append_item(src, call.value, kws[0], kws[-1].value, "c=3")])
+    assert out == "f(a=1, b=2, c=3)\n"
+
+
+@pytest.mark.parametrize(
+    "pair",
+    [
+        (Edit(0, 5, "a"), Edit(3, 8, "b")),  # overlapping replacements
+        (Edit(4, 4, "a"), Edit(4, 4, "b")),  # two insertions at one point: order unknown
+        (Edit(0, 9, "a"), Edit(4, 4, "b")),  # an insertion inside a replacement
+    ],
+)
+def test_overlapping_edits_are_refused(pair):
+    with pytest.raises(EditError):
+        apply_edits("0123456789", list(pair))
+
+
+def test_adjacent_edits_apply_in_one_pass():
+    assert apply_edits("0123456789", [Edit(5, 7, "x"), Edit(0, 2, "y"), Edit(2, 2, "z")]) == (
+        "yz234x789"
+    )
+
+
+def test_a_statement_sharing_its_line_is_refused():
+    text = "x = 1; y = 2\n"
+    stmt = ast.parse(text).body[0]
+    with pytest.raises(EditError):
+        edits.insert_after(SourceText(text), stmt, "z = 3")
