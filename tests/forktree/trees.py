@@ -38,10 +38,23 @@ tree(
     _recipe(kda_steps=("kda_fork_folded",)),
     "as (a), with the fork's own gather_initial_states.py shape (clamp_, folded)",
 )
-tree("c", _recipe(group_routing=True), "(a) + the older group-routing fix alone (K3_EXTRA_FIXES=0)")
+# group_routing's plan anchor holds four comment lines under `if _k3_mamba:` that the stored
+# mamba-blockids script does not write; after that script it (two-pass) writes nothing. The
+# trees that carry it therefore build on the mamba-blockids version with those lines.
+_GR = "mamba_blockids_comments"
+tree(
+    "c",
+    _recipe(mamba=_GR, group_routing=True),
+    "(a-comments) + the older group-routing fix alone (K3_EXTRA_FIXES=0)",
+)
 tree(
     "d",
-    _recipe(group_routing=True, extra=True, kda_steps=("kda_gather_guard", "kda_gather_nosync")),
+    _recipe(
+        mamba=_GR,
+        group_routing=True,
+        extra=True,
+        kda_steps=("kda_gather_guard", "kda_gather_nosync"),
+    ),
     "(c) + its chunked companion + the older chunk-gate fix + the KDA no-sync fix",
 )
 # Plan-site variants of the mamba-blockids pre-image.
