@@ -1,0 +1,221 @@
+"""Shapes with holes: a site's known forms declared as Python source a reader can hold against
+the field map, matched against the real statements structurally.
+
+A pattern is ordinary source with two kinds of wildcard:
+
+- a *named hole*: an identifier that starts with `HOLE_` (`HOLE_message`, `HOLE_limit`). As an
+  expression it matches any expression; alone on a line it matches any one statement. A hole
+  used twice must match equal code both times. `match` returns what each hole matched.
+- an *elision*: a statement that is just `...`. It matches any run of statements (none
+  included), so a pattern can say "these statements, in this order, with anything between".
+
+Everything else must be the same syntax tree: names, operators, constants, structure.
+Positions, comments, formatting and docstrings are ignored (they are not in the tree).
+
+Version ranges are data on a `Shape` (`versions=("0.28.0", "0.29.0")`, `None` for open ends);
+`outside_range` tells a report that a known shape was met in a vLLM it was not seen in.
+Standard library only (classification must not import libcst).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import textwrap
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+HOLE_PREFIX = "HOLE_"
+_IGNORED = frozenset(
+    {"lineno", "col_offset", "end_lineno", "end_col_offset", "ctx", "kind", "type_comment"}
+)
+
+Bindings = dict[str, Any]  # hole name -> ast.AST (or list[ast.stmt] for a statement hole)
+
+
+@cache
+def parse_pattern(source: str) -> tuple[ast.stmt, ...]:
+    """The statements of a pattern (parsed once per distinct source)."""
+    return tuple(ast.parse(textwrap.dedent(source).strip("\n")).body)
+
+
+def _hole(node: Any) -> str | None:
+    if isinstance(node, ast.Name) and node.id.startswith(HOLE_PREFIX):
+        return node.id
+    return None
+
+
+def _statement_hole(stmt: ast.stmt) -> str | None:
+    return _hole(stmt.value) if isinstance(stmt, ast.Expr) else None
+
+
+def _is_elision(stmt: ast.stmt) -> bool:
+    return (
+        isinstance(stmt, ast.Expr)
+        and isinstance(stmt.value, ast.Constant)
+        and stmt.value.value is Ellipsis
+    )
+
+
+def _is_docstring(stmt: ast.stmt) -> bool:
+    return (
+        isinstance(stmt, ast.Expr)
+        and isinstance(stmt.value, ast.Constant)
+        and isinstance(stmt.value.value, str)
+    )
+
+
+def _dump(node: Any) -> str:
+    if isinstance(node, list):
+        return "[" + ",".join(_dump(n) for n in node) + "]"
+    if isinstance(node, ast.AST):
+        # A name read and the same name stored are the same code for a repeated hole.
+        return re.sub(r", ctx=\w+\(\)", "", ast.dump(node, include_attributes=False))
+    return repr(node)
+
+
+def _bind(name: str, value: Any, bindings: Bindings) -> bool:
+    if name in bindings:
+        return _dump(bindings[name]) == _dump(value)
+    bindings[name] = value
+    return True
+
+
+def _match_node(pattern: Any, target: Any, bindings: Bindings) -> bool:
+    hole = _hole(pattern)
+    if hole is not None:
+        return isinstance(target, ast.expr) and _bind(hole, target, bindings)
+    if isinstance(pattern, list):
+        if not isinstance(target, list):
+            return False
+        if pattern and all(isinstance(p, ast.stmt) for p in pattern):
+            return _match_body(pattern, target, bindings)
+        return len(pattern) == len(target) and all(
+            _match_node(p, t, bindings) for p, t in zip(pattern, target, strict=True)
+        )
+    if isinstance(pattern, ast.AST):
+        if type(pattern) is not type(target):
+            return False
+        for field in pattern._fields:
+            if field in _IGNORED:
+                continue
+            if not _match_node(
+                getattr(pattern, field, None), getattr(target, field, None), bindings
+            ):
+                return False
+        return True
+    return bool(pattern == target) and type(pattern) is type(target)
+
+
+def _match_body(
+    pattern: Sequence[ast.stmt], target: Sequence[ast.stmt], bindings: Bindings
+) -> bool:
+    """Statement lists: elisions match any run, statement holes one statement; docstrings of
+    the target are skipped where the pattern has none."""
+    target = list(target)
+    if target and _is_docstring(target[0]) and not (pattern and _is_docstring(pattern[0])):
+        target = target[1:]
+
+    def go(i: int, j: int, bound: Bindings) -> Bindings | None:
+        if i == len(pattern):
+            return bound if j == len(target) else None
+        head = pattern[i]
+        if _is_elision(head):
+            for k in range(j, len(target) + 1):
+                found = go(i + 1, k, dict(bound))
+                if found is not None:
+                    return found
+            return None
+        if j == len(target):
+            return None
+        trial = dict(bound)
+        hole = _statement_hole(head)
+        if hole is not None:
+            ok = _bind(hole, target[j], trial)
+        else:
+            ok = _match_node(head, target[j], trial)
+        return go(i + 1, j + 1, trial) if ok else None
+
+    result = go(0, 0, dict(bindings))
+    if result is None:
+        return False
+    bindings.clear()
+    bindings.update(result)
+    return True
+
+
+def match(
+    pattern: str | Sequence[ast.stmt], target: ast.AST | Sequence[ast.stmt]
+) -> Bindings | None:
+    """What each hole of `pattern` matched in `target` (statements, or one node), or None
+    when `target` is not in that shape."""
+    stmts = parse_pattern(pattern) if isinstance(pattern, str) else tuple(pattern)
+    bindings: Bindings = {}
+    if isinstance(target, ast.AST) and not isinstance(target, ast.Module):
+        if len(stmts) == 1 and isinstance(stmts[0], ast.Expr) and isinstance(target, ast.expr):
+            return bindings if _match_node(stmts[0].value, target, bindings) else None
+        target = [target] if isinstance(target, ast.stmt) else []
+    elif isinstance(target, ast.Module):
+        target = target.body
+    return bindings if _match_body(list(stmts), list(target), bindings) else None
+
+
+# --------------------------------------------------------------------------------------------
+# Version ranges
+
+
+_VERSION = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+def version_key(version: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a vLLM version string ("0.28.0", "0.29.0+k3fork",
+    "0.28.1.dev3"); None when it has none."""
+    m = _VERSION.match(version.strip())
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+@dataclass(frozen=True)
+class VersionRange:
+    """The vLLM versions a shape was seen in (inclusive; None: open)."""
+
+    first: str | None = None
+    last: str | None = None
+
+    def contains(self, version: str | None) -> bool | None:
+        """True/False; None when the version cannot be read."""
+        key = version_key(version) if version else None
+        if key is None:
+            return None
+        low = version_key(self.first) if self.first else None
+        high = version_key(self.last) if self.last else None
+        return (low is None or key >= low) and (high is None or key <= high)
+
+    def __str__(self) -> str:
+        if self.first and self.last:
+            return self.first if self.first == self.last else f"{self.first}-{self.last}"
+        if self.first:
+            return f"{self.first} and later"
+        return f"up to {self.last}" if self.last else "any version"
+
+
+def outside_range(versions: VersionRange | None, version: str | None) -> str | None:
+    """A note for a report when a known shape is met outside the versions it was seen in."""
+    if versions is None or versions.contains(version) is not False:
+        return None
+    return f"a known shape, but seen in vLLM {versions}, not {version}"
+
+
+def holes(bindings: Mapping[str, Any]) -> dict[str, str]:
+    """The bindings as source text (for reports and tests)."""
+    out = {}
+    for name, node in bindings.items():
+        out[name] = (
+            "\n".join(ast.unparse(n) for n in node)
+            if isinstance(node, list)
+            else (ast.unparse(node))
+        )
+    return out

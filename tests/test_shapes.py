@@ -1,0 +1,80 @@
+"""Shapes with named holes and elisions, and version ranges as data."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from k3patch.shapes import VersionRange, holes, match, outside_range, version_key
+
+GATE = """
+if HOLE_cond:
+    ...
+    self._reqs_need_pending_save.pop(HOLE_req)
+"""
+
+
+def body(source: str) -> list[ast.stmt]:
+    return ast.parse(source).body
+
+
+def test_named_holes_bind_what_they_matched():
+    code = body("if done(req):\n    log()\n    note()\n    self._reqs_need_pending_save.pop(rid)\n")
+    found = match(GATE, code)
+    assert found is not None
+    assert holes(found) == {"HOLE_cond": "done(req)", "HOLE_req": "rid"}
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "if x:\n    self._reqs_need_pending_save.pop(r)\n",  # the elision matches nothing too
+        "if x:\n    a()\n    self._reqs_need_pending_save.pop(r)\n",
+    ],
+)
+def test_an_elision_matches_any_run_of_statements(code):
+    assert match(GATE, body(code)) is not None
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "if x:\n    self._reqs_need_pending_save.get(r)\n",  # another method
+        "if x:\n    self._reqs_need_pending_save.pop(r)\n    more()\n",  # a statement after
+        "while x:\n    self._reqs_need_pending_save.pop(r)\n",  # another statement kind
+        "if x:\n    self._reqs_need_save.pop(r)\n",  # another attribute
+    ],
+)
+def test_anything_else_does_not_match(code):
+    assert match(GATE, body(code)) is None
+
+
+def test_a_hole_used_twice_must_match_equal_code():
+    pattern = "HOLE_a = HOLE_a + 1"
+    assert match(pattern, body("x = x + 1")) is not None
+    assert match(pattern, body("x = y + 1")) is None
+
+
+def test_formatting_comments_and_docstrings_do_not_matter():
+    pattern = "def f(a):\n    return a >= HOLE_limit\n"
+    code = body('def f(a):  # c\n    """doc"""\n    return (\n        a\n        >= 5\n    )\n')
+    found = match(pattern, code)
+    assert found is not None and holes(found) == {"HOLE_limit": "5"}
+
+
+def test_an_expression_pattern_matches_an_expression():
+    expr = ast.parse("a.b + scheduled[rid] >= n", mode="eval").body
+    assert match("HOLE_x + scheduled[HOLE_id] >= HOLE_n", expr) is not None
+    assert match("HOLE_x + scheduled[HOLE_id] > HOLE_n", expr) is None
+
+
+def test_version_ranges_are_data():
+    seen = VersionRange("0.28.0", "0.29.0")
+    assert seen.contains("0.28.0") and seen.contains("0.29.0+k3fork")
+    assert seen.contains("0.31.0") is False and seen.contains("nonsense") is None
+    assert outside_range(seen, "0.28.0") is None
+    note = outside_range(seen, "0.31.0")
+    assert note is not None and "0.28.0-0.29.0" in note and "0.31.0" in note
+    assert outside_range(VersionRange("0.32.0"), "0.33.0") is None
+    assert version_key("0.28.1.dev3") == (0, 28, 1) and version_key("x") is None
