@@ -124,3 +124,20 @@ def test_entrypoint_warn_mode_starts_vllm_with_the_safe_fixes(fork_tree, tmp_pat
     assert patches[AITER]["verdict"] == "drifted"
     for pid in (KDA, GATE, ROUTING):
         assert patches[pid]["verdict"] == "applied", (pid, patches[pid]["verdict"])
+
+
+@pytest.mark.wheel
+@pytest.mark.verify
+@pytest.mark.parametrize("name", ["a", "b", "c", "d"])
+def test_verify_runs_every_probe_on_each_applied_real_tree(fork_tree, verify_python, name):
+    site = fork_tree(name, full=True)
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    proc = run_cli("verify", "--vllm", str(site), "--python", verify_python, "--json")
+    data = json.loads(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    checked = {p["id"]: p for p in data["verify"]["patches"]}
+    assert set(checked) == {AITER, KDA, GATE, ROUTING}
+    for pid, patch in checked.items():
+        assert patch["verdict"] in ("applied", "satisfied"), (name, pid, patch["verdict"])
+        probe = patch["probe"]
+        assert probe["ran"] and probe["ok"], (name, pid, probe)
