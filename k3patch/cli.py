@@ -40,6 +40,13 @@ OnlyOpt = Annotated[
 SkipOpt = Annotated[
     list[str] | None, typer.Option("--skip", help="Skip this patch id (repeatable).")
 ]
+SitesOpt = Annotated[
+    bool,
+    typer.Option(
+        "--sites",
+        help="Show every site (file, line, shape and reason), not only those that need a look.",
+    ),
+]
 LockOpt = Annotated[
     float, typer.Option("--lock-timeout", help="Seconds to wait for another run's lock.")
 ]
@@ -107,6 +114,7 @@ def status(
     skip: SkipOpt = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per patch.")] = False,
     digest: Annotated[bool, typer.Option("--digest", help="Print only the state digest.")] = False,
+    sites: SitesOpt = False,
 ) -> None:
     """Report every site's verdict: pending, applied, satisfied, not applicable or drifted.
 
@@ -126,7 +134,7 @@ def status(
         elif digest:
             print(report.digest)
         else:
-            render.print_status(report, quiet=quiet)
+            render.print_status(report, quiet=quiet, every_site=sites)
         return code
 
     _guarded("status", as_json, body)
@@ -156,6 +164,7 @@ def apply(
         ),
     ] = False,
     lock_timeout: LockOpt = 120.0,
+    sites: SitesOpt = False,
 ) -> None:
     """Apply every pending patch as one transaction. A drifted patch is refused (nothing of it
     is written, exit 1) and the other patches are still applied."""
@@ -178,7 +187,7 @@ def apply(
                 payload["diff"] = outcome.plan.diff()
             render.emit_json("apply", code, payload)
         else:
-            render.print_apply(outcome, quiet=quiet, diff=diff)
+            render.print_apply(outcome, quiet=quiet, diff=diff, every_site=sites)
         return code
 
     _guarded("apply", as_json, body)

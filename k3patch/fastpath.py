@@ -132,7 +132,13 @@ def apply_quiet_text(
     lines = [f"k3patch: {quiet_line(patch_id, results)}" for patch_id in patch_ids]
     lines += [f"k3patch: recovered: {line}" for line in recovered]
     lines += [refused_line(refused, all_or_nothing)] if refused else []
-    return "".join(f"{line}\n" for line in lines)
+    return _log_text(lines)
+
+
+def _log_text(lines: Iterable[str]) -> str:
+    from k3patch.plaintext import LOG_WIDTH, wrap
+
+    return "".join(f"{out}\n" for text in lines for out in wrap(text, LOG_WIDTH))
 
 
 def refused_line(refused: Sequence[str], all_or_nothing: bool) -> str:
@@ -200,7 +206,7 @@ def _parse(argv: list[str]) -> dict[str, Any] | None:
         "vllm": None,
         "lock_timeout": "120",
     }
-    flags = {"--json": "json", "--quiet": "quiet", "-q": "quiet"}
+    flags = {"--json": "json", "--quiet": "quiet", "-q": "quiet", "--sites": "sites"}
     if argv[0] == "status":
         flags["--digest"] = "digest"
     i = 1
@@ -223,7 +229,8 @@ def _parse(argv: list[str]) -> dict[str, Any] | None:
             return None
         i += 1
     if opts["command"] == "apply" and not (opts.get("quiet") or opts.get("json")):
-        return None  # the full apply report is rendered by the full path
+        if sys.stdout.isatty():
+            return None  # a terminal gets the coloured report of the full path
     return opts
 
 
@@ -293,6 +300,8 @@ def _apply_lean(tree: VllmTree, opts: dict[str, Any]) -> int:
     code = int(exitcodes.for_apply(outcome))
     if opts.get("json"):
         sys.stdout.write(envelope("apply", code, apply_payload(outcome)))
+    elif not opts.get("quiet"):
+        sys.stdout.write(_apply_human_text(outcome, opts.get("sites", False)))
     else:
         results = [r.to_json() for r in outcome.report.results]
         sys.stdout.write(
@@ -306,6 +315,31 @@ def _apply_lean(tree: VllmTree, opts: dict[str, Any]) -> int:
         )
     sys.stdout.flush()
     return code
+
+
+def _apply_human_text(outcome: ApplyOutcome, every_site: bool) -> str:
+    """`apply` in a log: the same lines the full path prints (`plaintext.apply_lines`)."""
+    from k3patch import plaintext
+    from k3patch.engine import patch_meta
+
+    report = outcome.report
+    before = outcome.plan.before.results if outcome.plan is not None else []
+    lines = plaintext.apply_lines(
+        report.vllm_info,
+        patch_meta(report.patches),
+        [r.to_json() for r in report.results],
+        before=[r.to_json() for r in before],
+        written=outcome.written,
+        bytecode=outcome.pycache,
+        recovered=outcome.recovered,
+        refused=outcome.refused_patches,
+        refused_text=refused_line(outcome.refused_patches, outcome.all_or_nothing).removeprefix(
+            "k3patch: refused: "
+        ),
+        all_or_nothing=outcome.all_or_nothing,
+        every_site=every_site,
+    )
+    return plaintext.as_text(lines)
 
 
 def try_fast(argv: list[str]) -> int | None:
@@ -382,15 +416,22 @@ def try_fast(argv: list[str]) -> int | None:
         out.write(envelope(opts["command"], code, payload))
     elif opts.get("digest"):
         out.write(digest + "\n")
-    elif opts["command"] == "apply":
+    elif opts["command"] == "apply" and opts.get("quiet"):
         out.write(apply_quiet_text([p["id"] for p in patches], results, []))
     elif opts.get("quiet"):
-        out.write("".join(f"{quiet_line(p['id'], results)}\n" for p in patches))
+        out.write(_log_text(quiet_line(p["id"], results) for p in patches))
     elif out.isatty():
-        return None  # an interactive terminal gets the full, coloured table
+        return None  # an interactive terminal gets the coloured report of the full path
     else:
-        out.write(vllm_header(vllm) + "\n")
-        out.write(plain_table(STATUS_HEADERS, status_rows(patches, results)))
-        out.write(digest_line(digest, True) + "\n")
+        from k3patch import plaintext
+
+        every_site = opts.get("sites", False)
+        if opts["command"] == "apply":
+            lines = plaintext.apply_lines(vllm, patches, results, every_site=every_site)
+        else:
+            lines = plaintext.status_lines(
+                vllm, patches, results, digest, True, every_site=every_site
+            )
+        out.write(plaintext.as_text(lines))
     out.flush()
     return code

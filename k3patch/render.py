@@ -1,41 +1,60 @@
-"""Human output (Rich) and the JSON envelope. Only the CLI calls this module.
+"""Human output and the JSON envelope. Only the CLI calls this module.
 
-Readable in `docker logs`: plain box characters, no path ever cut short (long cells fold
-instead), colour off under NO_COLOR or when not a terminal.
+The report is built as plain lines by `plaintext` (the no-op path prints the same lines). In a
+log (stdout not a terminal) they are wrapped at `plaintext.LOG_WIDTH` and written as they are:
+no colour, no Rich. On a terminal they are wrapped at the terminal's width, words never split,
+and Rich colours the verdicts (no colour under NO_COLOR).
 """
 
 from __future__ import annotations
 
-import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import IO, Any
 
-from rich import box
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-
-from k3patch import fastpath
+from k3patch import fastpath, plaintext
 from k3patch.engine import ApplyOutcome, Report, RevertOutcome, patch_meta
-from k3patch.model import Patch, Verdict
+from k3patch.model import Patch
 from k3patch.verify import BLOCKED, BROKEN, IMPORT_OK, ModuleCheck, VerifyReport
 
-_MODULE_STYLE = {IMPORT_OK: "green", BROKEN: "bold red", BLOCKED: "yellow"}
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from k3patch.plaintext import Line
 
 _STYLE = {
-    Verdict.PENDING: "yellow",
-    Verdict.APPLIED: "green",
-    Verdict.SATISFIED: "green",
-    Verdict.NOT_APPLICABLE: "dim",
-    Verdict.DRIFTED: "bold red",
+    "pending": "yellow",
+    "applied": "green",
+    "satisfied": "green",
+    "not applicable": "dim",
+    "drifted": "bold red",
+    "error": "bold red",
+    "ok": "green",
+    "failed": "bold red",
+    "not run": "dim",
+    IMPORT_OK: "green",
+    BROKEN: "bold red",
+    BLOCKED: "yellow",
 }
 
 
-def console(stderr: bool = False) -> Console:
-    tty = (sys.stderr if stderr else sys.stdout).isatty()
-    width = None if tty else max(int(os.environ.get("COLUMNS", "0") or 0), 160)
-    return Console(stderr=stderr, highlight=False, width=width, soft_wrap=not tty)
+def emit(lines: Iterable[Line], *, stderr: bool = False) -> None:
+    stream: IO[str] = sys.stderr if stderr else sys.stdout
+    if not stream.isatty():
+        stream.write(plaintext.as_text(lines))
+        stream.flush()
+        return
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console(file=stream, highlight=False)
+    width = console.width
+    for text, hang, style, start, end in lines:
+        for i, part in enumerate(plaintext.wrap(text, width, hang)):
+            out = Text(part)
+            if i == 0 and style and end > start and part[start:end] == text[start:end]:
+                out.stylize(_STYLE.get(style, ""), start, end)
+            # Already wrapped on word boundaries: Rich must not wrap or fold it again.
+            console.print(out, soft_wrap=True)
 
 
 def emit_json(command: str, exit_code: int, payload: dict[str, Any]) -> None:
@@ -43,161 +62,165 @@ def emit_json(command: str, exit_code: int, payload: dict[str, Any]) -> None:
 
 
 def error_line(message: str) -> None:
-    console(stderr=True).print(f"[bold red]k3patch: error:[/] {escape(message)}")
-
-
-def _header(out: Console, report: Report) -> None:
-    out.print(escape(fastpath.vllm_header(report.vllm_info)))
-
-
-def _rows(report: Report) -> list[tuple[str, str, str, str, str]]:
-    return fastpath.status_rows(patch_meta(report.patches), [r.to_json() for r in report.results])
-
-
-def print_table(
-    out: Console,
-    headers: Sequence[str],
-    rows: Sequence[Sequence[str]],
-    styles: Sequence[str],
-) -> None:
-    """A coloured Rich table on a terminal; in logs (not a terminal) the plain table the fast
-    path prints too: padded columns, nothing wrapped or cut, no colour. `styles` gives one Rich
-    style per row for the second column ("" for none)."""
-    if not out.is_terminal:
-        out.file.write(fastpath.plain_table(headers, rows))
-        out.file.flush()
+    """An error stays one line, however long: scripts and tests take it as one record."""
+    prefix = "k3patch: error:"
+    if not sys.stderr.isatty():
+        sys.stderr.write(f"{prefix} {message}\n")
         return
-    table = Table(box=box.SIMPLE_HEAD, show_lines=False, pad_edge=False)
-    for i, header in enumerate(headers):
-        table.add_column(header, overflow="fold", no_wrap=i == 1)
-    for row, style in zip(rows, styles, strict=True):
-        cells = [escape(c) for c in row]
-        if style and cells[1]:
-            cells[1] = f"[{style}]{cells[1]}[/]"
-        table.add_row(*cells)
-    out.print(table)
+    from rich.console import Console
+    from rich.text import Text
+
+    text = Text(f"{prefix} {message}")
+    text.stylize(_STYLE["error"], 0, len(prefix))
+    Console(file=sys.stderr, highlight=False).print(text)
 
 
-def _print_sites(out: Console, report: Report) -> None:
-    rows = _rows(report)
-    print_table(out, fastpath.STATUS_HEADERS, rows, [_STYLE[Verdict(r[1])] for r in rows])
+def _results(report: Report) -> list[dict[str, Any]]:
+    return [r.to_json() for r in report.results]
 
 
-def _drift_details(out: Console, report: Report) -> None:
-    for result in report.drifted:
-        if not result.found:
-            continue
-        out.print(
-            f"\n[bold red]drifted[/] {escape(result.patch_id)} {escape(result.site)} in "
-            f"vllm/{escape(result.file)}:{result.line}; found:"
-        )
-        out.print(escape(result.found), markup=True)
-        if result.expected:
-            out.print("expected one of: " + escape(", ".join(result.expected)))
-
-
-def print_status(report: Report, quiet: bool = False) -> None:
-    out = console()
+def print_status(report: Report, *, quiet: bool = False, every_site: bool = False) -> None:
+    results = _results(report)
     if quiet:
-        results = [r.to_json() for r in report.results]
-        for patch in report.patches:
-            out.print(escape(fastpath.quiet_line(patch.id, results)))
+        emit(plaintext.line(plaintext.quiet_line(p.id, results)) for p in report.patches)
         return
-    _header(out, report)
-    _print_sites(out, report)
-    _drift_details(out, report)
-    if report.interrupted:
-        out.print(
-            f"[bold red]an interrupted k3patch {escape(report.interrupted)} left a journal;[/] "
-            "the next apply or revert rolls it back first"
+    emit(
+        plaintext.status_lines(
+            report.vllm_info,
+            patch_meta(report.patches),
+            results,
+            report.digest,
+            report.from_record,
+            report.interrupted,
+            every_site=every_site,
         )
-    out.print(fastpath.digest_line(report.digest, report.from_record))
+    )
 
 
-def print_apply(outcome: ApplyOutcome, *, quiet: bool, diff: bool) -> None:
-    out = console()
+def print_apply(
+    outcome: ApplyOutcome, *, quiet: bool, diff: bool, every_site: bool = False
+) -> None:
     report = outcome.report
     if diff and outcome.plan is not None:
         sys.stdout.write(outcome.plan.diff())
     if quiet:
-        out.file.write(
+        sys.stdout.write(
             fastpath.apply_quiet_text(
                 [p.id for p in report.patches],
-                [r.to_json() for r in report.results],
+                _results(report),
                 outcome.recovered,
                 outcome.refused_patches,
                 outcome.all_or_nothing,
             )
         )
-        out.file.flush()
+        sys.stdout.flush()
         return
-    _header(out, report)
-    _print_sites(out, report)
-    _drift_details(out, report)
-    for line in outcome.recovered:
-        out.print(f"recovered: {escape(line)}")
-    if outcome.refused:
-        line = fastpath.refused_line(outcome.refused_patches, outcome.all_or_nothing)
-        out.print("[bold red]refused:[/] " + escape(line.removeprefix("k3patch: refused: ")))
-    if outcome.check:
-        refused = [] if outcome.all_or_nothing else outcome.refused_patches
-        pending = sorted({r.patch_id for r in report.pending_outside(refused)})
-        if pending and not outcome.all_or_nothing:
-            out.print("would apply: " + ", ".join(pending) + " (--check: nothing written)")
-        elif not outcome.refused:
-            out.print("nothing to do")
-    elif outcome.written:
-        out.print("wrote " + ", ".join(f"vllm/{rel}" for rel in outcome.written))
-        for line in outcome.pycache:
-            out.print(f"bytecode: {escape(line)}")
-    elif not outcome.refused:
-        out.print("nothing to do")
+    before = outcome.plan.before.results if outcome.plan is not None else []
+    emit(
+        plaintext.apply_lines(
+            report.vllm_info,
+            patch_meta(report.patches),
+            _results(report),
+            before=[r.to_json() for r in before],
+            written=outcome.written,
+            bytecode=outcome.pycache,
+            recovered=outcome.recovered,
+            refused=outcome.refused_patches,
+            refused_text=_refused_text(outcome),
+            all_or_nothing=outcome.all_or_nothing,
+            check=outcome.check,
+            every_site=every_site,
+        )
+    )
+
+
+def _refused_text(outcome: ApplyOutcome) -> str:
+    if not outcome.refused_patches:
+        return ""
+    line = fastpath.refused_line(outcome.refused_patches, outcome.all_or_nothing)
+    return line.removeprefix("k3patch: refused: ")
 
 
 def print_revert(outcome: RevertOutcome) -> None:
-    out = console()
-    for line in outcome.recovered:
-        out.print(f"recovered: {escape(line)}")
+    lines = [plaintext.line(f"recovered: {step}") for step in outcome.recovered]
     if outcome.conflicts:
-        for line in outcome.conflicts:
-            out.print(f"[bold red]refused:[/] {escape(line)}")
-        out.print("nothing was written; reinstall vLLM to return to the original files")
+        lines += [
+            plaintext.line(f"refused: {why}", 2, "error", 0, len("refused:"))
+            for why in outcome.conflicts
+        ]
+        lines.append(
+            plaintext.line("nothing was written; reinstall vLLM to return to the originals")
+        )
     elif outcome.nothing_recorded:
-        out.print("nothing to revert: no k3patch state record in this tree")
+        lines.append(plaintext.line("nothing to revert: no k3patch state record in this tree"))
     else:
-        out.print("restored " + ", ".join(f"vllm/{rel}" for rel in outcome.restored))
+        lines.append(plaintext.line("restored:"))
+        lines += [plaintext.line(f"  vllm/{rel}") for rel in outcome.restored]
+        lines += [plaintext.line(f"bytecode: {step}") for step in outcome.pycache]
+    emit(lines)
 
 
-def _module_text(module: ModuleCheck) -> str:
-    return f"{module.reason} ({module.decided_by})" if module.reason else ""
+def _module_line(prefix: str, module: ModuleCheck) -> Line:
+    reason = f": {module.reason} ({module.decided_by})" if module.reason else ""
+    text = f"{prefix}{module.status} {module.module}{reason}"
+    return plaintext.line(
+        text, len(prefix) + 4, module.status, len(prefix), len(prefix) + len(module.status)
+    )
+
+
+def verify_lines(report: VerifyReport) -> list[Line]:
+    lines = [
+        plaintext.header(report.report.vllm_info),
+        plaintext.line(f"imports with {report.python} (Python {report.python_version})"),
+    ]
+    id_width = max([len(c.patch_id) for c in report.patches] or [0])
+    ran: list[str] = []
+    not_run: list[str] = []
+    for check in report.patches:
+        verdict = check.verdict.value
+        lines.append(plaintext.patch_line(check.patch_id, verdict, "", id_width))
+        lines += [_module_line("  ", module) for module in check.modules]
+        if check.probe_ok is None:
+            not_run.append(check.patch_id)
+            if check.probe_summary:
+                lines.append(
+                    plaintext.line(f"  probe not run: {check.probe_summary}", 4, "not run", 2, 15)
+                )
+            continue
+        ran.append(check.patch_id)
+        state = "ok" if check.probe_ok else "failed"
+        text = f"  probe {state}" + (f": {check.probe_summary}" if check.probe_summary else "")
+        lines.append(plaintext.line(text, 4, state, 8, 8 + len(state)))
+    lines += [_module_line("(--module) ", module) for module in report.extra]
+    lines.append(plaintext.line(_probes_ran(ran, not_run), 2))
+    pending = [c.patch_id for c in report.patches if c.verdict.value == "pending"]
+    if report.ok:
+        lines.append(plaintext.line("verified", 2, "ok", 0, len("verified")))
+    else:
+        text = "verify found problems"
+        if pending:
+            text += f"; {', '.join(pending)} pending: run `k3patch apply` first"
+        lines.append(plaintext.line(text, 2, "error", 0, len("verify found problems")))
+    return lines
+
+
+def _probes_ran(ran: Sequence[str], not_run: Sequence[str]) -> str:
+    text = "probes ran: " + (", ".join(ran) if ran else "none")
+    if not_run:
+        text += "; not run: " + ", ".join(not_run)
+    return text
 
 
 def print_verify(report: VerifyReport) -> None:
-    out = console()
-    _header(out, report.report)
-    out.print(f"imports with {escape(report.python)} (Python {escape(report.python_version)})")
-    rows: list[tuple[str, ...]] = []
-    styles: list[str] = []
-    for check in report.patches:
-        rows.append((check.patch_id, check.verdict.value, "", ""))
-        styles.append(_STYLE[check.verdict])
-        for module in check.modules:
-            rows.append(("", module.status, module.module, _module_text(module)))
-            styles.append(_MODULE_STYLE[module.status])
-        if check.probe_ok is not None or check.probe_summary:
-            state = {True: "ok", False: "failed", None: "not run"}[check.probe_ok]
-            rows.append(("", f"probe {state}", "probe", check.probe_summary))
-            styles.append({True: "green", False: "bold red", None: "dim"}[check.probe_ok])
-    for module in report.extra:
-        rows.append(("(--module)", module.status, module.module, _module_text(module)))
-        styles.append(_MODULE_STYLE[module.status])
-    print_table(out, ("patch", "verdict / status", "module", "result"), rows, styles)
-    out.print("[green]verified[/]" if report.ok else "[bold red]verify found problems[/]")
+    emit(verify_lines(report))
 
 
 def print_list(patches: tuple[Patch, ...]) -> None:
-    rows = [
-        (p.id, p.title + (f" (not covered: {p.caveat})" if p.caveat else ""), ", ".join(p.files))
-        for p in patches
-    ]
-    print_table(console(), ("patch", "what it does", "files (under vllm/)"), rows, [""] * len(rows))
+    emit(
+        plaintext.list_lines(
+            [
+                {"id": p.id, "title": p.title, "files": list(p.files), "caveat": p.caveat}
+                for p in patches
+            ]
+        )
+    )

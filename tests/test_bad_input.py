@@ -31,6 +31,21 @@ def one_line(text: str) -> str:
     return lines[0]
 
 
+def record_of(text: str, prefix: str) -> str:
+    """The one report line that starts with `prefix`, its wrapped continuation lines (indented,
+    at most 100 columns in a log) joined back; there must be exactly one."""
+    records: list[str] = []
+    for line in text.splitlines():
+        assert len(line) <= 100, line
+        if line.startswith(" ") and records:
+            records[-1] += " " + line.strip()
+        else:
+            records.append(line)
+    found = [r for r in records if r.startswith(prefix)]
+    assert len(found) == 1, text
+    return found[0]
+
+
 @pytest.mark.parametrize(
     "junk, expect",
     [
@@ -45,7 +60,7 @@ def test_unreadable_target_is_drift_and_untouched(make_tree, junk, expect):
     before = everything(site)
     proc = run_cli("apply", "--vllm", str(site), "--quiet", "--only", "aiter-mla-gfx942")
     assert proc.returncode == 1
-    line = one_line(proc.stdout)
+    line = record_of(proc.stdout, "k3patch: aiter-mla-gfx942: drifted")
     assert "vllm/_aiter_ops.py" in line and expect in line and "restore it from the wheel" in line
     assert everything(site) == before
 

@@ -55,6 +55,10 @@ COMMANDS = [
     ["apply", "--quiet"],
     ["apply", "--json"],
     ["status", "--json", "--only", "aiter-mla-gfx942"],
+    # In a log (not a terminal) the human reports are served too, line for line the same.
+    ["apply"],
+    ["status", "--sites"],
+    ["apply", "--sites"],
 ]
 
 
@@ -94,7 +98,7 @@ def test_fast_path_steps_aside_when_a_byte_changes(make_tree):
 @pytest.mark.parametrize(
     "args",
     [
-        ["apply"],  # the full report
+        ["apply", "--diff"],
         ["apply", "--check"],
         ["apply", "--diff", "--quiet"],
         ["status", "--only", "no-such-patch"],
@@ -108,15 +112,17 @@ def test_fast_path_declines_what_it_does_not_serve(make_tree, args):
     assert fast(*args, "--vllm", str(site))[0] is None
 
 
-@pytest.mark.parametrize("mode", ["--quiet", "--json"])
+@pytest.mark.parametrize("mode", ["--quiet", "--json", "--sites", None])
 def test_cold_apply_skips_the_cli_stack_and_matches_it(make_tree, mode):
-    """The entrypoint's cold start: `apply --quiet`/`--json` with work to do goes straight into
-    the engine (no typer, no rich) and prints what the full CLI prints."""
+    """The entrypoint's cold start: `apply` with work to do, its output a log (`--quiet`,
+    `--json` or the human report), goes straight into the engine (no typer, no rich) and prints
+    what the full CLI prints."""
     lean_site, full_site = make_tree("0.31.0"), make_tree("0.31.0")
-    code, heavy, out = fast("apply", mode, "--vllm", str(lean_site))
+    mode_args = [mode] if mode else []
+    code, heavy, out = fast("apply", *mode_args, "--vllm", str(lean_site))
     assert code == 0
     assert not {"typer", "rich", "click"} & set(heavy), heavy
-    reference = full("apply", mode, "--vllm", str(full_site))
+    reference = full("apply", *mode_args, "--vllm", str(full_site))
     normalise = lambda text: text.replace(str(full_site), str(lean_site))
     assert reference.returncode == 0 and out == normalise(reference.stdout)
     assert tree_hashes(lean_site / "vllm") == tree_hashes(full_site / "vllm")
