@@ -141,18 +141,58 @@ SHAPES: dict[str, tuple[Shape, ...]] = {
     G2: (G2_BLOCK_COUNT, G2_BLOCK_COUNT_D, G2_APPLIED),
 }
 
-# Fixed forms recognised by predicate rather than by one skeleton (SITES.md 2): any comparison
-# of `num_computed_tokens + ...num_scheduled_tokens...` against `num_prompt_tokens`, directly or
-# through upstream's `_is_final_prefill_chunk`, and the older anchor script's helper.
+# Fixed forms recognised by predicate rather than by one skeleton (SITES.md 2): a comparison of
+# `num_computed_tokens + ...num_scheduled_tokens...` against `num_prompt_tokens` that decides
+# exactly "final chunk" (`>=`) or "not yet" (`<`) where the gate needs it, directly or through
+# upstream's `_is_final_prefill_chunk`. Any other comparison of progress with the prompt (`<`
+# where `>=` belongs, `==`, `!=`, `>`, sides swapped, a slack) is drift.
 UPSTREAM_HELPER = "_is_final_prefill_chunk"
-LEGACY_HELPER = "_k3_prefill_done"
-LEGACY_MAP = "_k3_prog"
 SATISFIED_UPSTREAM = "upstream fix (_is_final_prefill_chunk, 0.32.0 and later)"
 SATISFIED_INLINE = "upstream-style progress gate (inline)"
-SATISFIED_LEGACY = "older anchor script's fixed form (k3-chunk-gate)"
-LEGACY_CAVEAT = (
-    "its K3_CHUNK_GATE_SLACK (default 2) can send up to 2 tokens before the prompt is complete; "
-    "set K3_CHUNK_GATE_SLACK=0, or reinstall vLLM and apply k3patch"
+
+# The older k3-chunk-gate script (apply_kimik3_chunk_gate_fix.py), as it really writes it: a
+# per-step map `self._k3_prog` filled at the top of the producer branch, a module-level helper,
+# and at each gate a named decision `_k3done = _k3_prefill_done(...)`, an `if _k3done is None:`
+# block-count fallback, a debug `if`, then the gate on the name; G1 also gets a sweep over the
+# pending requests after its loop (a final chunk without a new block never reaches G1).
+LEGACY_HELPER = "_k3_prefill_done"
+LEGACY_MAP = "_k3_prog"
+LEGACY_DEBUG = "K3_CHUNK_GATE_DEBUG"
+LEGACY_HELPER_SHAPE = Shape(
+    "k3-chunk-gate helper",
+    Verdict.PENDING,
+    """
+    def _k3_prefill_done(self, req_id, req):
+        import os as _os
+        prog = getattr(self, '_k3_prog', None)
+        if not prog or req_id not in prog:
+            return None
+        cb, st = prog[req_id]
+        slack = int(_os.environ.get('K3_CHUNK_GATE_SLACK', '2'))
+        return (cb + st) >= (int(req.num_prompt_tokens) - slack)
+    """,
+)
+LEGACY_PENDING = "older k3-chunk-gate script (legacy, defective)"
+LEGACY_DEFECTS = (
+    "fires up to K3_CHUNK_GATE_SLACK (default 2) tokens early",
+    "falls back to the block-count gate (the original bug) when its progress map lacks the request",
+)
+LEGACY_APPLIED = "k3patch (the older k3-chunk-gate form, repaired in place)"
+# The block-count fallback each site's older form keeps, as the script writes it.
+LEGACY_FALLBACK = {
+    G1: "len(self._reqs_need_pending_save[req_id][1]) * self.block_size >= req.num_prompt_tokens",
+    G2: "not (req.num_prompt_tokens > len(block_ids) * self.block_size)",
+}
+# k3patch's decision in the repaired form: progress of the request the chain decides about.
+LEGACY_REPAIR = (
+    "{req}.num_computed_tokens\n"
+    "+ scheduler_output.num_scheduled_tokens.get({req_id}, 0)\n"
+    ">= {req}.num_prompt_tokens"
+)
+MARKER_LEGACY = (
+    "# k3patch moriio-chunk-gate: final when compute progress reaches",
+    "# the prompt; no slack (it sent up to 2 tokens early) and no",
+    "# block-count fallback (the original bug).",
 )
 # Names whose appearance in an `if` test makes it a final-chunk gate.
 GATE_WORDS = frozenset({"num_prompt_tokens", UPSTREAM_HELPER, LEGACY_HELPER})
@@ -163,7 +203,10 @@ _WRITE_MODE = "self.mode == MoRIIOMode.WRITE"
 _PRODUCER = "get_role() == ROLE.PRODUCER"
 _PRODUCER_BRANCH = f"{_WRITE_MODE} and {_PRODUCER}"
 _NOT_PENDING_SKIP = "req_id not in self._reqs_need_pending_save"
-_FORK_NAMES = frozenset({"_reqs_save_mamba", "mamba_local_block_ids"})
+# The fork's mamba-blockids edit (SITES.md 1), as statements: `update_state_after_alloc` files
+# each saved request's mamba block ids under `self._reqs_save_mamba[request.request_id]`, a map
+# that `__init__` starts empty. A name alone decides nothing.
+_FORK_MAP = "_reqs_save_mamba"
 
 # --------------------------------------------------------------------------------------------
 # The post-image. Only the gate headers are new; each gate keeps its original body.
@@ -205,8 +248,8 @@ class MoriioChunkGate(Patch):
     files = (FILE,)
     modules = (MODULE,)
     caveat = (
-        "MoRIIO WRITE-mode producers only; the older k3-chunk-gate form is accepted as is "
-        "(its default slack of 2 tokens can send early)"
+        "MoRIIO WRITE-mode producers only; the older k3-chunk-gate form is repaired in place "
+        "(its helper and progress map stay, unused by the gates)"
     )
 
     def classify(self, sources: Sources) -> list[SiteResult]:
@@ -228,12 +271,29 @@ class MoriioChunkGate(Patch):
             raise ValueError(f"{CLASS}.{METHOD} is gone")
         context = _Context.of(src.tree, method)
         edits: dict[str, _Gate] = {}
+        chains: list[_Chain] = []
         for result in pending:
-            gate, verdict = _locate_and_judge(src, context, result.site)
-            if gate is None or verdict is not Verdict.PENDING:
+            if _classify_site(src, context, result.site).verdict is not Verdict.PENDING:
                 raise ValueError(f"{result.site} is no longer pending")
+            legacy = _site_chains(context, result.site)
+            if legacy is not None:
+                chains.extend(legacy)
+                continue
+            gate, _ = _locate(context, result.site)
+            assert gate is not None
             edits[result.site] = gate
-        return {FILE: _rewrite_gates(src.text, edits.get(G1), edits.get(G2))}
+        text = _repair_chains(src.text, chains)
+        if edits:
+            # The older form's repair never touches a loop the gate rewrite cuts out; only
+            # line numbers move, so the gates are located again in the repaired text.
+            if chains:
+                module = ast.parse(text)
+                method = _method(module)
+                assert method is not None
+                context = _Context.of(module, method)
+                edits = {site: _relocate(context, site) for site in edits}
+            text = _rewrite_gates(text, edits.get(G1), edits.get(G2))
+        return {FILE: text}
 
     def probe(self) -> ProbeOutcome:
         return probe_build_connector_meta()
@@ -479,7 +539,7 @@ class _Context:
         if combined and not skips:
             return "B (0.24.0-0.27.1)"
         if combined and skips:
-            if _FORK_NAMES & _words(self.cls):
+            if _is_fork(self.cls):
                 return "the fork (shape C gates)"
             return "C (0.28.0-0.29.0)"
         return "block-count gates of A-C, in surroundings of no known release"
@@ -508,16 +568,58 @@ def _locate(context: _Context, site: str) -> tuple[_Gate | None, str]:
     return gates[0], ""
 
 
-def _locate_and_judge(
-    src: SourceFile, context: _Context, site: str
-) -> tuple[_Gate | None, Verdict]:
-    gate, _ = _locate(context, site)
+def _relocate(context: _Context, site: str) -> _Gate:
+    gate, why = _locate(context, site)
     if gate is None:
-        return None, Verdict.DRIFTED
-    return gate, _classify_gate(src, context, gate).verdict
+        raise ValueError(f"{site}: {why}")
+    return gate
+
+
+def _is_fork(cls: ast.ClassDef) -> bool:
+    """Whether the scheduler carries the fork's mamba-blockids edit (SITES.md 1): __init__
+    starts `self._reqs_save_mamba` empty and update_state_after_alloc files a saved request's
+    mamba block ids under it."""
+    init = find_method(cls, "__init__")
+    alloc = find_method(cls, "update_state_after_alloc")
+    if init is None or alloc is None:
+        return False
+
+    def own_map(node: ast.AST) -> bool:
+        return (
+            isinstance(node, ast.Attribute)
+            and node.attr == _FORK_MAP
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        )
+
+    def empty_dict(node: ast.expr | None) -> bool:
+        return isinstance(node, ast.Dict) and not node.keys
+
+    starts_empty = any(
+        (
+            isinstance(n, ast.Assign)
+            and len(n.targets) == 1
+            and own_map(n.targets[0])
+            and empty_dict(n.value)
+        )
+        or (isinstance(n, ast.AnnAssign) and own_map(n.target) and empty_dict(n.value))
+        for n in ast.walk(init)
+    )
+    files_blocks = any(
+        isinstance(n, ast.Assign)
+        and len(n.targets) == 1
+        and isinstance(n.targets[0], ast.Subscript)
+        and own_map(n.targets[0].value)
+        and "request_id" in _words(n.targets[0].slice)
+        for n in ast.walk(alloc)
+    )
+    return starts_empty and files_blocks
 
 
 def _classify_site(src: SourceFile, context: _Context, site: str) -> SiteResult:
+    chains = _site_chains(context, site)
+    if chains is not None:
+        return _classify_chains(context, site, chains)
     gate, why = _locate(context, site)
     if gate is None:
         return SiteResult(
@@ -534,7 +636,13 @@ def _classify_site(src: SourceFile, context: _Context, site: str) -> SiteResult:
 
 def _expected(site: str) -> tuple[str, ...]:
     shapes = [f"{s.name} ({s.verdict.value})" for s in SHAPES[site]]
-    return (*shapes, f"{SATISFIED_UPSTREAM} (satisfied)", f"{SATISFIED_LEGACY} (satisfied)")
+    return (
+        *shapes,
+        f"{SATISFIED_UPSTREAM} (satisfied)",
+        f"{SATISFIED_INLINE} (satisfied)",
+        f"{LEGACY_PENDING} (pending)",
+        f"{LEGACY_APPLIED} (applied)",
+    )
 
 
 def _classify_gate(src: SourceFile, context: _Context, gate: _Gate) -> SiteResult:
@@ -569,48 +677,102 @@ def _classify_gate(src: SourceFile, context: _Context, gate: _Gate) -> SiteResul
 def _classify_fixed(
     context: _Context, gate: _Gate, result: Callable[[Verdict, str, str], SiteResult]
 ) -> SiteResult:
-    """The fixed forms nobody but upstream or the older script writes."""
+    """The fixed forms nobody but upstream writes: a progress gate, inline or through
+    upstream's helper, that decides exactly what its body needs."""
     test = gate.node.test
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        test = test.operand
+    wanted = _wanted(gate.node)
+    env = _env(gate.temps)
+    upstream = _calls(_unnegated(test), UPSTREAM_HELPER)
+    meaning = _helper_call_meaning(test) if upstream else _progress_meaning(test, env)
+    if meaning is None:
+        return result(
+            Verdict.DRIFTED, "", "the gate is in no shape k3patch knows; nothing will be written"
+        )
+    if upstream and not _helper_is_progress(context):
+        return result(
+            Verdict.DRIFTED,
+            "",
+            f"the gate calls self.{UPSTREAM_HELPER}, whose body is no progress comparison "
+            "(num_computed_tokens + num_scheduled_tokens >= num_prompt_tokens)",
+        )
+    if meaning != wanted:
+        return result(Verdict.DRIFTED, "", _wrong_progress(meaning, wanted))
     block_gated = [c for c in gate.conditions if "new_block_ids" in _words(getattr(c, "test", c))]
-    if _calls(test, LEGACY_HELPER):
-        problems = _legacy_problems(context, gate, bool(block_gated))
-        if problems:
-            return result(Verdict.DRIFTED, "", f"{SATISFIED_LEGACY}, but " + "; ".join(problems))
-        return result(Verdict.SATISFIED, SATISFIED_LEGACY, LEGACY_CAVEAT)
-    upstream = _calls(test, UPSTREAM_HELPER)
-    if upstream or _is_progress_compare(test, _env(gate.temps)):
-        if upstream and not _helper_is_progress(context):
-            return result(
-                Verdict.DRIFTED,
-                "",
-                f"the gate calls self.{UPSTREAM_HELPER}, whose body compares no "
-                "num_computed_tokens + num_scheduled_tokens against num_prompt_tokens",
-            )
-        if block_gated:
-            return result(
-                Verdict.DRIFTED,
-                "",
-                "a progress gate, but still only evaluated when the step allocated a new "
-                "block: a final chunk without a new block would never send",
-            )
-        guard = _expr_dump("req_id in self._reqs_need_pending_save")
-        if any(normalised_dump(getattr(c, "test", c)) == guard for c in gate.conditions):
-            return result(Verdict.DRIFTED, "", "k3patch's gate, edited since k3patch wrote it")
-        if gate.conditions:
-            # Upstream's gates sit directly in their loops; a progress gate that only runs
-            # under some other condition is a form nobody has described.
-            return result(
-                Verdict.DRIFTED,
-                "",
-                "a progress gate nested under a condition k3patch does not know",
-            )
-        name = SATISFIED_UPSTREAM if upstream else SATISFIED_INLINE
-        return result(Verdict.SATISFIED, name, "gates on compute progress")
-    return result(
-        Verdict.DRIFTED, "", "the gate is in no shape k3patch knows; nothing will be written"
+    if block_gated:
+        return result(
+            Verdict.DRIFTED,
+            "",
+            "a progress gate, but still only evaluated when the step allocated a new "
+            "block: a final chunk without a new block would never send",
+        )
+    guard = _expr_dump("req_id in self._reqs_need_pending_save")
+    if any(normalised_dump(getattr(c, "test", c)) == guard for c in gate.conditions):
+        return result(Verdict.DRIFTED, "", "k3patch's gate, edited since k3patch wrote it")
+    if gate.conditions:
+        # Upstream's gates sit directly in their loops; a progress gate that only runs
+        # under some other condition is a form nobody has described.
+        return result(
+            Verdict.DRIFTED,
+            "",
+            "a progress gate nested under a condition k3patch does not know",
+        )
+    name = SATISFIED_UPSTREAM if upstream else SATISFIED_INLINE
+    return result(Verdict.SATISFIED, name, "gates on compute progress")
+
+
+FINAL = "final"
+NOT_FINAL = "not final"
+WRONG = "wrong"
+
+
+def _wanted(gate: ast.If) -> str:
+    """What a gate's test must mean: "final" where its body sends the request, "not final"
+    where the body defers or skips it (upstream's `if not final: continue`)."""
+    sends = any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "add_new_req"
+        for stmt in gate.body
+        for n in ast.walk(stmt)
     )
+    return FINAL if sends else NOT_FINAL
+
+
+def _wrong_progress(meaning: str, wanted: str) -> str:
+    if meaning == WRONG:
+        return (
+            "a comparison of progress with the prompt, but not `progress >= num_prompt_tokens` "
+            "(final) or `progress < num_prompt_tokens` (not yet): an inverted, off-by-one or "
+            "slack gate; nothing will be written"
+        )
+    return (
+        f"a progress gate whose test means {meaning!r} where its body needs {wanted!r} "
+        "(inverted); nothing will be written"
+    )
+
+
+def _unnegated(expr: ast.expr) -> ast.expr:
+    while isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Not):
+        expr = expr.operand
+    return expr
+
+
+def _negations(expr: ast.expr) -> int:
+    count = 0
+    while isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Not):
+        expr = expr.operand
+        count += 1
+    return count
+
+
+def _flip(meaning: str, times: int) -> str:
+    if meaning == WRONG or times % 2 == 0:
+        return meaning
+    return NOT_FINAL if meaning == FINAL else FINAL
+
+
+def _helper_call_meaning(test: ast.expr) -> str:
+    return _flip(FINAL, _negations(test))
 
 
 def _calls(expr: ast.expr, name: str) -> bool:
@@ -637,28 +799,97 @@ def _env(assigns: Sequence[ast.stmt]) -> dict[str, ast.expr]:
     return env
 
 
-def _resolved_words(expr: ast.expr, env: dict[str, ast.expr], depth: int = 0) -> set[str]:
-    words = _words(expr)
-    if depth < 4:
-        for name in _loads([expr]) & set(env):
-            words |= _resolved_words(env[name], env, depth + 1)
+def _resolve(expr: ast.expr, env: dict[str, ast.expr], depth: int = 0) -> ast.expr:
+    """`expr` with each name bound in `env` (the named temporaries) replaced by its value."""
+    if isinstance(expr, ast.Name) and expr.id in env and depth < 4:
+        return _resolve(env[expr.id], env, depth + 1)
+    return expr
+
+
+def _is_attr(expr: ast.expr, attr: str) -> str | None:
+    """The name `x` of an `x.<attr>` expression, else None."""
+    if isinstance(expr, ast.Attribute) and expr.attr == attr and isinstance(expr.value, ast.Name):
+        return expr.value.id
+    return None
+
+
+def _is_scheduled(expr: ast.expr) -> bool:
+    """`<...>.num_scheduled_tokens[key]` or `<...>.num_scheduled_tokens.get(key[, 0])`."""
+    if isinstance(expr, ast.Subscript):
+        return isinstance(expr.value, ast.Attribute) and expr.value.attr == "num_scheduled_tokens"
+    return (
+        isinstance(expr, ast.Call)
+        and isinstance(expr.func, ast.Attribute)
+        and expr.func.attr == "get"
+        and isinstance(expr.func.value, ast.Attribute)
+        and expr.func.value.attr == "num_scheduled_tokens"
+        and not expr.keywords
+        and (
+            len(expr.args) == 1
+            or (
+                len(expr.args) == 2
+                and isinstance(expr.args[1], ast.Constant)
+                and expr.args[1].value == 0
+            )
+        )
+    )
+
+
+def _progress_of(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
+    """The request name `r` of `r.num_computed_tokens + <this step's scheduled tokens>`."""
+    expr = _resolve(expr, env)
+    if not (isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add)):
+        return None
+    for computed, scheduled in ((expr.left, expr.right), (expr.right, expr.left)):
+        req = _is_attr(_resolve(computed, env), "num_computed_tokens")
+        if req is not None and _is_scheduled(_resolve(scheduled, env)):
+            return req
+    return None
+
+
+_MIRROR: dict[type[ast.cmpop], type[ast.cmpop]] = {
+    ast.Lt: ast.Gt,
+    ast.Gt: ast.Lt,
+    ast.LtE: ast.GtE,
+    ast.GtE: ast.LtE,
+    ast.Eq: ast.Eq,
+    ast.NotEq: ast.NotEq,
+}
+
+
+def _progress_meaning(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
+    """What a test decides about compute progress: "final" for `progress >= prompt`, "not
+    final" for `progress < prompt` (mirrored forms and `not` included), "wrong" for any other
+    comparison of progress with the prompt, None when the test is no such comparison."""
+    times = _negations(expr)
+    core = _resolve(_unnegated(expr), env)
+    if not isinstance(core, ast.Compare):
+        return None
+    resolved = {w for node in ast.walk(core) for w in _resolved_words_of(node, env)}
+    about_progress = {"num_computed_tokens", "num_prompt_tokens"} <= resolved
+    if len(core.ops) != 1:
+        return WRONG if about_progress else None
+    left, right, op = core.left, core.comparators[0], type(core.ops[0])
+    req = _progress_of(left, env)
+    prompt = _is_attr(_resolve(right, env), "num_prompt_tokens")
+    if req is None or prompt is None:
+        req = _progress_of(right, env)
+        prompt = _is_attr(_resolve(left, env), "num_prompt_tokens")
+        op = _MIRROR.get(op, op)
+    if req is None or prompt is None or req != prompt:
+        return WRONG if about_progress else None
+    if op is ast.GtE:
+        return _flip(FINAL, times)
+    if op is ast.Lt:
+        return _flip(NOT_FINAL, times)
+    return WRONG
+
+
+def _resolved_words_of(node: ast.AST, env: dict[str, ast.expr]) -> set[str]:
+    words = _words(node)
+    if isinstance(node, ast.Name) and node.id in env:
+        words |= _words(_resolve(node, env))
     return words
-
-
-def _is_progress_compare(expr: ast.expr, env: dict[str, ast.expr]) -> bool:
-    """`num_computed_tokens + ...num_scheduled_tokens...` compared with `num_prompt_tokens`."""
-    if not (isinstance(expr, ast.Compare) and len(expr.ops) == 1):
-        return False
-    sides = (expr.left, expr.comparators[0])
-    for progress, prompt in (sides, sides[::-1]):
-        if (
-            isinstance(progress, ast.BinOp)
-            and isinstance(progress.op, ast.Add)
-            and {"num_computed_tokens", "num_scheduled_tokens"} <= _resolved_words(progress, env)
-            and "num_prompt_tokens" in _resolved_words(prompt, env)
-        ):
-            return True
-    return False
 
 
 def _helper_is_progress(context: _Context) -> bool:
@@ -666,52 +897,344 @@ def _helper_is_progress(context: _Context) -> bool:
     if helper is None:
         return False
     env = _env(list(helper.body))
-    return any(
-        isinstance(node, ast.Return)
-        and node.value is not None
-        and _is_progress_compare(node.value, env)
-        for node in ast.walk(helper)
+    returns = [n for n in ast.walk(helper) if isinstance(n, ast.Return)]
+    return bool(returns) and all(
+        n.value is not None and _progress_meaning(n.value, env) == FINAL for n in returns
     )
 
 
-def _legacy_problems(context: _Context, gate: _Gate, block_gated: bool) -> list[str]:
-    """What would make the older script's form fail at run time (its known pitfalls)."""
-    helper = next(
-        (
-            node
-            for node in context.module.body
-            if isinstance(node, ast.FunctionDef) and node.name == LEGACY_HELPER
-        ),
-        None,
-    )
-    if helper is None:
-        return [f"the module defines no {LEGACY_HELPER}()"]
-    problems = []
-    missing = _free_names(helper) - _module_names(context.module) - set(dir(builtins))
-    if missing:
-        names = ", ".join(sorted(missing))
-        problems.append(
-            f"{LEGACY_HELPER}() uses {names}, which moriio_connector.py never binds "
-            "(a NameError at the first chunked request); reinstall vLLM and apply k3patch"
+# --------------------------------------------------------------------------------------------
+# The older k3-chunk-gate script's form: decision chains. A chain is `NAME = <decision>`, an
+# optional `if NAME is None: NAME = <fallback>`, the script's debug `if`s, and the gate
+# `if NAME:` (it sends) or `if not NAME:` (it defers or skips). The decision is the script's
+# helper call (pending: it carries the slack and the fallback) or k3patch's progress
+# comparison (applied: the repair in place).
+
+
+@dataclass
+class _Chain:
+    part: str  # "gate" or "sweep" (G1's post-loop pass over the pending requests)
+    block: list[ast.stmt]
+    index: int  # of the decision in block
+    name: str
+    decision: ast.Assign
+    fallback: ast.If | None
+    debug: list[ast.If]
+    gate: ast.If
+
+    @property
+    def statements(self) -> list[ast.stmt]:
+        last = self.block.index(self.gate)
+        return self.block[self.index : last + 1]
+
+    def kind(self) -> str:
+        """ "legacy" (the script's helper), "progress" (k3patch's repair) or "other"."""
+        value = self.decision.value
+        if _calls(value, LEGACY_HELPER) and isinstance(value, ast.Call):
+            if len(value.args) == 3 and all(isinstance(a, ast.Name) for a in value.args):
+                return "legacy"
+            return "other"
+        if _progress_meaning(value, {}) == FINAL:
+            return "progress"
+        return "other"
+
+    def request_names(self) -> tuple[str, str] | None:
+        """(request, request id) the decision is about."""
+        value = self.decision.value
+        if isinstance(value, ast.Call) and len(value.args) == 3:
+            req_id, req = value.args[1], value.args[2]
+            if isinstance(req_id, ast.Name) and isinstance(req, ast.Name):
+                return req.id, req_id.id
+        return None
+
+    def gate_meaning(self) -> str:
+        """What the gate's test makes of the decision ("final" when it is the bare name)."""
+        return _flip(FINAL, _negations(self.gate.test))
+
+    def found(self) -> str:
+        return ast.unparse(ast.Module(body=self.statements, type_ignores=[]))
+
+
+def _is_name(expr: ast.expr, name: str) -> bool:
+    return isinstance(expr, ast.Name) and expr.id == name
+
+
+def _chains_in(root: ast.stmt, part: str) -> list[_Chain]:
+    found: list[_Chain] = []
+
+    def walk(block: list[ast.stmt]) -> None:
+        for index, stmt in enumerate(block):
+            chain = _chain_at(block, index, part)
+            if chain is not None:
+                found.append(chain)
+            for _, sub in _blocks(stmt):
+                walk(sub)
+
+    for _, block in _blocks(root):
+        walk(block)
+    return found
+
+
+def _chain_at(block: list[ast.stmt], index: int, part: str) -> _Chain | None:
+    stmt = block[index]
+    if not (
+        isinstance(stmt, ast.Assign)
+        and len(stmt.targets) == 1
+        and isinstance(stmt.targets[0], ast.Name)
+    ):
+        return None
+    name = stmt.targets[0].id
+    value_words = _words(stmt.value)
+    if not (_calls(stmt.value, LEGACY_HELPER) or "num_prompt_tokens" in value_words):
+        return None
+    j = index + 1
+    fallback = None
+    if j < len(block) and isinstance(block[j], ast.If):
+        test = block[j].test  # type: ignore[attr-defined]
+        if (
+            isinstance(test, ast.Compare)
+            and _is_name(test.left, name)
+            and len(test.ops) == 1
+            and isinstance(test.ops[0], ast.Is)
+            and isinstance(test.comparators[0], ast.Constant)
+            and test.comparators[0].value is None
+        ):
+            fallback = block[j]
+            j += 1
+    debug: list[ast.If] = []
+    while j < len(block):
+        candidate = block[j]
+        if not (isinstance(candidate, ast.If) and LEGACY_DEBUG in _constants(candidate.test)):
+            break
+        debug.append(candidate)
+        j += 1
+    if j >= len(block):
+        return None
+    gate = block[j]
+    if not isinstance(gate, ast.If) or not _is_name(_unnegated(gate.test), name):
+        return None
+    assert fallback is None or isinstance(fallback, ast.If)
+    return _Chain(part, block, index, name, stmt, fallback, debug, gate)
+
+
+def _constants(node: ast.AST) -> set[str]:
+    return {
+        n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    }
+
+
+def _site_chains(context: _Context, site: str) -> list[_Chain] | None:
+    """The site's decision chains (G1: its gate and its sweep; G2: its gate), or None when the
+    site's loop holds none (the gate forms of upstream, the fork and k3patch)."""
+    attribute = "scheduled_cached_reqs" if site == G1 else "_reqs_need_save"
+    loops = _loops(context.method, attribute)
+    gates = [c for loop in loops for c in _chains_in(loop, "gate")]
+    if not gates:
+        return None
+    if site == G2:
+        return gates
+    sweeps = [
+        c
+        for loop in _loops(context.method, "_reqs_need_pending_save")
+        if loop not in loops
+        for c in _chains_in(loop, "sweep")
+    ]
+    return [*gates, *sweeps]
+
+
+def _classify_chains(context: _Context, site: str, chains: list[_Chain]) -> SiteResult:
+    gates = [c for c in chains if c.part == "gate"]
+    sweeps = [c for c in chains if c.part == "sweep"]
+    first = gates[0] if gates else chains[0]
+
+    def result(verdict: Verdict, shape: str, detail: str) -> SiteResult:
+        drifted = verdict is Verdict.DRIFTED
+        return SiteResult(
+            patch_id=PATCH.id,
+            site=site,
+            file=FILE,
+            verdict=verdict,
+            shape=shape,
+            detail=detail,
+            line=first.decision.lineno,
+            found="\n".join(c.found() for c in chains) if drifted else "",
+            expected=_expected(site) if drifted else (),
         )
-    if LEGACY_MAP in _words(helper) and not any(
+
+    problems = _chain_problems(context, site, gates, sweeps)
+    if problems:
+        return result(
+            Verdict.DRIFTED,
+            "",
+            "the older k3-chunk-gate form, but "
+            + "; ".join(problems)
+            + "; nothing will be written",
+        )
+    if {c.kind() for c in chains} == {"legacy"}:
+        return result(Verdict.PENDING, LEGACY_PENDING, "; ".join(LEGACY_DEFECTS))
+    return result(Verdict.APPLIED, LEGACY_APPLIED, "compute progress, no slack, no fallback")
+
+
+def _chain_problems(
+    context: _Context, site: str, gates: list[_Chain], sweeps: list[_Chain]
+) -> list[str]:
+    """Why a decision chain is in no form the script or k3patch's repair leaves."""
+    if len(gates) != 1:
+        return [f"{len(gates)} decision chains in the site's loop (the script writes one)"]
+    if site == G1 and len(sweeps) != 1:
+        return [
+            f"{len(sweeps)} sweeps over _reqs_need_pending_save after the G1 loop (the script "
+            "writes one; without it a final chunk that allocates no block is never sent)"
+        ]
+    chains = [*gates, *sweeps]
+    kinds = {c.kind() for c in chains}
+    if "other" in kinds:
+        return [
+            "a decision that is neither the script's helper call nor "
+            f"`{LEGACY_REPAIR.format(req='req', req_id='req_id')}` (inverted, off-by-one or "
+            "another slack)".replace("\n", " ")
+        ]
+    if len(kinds) != 1:
+        return ["the gate and the sweep decide differently (partly repaired)"]
+    problems = []
+    for chain in chains:
+        wanted = NOT_FINAL if chain.part == "sweep" else _wanted(chain.gate)
+        if chain.gate_meaning() != wanted:
+            problems.append(f"`{ast.unparse(chain.gate.test)}` is inverted for what its body does")
+        if chain.part == "sweep" and not (
+            len(chain.gate.body) == 1 and isinstance(chain.gate.body[0], ast.Continue)
+        ):
+            problems.append("the sweep's gate does not skip the request")
+    legacy = kinds == {"legacy"}
+    for chain in chains:
+        fallback = chain.fallback
+        if not legacy:
+            if fallback is not None:
+                problems.append(f"`if {chain.name} is None:` is left beside a progress decision")
+            continue
+        if chain.part == "sweep":
+            if fallback is not None:
+                problems.append("the sweep has a fallback the script never writes")
+            continue
+        expected = LEGACY_FALLBACK[site]
+        if not (
+            fallback is not None
+            and len(fallback.body) == 1
+            and not fallback.orelse
+            and isinstance(fallback.body[0], ast.Assign)
+            and _is_name(fallback.body[0].targets[0], chain.name)
+            and normalised_dump(fallback.body[0].value) == _expr_dump(expected)
+        ):
+            problems.append(f"its fallback is not the block count `{expected}`")
+    if legacy:
+        problems.extend(_legacy_support_problems(context))
+    problems.extend(_unbound_problems(context, chains))
+    return problems
+
+
+def _legacy_support_problems(context: _Context) -> list[str]:
+    """The helper and the progress map the script's decisions rely on."""
+    helpers = [
+        node
+        for node in context.module.body
+        if isinstance(node, ast.FunctionDef) and node.name == LEGACY_HELPER
+    ]
+    problems = []
+    if len(helpers) != 1 or site_fingerprint(helpers[0]) != LEGACY_HELPER_SHAPE.fingerprint:
+        problems.append(
+            f"the module's {LEGACY_HELPER}() is not the script's (missing, defined twice, or "
+            "its comparison edited)"
+        )
+    if not any(
         isinstance(node, ast.Attribute)
         and node.attr == LEGACY_MAP
         and isinstance(node.ctx, ast.Store)
         for node in ast.walk(context.method)
     ):
         problems.append(f"{METHOD} never sets self.{LEGACY_MAP}, which {LEGACY_HELPER}() reads")
-    if block_gated and not any(
-        isinstance(node, ast.For)
-        and "_reqs_need_pending_save" in _words(node.iter)
-        and any(_calls(c, LEGACY_HELPER) for c in ast.walk(node) if isinstance(c, ast.Call))
-        for node in ast.walk(context.method)
-    ):
+    return problems
+
+
+def _unbound_problems(context: _Context, chains: list[_Chain]) -> list[str]:
+    """Names the chains read that nothing binds: the script's debug `if` reads `os` at module
+    level, its sweep reads maps that other older scripts add to the scheduler. Either raises
+    when a chunked request comes (the sweep's inside its `try`: the request is never sent)."""
+    problems = []
+    bound = (
+        _module_names(context.module)
+        | set(dir(builtins))
+        | _stores([context.method])
+        | context.params()
+        | {
+            (alias.asname or alias.name).split(".")[0]
+            for node in ast.walk(context.method)
+            if isinstance(node, ast.Import | ast.ImportFrom)
+            for alias in node.names
+        }
+    )
+    stmts = [s for c in chains for s in c.statements]
+    free = _loads(stmts) - bound
+    if free:
         problems.append(
-            "its G1 gate still waits for a new block and the post-loop sweep over "
-            "_reqs_need_pending_save is missing (half applied)"
+            "it reads " + ", ".join(sorted(free)) + ", which moriio_connector.py never binds"
+        )
+    sweep_roots: list[ast.AST] = [
+        loop
+        for loop in _loops(context.method, "_reqs_need_pending_save")
+        if any(c.part == "sweep" and c.decision in ast.walk(loop) for c in chains)
+    ]
+    attributes = {
+        node.attr
+        for root in sweep_roots
+        for node in ast.walk(root)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+        and isinstance(node.ctx, ast.Load)
+    }
+    unset = sorted(attributes - _self_attributes(context.cls))
+    if unset:
+        problems.append(
+            "its sweep reads self." + ", self.".join(unset) + f", which {CLASS} never sets "
+            "(it raises inside the sweep's try and the request is never sent)"
         )
     return problems
+
+
+def _self_attributes(cls: ast.ClassDef) -> set[str]:
+    names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    for node in ast.walk(cls):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ):
+            names.add(node.attr)
+    return names
+
+
+def _repair_chains(text: str, chains: list[_Chain]) -> str:
+    """The older form's decisions replaced in place by compute progress; each `is None`
+    fallback goes. Helper, map and debug lines stay: nothing reads them to decide any more."""
+    from k3patch.edits import Edit, SourceText, apply_edits, replace
+
+    src = SourceText(text)
+    edits: list[Edit] = []
+    for chain in chains:
+        names = chain.request_names()
+        if names is None:
+            raise ValueError(f"{chain.name}: a decision chain without its request names")
+        req, req_id = names
+        progress = LEGACY_REPAIR.format(req=req, req_id=req_id).split("\n")
+        source = "\n".join(
+            [*MARKER_LEGACY, f"{chain.name} = (", *(f"    {line}" for line in progress), ")"]
+        )
+        stmts: list[ast.stmt] = [chain.decision]
+        if chain.fallback is not None:
+            stmts.append(chain.fallback)
+        edits.append(replace(src, stmts, source))
+    return apply_edits(text, edits)
 
 
 def _free_names(func: ast.FunctionDef) -> set[str]:
