@@ -174,6 +174,17 @@ def _classify(patch: Patch, sources: Sources) -> list[SiteResult]:
                 detail=str(exc),
             )
         ]
+    except (RecursionError, MemoryError):
+        # Code nested deeper than the analysis can follow is not a shape any patch knows.
+        return [
+            SiteResult(
+                patch_id=patch.id,
+                site="(file)",
+                file=patch.files[0],
+                verdict=Verdict.DRIFTED,
+                detail="code nested too deeply to analyse (a generated or hostile file?)",
+            )
+        ]
 
 
 def _hashes(sources: Sources, files: Iterable[str]) -> dict[str, str | None]:

@@ -50,16 +50,21 @@ def for_exception(exc: BaseException) -> ExitCode:
     """Errors raised below the CLI. Anything not listed is an internal error: it must never
     read as drift (ATTENTION)."""
     from k3patch.engine import PatchBug
+    from k3patch.lock import BadLockTimeout
     from k3patch.registry import UnknownPatchError
     from k3patch.transaction import ConcurrentChange, EnvironmentProblem
     from k3patch.tree import TreeError
     from k3patch.verify import VerifyError
 
+    if isinstance(exc, BadLockTimeout):
+        return ExitCode.USAGE
     if isinstance(exc, TreeError):
         return ExitCode.USAGE if exc.usage else ExitCode.ENVIRONMENT
     if isinstance(exc, UnknownPatchError):
         return ExitCode.USAGE
-    if isinstance(exc, EnvironmentProblem | ConcurrentChange | VerifyError):
+    # An OSError that reached here (the tree's own files, not k3patch's logic) is the
+    # environment's: a permission, a full disk, a path that is not what it should be.
+    if isinstance(exc, EnvironmentProblem | ConcurrentChange | VerifyError | OSError):
         return ExitCode.ENVIRONMENT
     if isinstance(exc, PatchBug):
         return ExitCode.USAGE
@@ -70,11 +75,16 @@ def describe(exc: BaseException) -> str:
     """The one-line message for an error raised below the CLI. Errors k3patch expects say what
     to do; anything else is named an internal error, never drift."""
     from k3patch.engine import PatchBug
+    from k3patch.lock import BadLockTimeout
     from k3patch.registry import UnknownPatchError
     from k3patch.tree import TreeError
 
     if isinstance(exc, PatchBug):
         return f"internal error (a k3patch bug, nothing was written): {exc}"
-    if for_exception(exc) != ExitCode.USAGE or isinstance(exc, TreeError | UnknownPatchError):
+    if isinstance(exc, OSError) and not isinstance(exc, BadLockTimeout):
+        return f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": ")
+    if for_exception(exc) != ExitCode.USAGE or isinstance(
+        exc, TreeError | UnknownPatchError | BadLockTimeout
+    ):
         return str(exc)
     return f"internal error: {type(exc).__name__}: {exc}"

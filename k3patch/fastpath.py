@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import stat
 import sys
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up cost)
@@ -31,23 +33,88 @@ STATE_SCHEMA_VERSION = 1
 _GOOD = ("applied", "satisfied", "not applicable")
 
 
+class NotPlainFile(OSError):
+    """A target that is a symlink, FIFO, device or directory: never opened for reading."""
+
+
 def file_sha256(path: str) -> str | None:
+    """The sha256 of a regular file, None when absent. Never follows a symlink and never
+    blocks on a FIFO (opened non-blocking, refused by fstat before any read)."""
     try:
-        with open(path, "rb") as handle:
-            return hashlib.sha256(handle.read()).hexdigest()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise NotPlainFile(exc.errno, exc.strerror, path) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotPlainFile(0, "not a regular file", path)
+        digest = hashlib.sha256()
+        while chunk := os.read(fd, 1 << 20):
+            digest.update(chunk)
+        return digest.hexdigest()
+    finally:
+        os.close(fd)
 
 
 def patch_set_digest(patches_dir: str) -> str:
     """A hash of the patch modules' source: a record made by other patch code is stale."""
+    return _patch_set(patches_dir)[0]
+
+
+_CONST = re.compile(
+    r'^([A-Z][A-Z0-9_]*) = (f?)"([^"\n{}]*(?:\{[A-Z][A-Z0-9_]*\}[^"\n{}]*)*)"$', re.M
+)
+_TUPLE = re.compile(r"^([A-Z][A-Z0-9_]*) = \(([A-Z0-9_, ]*)\)$", re.M)
+_FILES = re.compile(r"^    files = (\([A-Z0-9_, ]*\)|[A-Z][A-Z0-9_]*)$", re.M)
+_REF = re.compile(r"\{([A-Z][A-Z0-9_]*)\}")
+
+
+def _declared_files(text: str) -> list[str] | None:
+    """The `files` a patch module declares, read from its text without importing it (the no-op
+    path must stay cheap). None when they are not written as plain module constants: then the
+    fast path declines and the full path, which imports the registry, decides."""
+    consts: dict[str, str] = {}
+    for name, is_f, value in _CONST.findall(text):
+        if is_f:
+            refs = _REF.findall(value)
+            if any(ref not in consts for ref in refs):
+                return None
+            value = _REF.sub(lambda m: consts[m.group(1)], value)
+        consts[name] = value
+    tuples = {
+        name: [n.strip() for n in body.split(",") if n.strip()]
+        for name, body in _TUPLE.findall(text)
+    }
+    found = _FILES.findall(text)
+    if len(found) != 1:
+        return None
+    spec = found[0]
+    names = (
+        [n.strip() for n in spec.strip("()").split(",") if n.strip()]
+        if spec.startswith("(")
+        else tuples.get(spec, [spec])
+    )
+    if any(n not in consts for n in names):
+        return None
+    return [consts[n] for n in names]
+
+
+def _patch_set(patches_dir: str) -> tuple[str, frozenset[str] | None]:
+    """The patch-set digest and the registered target files, from one read of the modules."""
     digest = hashlib.sha256()
+    targets: set[str] | None = set()
     for name in sorted(os.listdir(patches_dir)):
         if name.endswith(".py") and name != "__init__.py":
             digest.update(name.encode() + b"\0")
             with open(os.path.join(patches_dir, name), "rb") as handle:
-                digest.update(handle.read())
-    return digest.hexdigest()[:16]
+                data = handle.read()
+            digest.update(data)
+            text = data.decode("utf-8", "replace")
+            if targets is not None and re.search(r"^PATCH = ", text, re.M):
+                files = _declared_files(text)
+                targets = None if files is None else targets | set(files)
+    return digest.hexdigest()[:16], None if targets is None else frozenset(targets)
 
 
 def state_digest(
@@ -238,30 +305,70 @@ def fresh_record(state_dir: str, package_dir: str) -> dict[str, Any] | None:
     """The state record, if it still describes every target file exactly; else None."""
     from k3patch import __version__
 
-    if os.path.exists(os.path.join(state_dir, "journal.json")):
-        return None
     try:
-        with open(os.path.join(state_dir, "state.json"), "rb") as handle:
-            record = json.loads(handle.read())
-    except (OSError, ValueError):
+        return _fresh_record(state_dir, package_dir, __version__)
+    except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError):
+        return None  # any doubt: the full path looks at the code itself
+
+
+def _fresh_record(state_dir: str, package_dir: str, version: str) -> dict[str, Any] | None:
+    if os.path.lexists(os.path.join(state_dir, "journal.json")) or os.path.islink(state_dir):
         return None
+    data = _read_plain(os.path.join(state_dir, "state.json"))
+    record = json.loads(data)
     if (
         not isinstance(record, dict)
         or record.get("schema_version") != STATE_SCHEMA_VERSION
-        or record.get("k3patch_version") != __version__
-        or "patches" not in record
+        or record.get("k3patch_version") != version
+        or not _well_formed(record)
     ):
         return None
     import k3patch.patches
 
     patches_dir = os.path.dirname(k3patch.patches.__file__ or "")
-    if record.get("patch_set") != patch_set_digest(patches_dir):
+    patch_set, targets = _patch_set(patches_dir)
+    # The registry's targets, never the record's own list: a record whose scan omits a
+    # target (copied from elsewhere, edited) must not vouch for a file it never hashed.
+    if record["patch_set"] != patch_set or targets is None or set(record["scan"]) != targets:
         return None
-    for rel, expected in record["scan"].items():
-        path = os.path.join(package_dir, rel)
-        if os.path.islink(path) or file_sha256(path) != expected:
+    for rel in sorted(targets):
+        if file_sha256(os.path.join(package_dir, rel)) != record["scan"][rel]:
             return None
     return record
+
+
+def _read_plain(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotPlainFile(0, "not a regular file", path)
+        return os.read(fd, 16 << 20)
+    finally:
+        os.close(fd)
+
+
+def _well_formed(record: dict[str, Any]) -> bool:
+    """Every field the fast path and the plugin read, of the type they read it as."""
+    patches, results, scan = record.get("patches"), record.get("results"), record.get("scan")
+    return (
+        isinstance(record.get("patch_set"), str)
+        and isinstance(scan, dict)
+        and all(isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in scan.items())
+        and isinstance(patches, list)
+        and all(
+            isinstance(p, dict)
+            and all(isinstance(p.get(k), str) for k in ("id", "title", "caveat"))
+            for p in patches
+        )
+        and isinstance(results, list)
+        and all(
+            isinstance(r, dict)
+            and all(isinstance(r.get(k), str) for k in ("patch", "site", "file", "verdict"))
+            and r["verdict"] in (*_GOOD, "pending", "drifted")
+            and all(isinstance(r.get(k, ""), str) for k in ("shape", "detail"))
+            for r in results
+        )
+    )
 
 
 def apply_payload(outcome: ApplyOutcome) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import errno
 import fcntl
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -36,8 +37,55 @@ def env_error(action: str, path: Path | str, exc: OSError) -> EnvironmentProblem
     return EnvironmentProblem(f"cannot {action} {path}: {hint}")
 
 
+class BadLockTimeout(ValueError):
+    """--lock-timeout must be a finite number of seconds, zero or more (a usage error)."""
+
+
+def check_timeout(timeout: float) -> float:
+    if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout < 0:
+        raise BadLockTimeout(f"--lock-timeout {timeout!r}: give a finite number of seconds >= 0")
+    return float(timeout)
+
+
 # state dir -> (the fd whose flock this process holds, exclusive?); closed at exit at the latest
 _held: dict[str, tuple[int, bool]] = {}
+# state dir -> the monotonic deadline of this process's first wait: one timeout in all, however
+# many times the no-op path and the full path take the lock in turn.
+_deadlines: dict[str, float] = {}
+
+
+def _deadline(key: str, timeout: float) -> float:
+    check_timeout(timeout)
+    return _deadlines.setdefault(key, time.monotonic() + timeout)
+
+
+def wait_if_busy(state_dir: Path | str, timeout: float) -> bool:
+    """True when another live run holds the lock (we waited, shared, until it let go, at most
+    `timeout`): its journal is work in progress, not an interrupted run's."""
+    key = os.path.abspath(state_dir)
+    if key in _held:
+        return False
+    try:
+        fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            pass
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                continue
+        return True
+    finally:
+        os.close(fd)
 
 
 def hold(state_dir: Path | str, timeout: float) -> None:
@@ -47,8 +95,12 @@ def hold(state_dir: Path | str, timeout: float) -> None:
     key = os.path.abspath(state_dir)
     if _held.get(key, (0, False))[1]:
         return
+    deadline = _deadline(key, timeout)
     release(key)
-    _held[key] = (_acquire(key, fcntl.LOCK_EX, timeout), True)
+    try:
+        _held[key] = (_acquire(key, fcntl.LOCK_EX, deadline, timeout), True)
+    finally:
+        _deadlines.pop(key, None)
 
 
 def hold_or_wait(state_dir: Path | str, timeout: float) -> bool:
@@ -58,13 +110,18 @@ def hold_or_wait(state_dir: Path | str, timeout: float) -> bool:
     key = os.path.abspath(state_dir)
     if key in _held:
         return _held[key][1]
+    deadline = _deadline(key, timeout)
     try:
-        _held[key] = (_acquire(key, fcntl.LOCK_EX, 0.0), True)
+        _held[key] = (_acquire(key, fcntl.LOCK_EX, 0.0, timeout), True)
         return True
     except EnvironmentProblem as exc:
         if not isinstance(exc, _Busy):
             raise
-    _held[key] = (_acquire(key, fcntl.LOCK_SH, timeout), False)
+    try:
+        _held[key] = (_acquire(key, fcntl.LOCK_SH, deadline, timeout), False)
+    except BaseException:
+        _deadlines.pop(key, None)
+        raise
     return False
 
 
@@ -72,13 +129,25 @@ class _Busy(EnvironmentProblem):
     pass
 
 
-def _acquire(key: str, mode: int, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
+def _acquire(key: str, mode: int, deadline: float, timeout: float) -> int:
     while True:
         try:
-            os.makedirs(key, exist_ok=True)
-            fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.mkdir(key, 0o755)
+            except FileExistsError:
+                pass
+            # Never through a symlink: the lock and everything under it must be the tree's own.
+            fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            if os.path.isdir(os.path.dirname(key)):
+                continue  # removed by a finishing revert between our mkdir and open: again
+            raise env_error("create the state directory", key, FileNotFoundError()) from None
         except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EEXIST):
+                raise EnvironmentProblem(
+                    f"{key} is a symlink or not a directory; k3patch keeps its state only in a "
+                    "real directory inside the tree. Remove it and run again"
+                ) from None
             raise env_error("create the state directory", key, exc) from None
         try:
             # Back off from 1 ms to 25 ms: dozens of ranks waiting on one tree must not eat
@@ -116,7 +185,11 @@ def release(state_dir: Path | str) -> None:
     if held is None:
         return
     try:
-        os.rmdir(key)
+        # Only the directory this run locked: after a revert removed it, the one at this path
+        # may be another run's, freshly created and locked.
+        mine, there = os.fstat(held[0]), os.stat(key, follow_symlinks=False)
+        if held[1] and (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
+            os.rmdir(key)
     except OSError:
         pass
     os.close(held[0])

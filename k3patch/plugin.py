@@ -7,6 +7,11 @@ applicable; and that the target modules already imported came from that tree. A 
 from an image whose fix was lost (a rebuilt layer, a reinstalled wheel) is caught before serving.
 
 K3PATCH_PREFLIGHT=off | warn (default) | fail. `fail` raises, which stops vLLM.
+
+Whatever is on disk (a damaged record, an unreadable target, a FIFO where a module should be),
+`off` and `warn` never raise and never block: vLLM's plugin loader does not catch, so an error
+here would stop every vLLM process. Every check is bounded (regular files only, opened
+non-blocking) and any unexpected failure becomes one warning; `fail` raises one PreflightError.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ def preflight_problem(package_dir: str) -> str | None:
             "run `k3patch status` to see which"
         )
     bad = [
-        fastpath.quiet_line(p["id"], record["results"])
+        fastpath.quiet_line(str(p["id"]), record["results"])
         for p in record["patches"]
         if fastpath.summary_verdict(
             r["verdict"] for r in record["results"] if r["patch"] == p["id"]
@@ -52,13 +57,21 @@ def preflight_problem(package_dir: str) -> str | None:
     ]
     if bad:
         return "; ".join(bad)
-    for rel in record["scan"]:
+    for rel in sorted(_targets()):
         name = "vllm." + rel[: -len(".py")].replace("/", ".")
         module = sys.modules.get(name)
         loaded = getattr(module, "__file__", None)
         if loaded and os.path.realpath(loaded) != os.path.realpath(os.path.join(pkg, rel)):
             return f"{name} was imported from {loaded}, not from the checked tree {pkg}"
     return None
+
+
+def _targets() -> frozenset[str]:
+    """The registry's targets (as the fast path reads them), never the record's own list."""
+    import k3patch.patches
+
+    targets = fastpath._patch_set(os.path.dirname(k3patch.patches.__file__ or ""))[1]
+    return targets or frozenset()
 
 
 def preflight() -> None:
@@ -73,7 +86,10 @@ def preflight() -> None:
     package_dir = os.path.dirname(getattr(vllm, "__file__", None) or "")
     if not package_dir:
         return
-    problem = preflight_problem(package_dir)
+    try:
+        problem = preflight_problem(package_dir)
+    except Exception as exc:  # never let an odd tree stop vLLM in warn mode
+        problem = f"could not check {package_dir}: {type(exc).__name__}: {exc}"
     if problem is None:
         logger.debug("k3patch preflight: %s is in the applied state", package_dir)
         return

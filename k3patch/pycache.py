@@ -25,14 +25,27 @@ _MODE_BY_FLAGS = {
 }
 
 
+def check_cache_dir(source: Path) -> None:
+    """A `__pycache__` that is a symlink or not a directory would have k3patch write pycs
+    outside the tree: refused before the first write."""
+    from k3patch.lock import EnvironmentProblem
+
+    cache_dir = source.parent / "__pycache__"
+    if os.path.islink(cache_dir) or (os.path.lexists(cache_dir) and not cache_dir.is_dir()):
+        raise EnvironmentProblem(
+            f"{cache_dir} is a symlink or not a directory; k3patch writes bytecode only into a "
+            "real __pycache__ inside the tree. Remove it and run again"
+        )
+
+
 def pycs_for(source: Path) -> list[Path]:
     cache_dir = source.parent / "__pycache__"
-    if not cache_dir.is_dir():
+    if cache_dir.is_symlink() or not cache_dir.is_dir():
         return []
     found = []
     for entry in cache_dir.iterdir():
         match = _PYC_NAME.match(entry.name)
-        if match and match.group("stem") == source.stem:
+        if match and match.group("stem") == source.stem and not entry.is_dir():
             found.append(entry)
     return sorted(found)
 

@@ -73,17 +73,38 @@ class VllmTree:
                 "atomically and will not turn a link into a copy. Patch the link's target tree.",
                 usage=True,
             )
+        import stat
+
         try:
-            with open(path, "rb") as handle:
-                return handle.read()
+            # Non-blocking and checked before the first read: a FIFO or device where a module
+            # should be is refused, never opened for reading (that would hang).
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
-        except IsADirectoryError:
-            raise TreeError(f"{path} is a directory, expected a Python file", usage=True) from None
         except PermissionError:
             raise TreeError(
                 f"{path}: permission denied reading it; run as the tree's owner", usage=False
             ) from None
+        except OSError as exc:
+            raise TreeError(f"{path}: cannot read it: {exc.strerror}", usage=False) from None
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise TreeError(f"{path} is a directory, expected a Python file", usage=True)
+            if not stat.S_ISREG(mode):
+                raise TreeError(
+                    f"{path} is not a regular file (a FIFO, socket or device); expected a "
+                    "Python file. Reinstall vLLM",
+                    usage=False,
+                )
+            chunks = []
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+            return b"".join(chunks)
+        except OSError as exc:
+            raise TreeError(f"{path}: cannot read it: {exc.strerror}", usage=False) from None
+        finally:
+            os.close(fd)
 
 
 def _looks_like_vllm(package_dir: str) -> bool:
@@ -117,6 +138,22 @@ def locate(path: str | os.PathLike[str] | None = None) -> VllmTree:
             package_dir = given
         elif _looks_like_vllm(os.path.join(given, "vllm")):
             package_dir = os.path.join(given, "vllm")
+        elif orphan := next(
+            (
+                d
+                for d in (os.path.join(given, ".k3patch"), os.path.join(given, "vllm", ".k3patch"))
+                if os.path.lexists(d)
+            ),
+            None,
+        ):
+            # pip uninstall leaves `.k3patch` (it is not in the wheel's RECORD) in an otherwise
+            # empty vllm/: not a wrong path, a leftover whose originals belong to no install.
+            raise TreeError(
+                f"{orphan} is k3patch's state of a vLLM that is no longer installed there (no "
+                "vllm/__init__.py and envs.py); its saved originals belong to no install. "
+                f"Reinstall vLLM, or remove {orphan}",
+                usage=False,
+            )
         else:
             raise TreeError(
                 f"{given}: not a vLLM tree (no vllm/__init__.py and vllm/envs.py); pass the vllm "
