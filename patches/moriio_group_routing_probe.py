@@ -181,14 +181,22 @@ def probe_fork() -> ProbeOutcome:
 
 
 def _case_summary(case: Case, failures: list[str]) -> str:
+    """One line per case: what failed outright, then the first misrouted layer of each group
+    (the other layers of a group fail the same way; the checks list them all)."""
+    import re
+
     layers = sum(len(names) for _, names in case.layout)
     misrouted = [f for f in failures if f.startswith("model.")]
-    other = [f for f in failures if not f.startswith("model.")]
-    parts = other[:]
+    parts = [f for f in failures if not f.startswith("model.")]
     if misrouted:
-        shown = "; ".join(misrouted[:3])
-        more = f"; and {len(misrouted) - 3} more" if len(misrouted) > 3 else ""
-        parts.append(f"{len(misrouted)} of {layers} layers misrouted: {shown}{more}")
+        first: dict[str, str] = {}
+        for failure in misrouted:
+            group = re.search(r"\(\w+ group (\d+)\)", failure)
+            first.setdefault(group.group(1) if group else failure, failure)
+        parts.append(
+            f"{len(misrouted)} of {layers} layers misrouted, in group(s) {', '.join(first)}: "
+            + "; ".join(first.values())
+        )
     return f"{case.label}: " + "; ".join(parts)
 
 
