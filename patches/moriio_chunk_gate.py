@@ -296,7 +296,7 @@ class MoriioChunkGate(Patch):
         return {FILE: text}
 
     def probe(self) -> ProbeOutcome:
-        return probe_build_connector_meta()
+        return probe_chunk_gate()
 
 
 PATCH = MoriioChunkGate()
@@ -1615,6 +1615,7 @@ def run_case(mc: types.ModuleType, case: ProbeCase) -> CaseRun:
     for step in range(max(len(r.steps) for r in case.requests)):
         cached_ids: list[str] = []
         cached_blocks: list[Any] = []
+        cached_computed: list[int] = []
         new_reqs: list[Any] = []
         scheduled: dict[str, int] = {}
         for spec in case.requests:
@@ -1632,14 +1633,21 @@ def run_case(mc: types.ModuleType, case: ProbeCase) -> CaseRun:
                     get_block_ids=lambda allow_none=False, ids=ids: (ids,)
                 )
                 sched.update_state_after_alloc(req, blocks, 0)
-                new_reqs.append(types.SimpleNamespace(req_id=spec.req_id))
+                new_reqs.append(
+                    types.SimpleNamespace(
+                        req_id=spec.req_id, num_computed_tokens=req.num_computed_tokens
+                    )
+                )
             else:
                 cached_ids.append(spec.req_id)
                 cached_blocks.append((ids,) if ids else None)
+                cached_computed.append(req.num_computed_tokens)
         output = types.SimpleNamespace(
             scheduled_new_reqs=new_reqs,
+            # As the real SchedulerOutput carries them: each request's computed tokens
+            # before this step (the older k3-chunk-gate script reads its progress from here).
             scheduled_cached_reqs=types.SimpleNamespace(
-                req_ids=cached_ids, new_block_ids=cached_blocks
+                req_ids=cached_ids, new_block_ids=cached_blocks, num_computed_tokens=cached_computed
             ),
             num_scheduled_tokens=scheduled,
             new_block_ids_to_zero=None,
@@ -1682,7 +1690,8 @@ def judge_case(case: ProbeCase, run: CaseRun) -> list[tuple[str, bool]]:
     return out
 
 
-def probe_build_connector_meta() -> ProbeOutcome:
+def direct_results() -> list[tuple[str, bool]]:
+    """The direct drive of build_connector_meta: one (line, ok) per request of every case."""
     import importlib
 
     mc = importlib.import_module(MODULE)
@@ -1696,13 +1705,282 @@ def probe_build_connector_meta() -> ProbeOutcome:
             results.extend(judge_case(case, run_case(mc, case)))
     finally:
         mc.get_role = saved_get_role  # type: ignore[attr-defined]
+    return results
+
+
+def _outcome(results: list[tuple[str, bool]], passed: str) -> ProbeOutcome:
     checks = tuple(line for line, _ in results)
     failures = [line for line, ok in results if not ok]
     if failures:
-        summary = f"wrong in {len(failures)} of {len(results)} requests: " + "; ".join(failures)
+        summary = f"wrong in {len(failures)} of {len(results)} checks: " + "; ".join(failures)
         return ProbeOutcome(False, summary, checks)
-    return ProbeOutcome(
-        True,
-        f"the save is emitted once, with the final prefill chunk ({len(results)} requests)",
-        checks,
+    return ProbeOutcome(True, f"{passed} ({len(results)} checks)", checks)
+
+
+def probe_build_connector_meta() -> ProbeOutcome:
+    return _outcome(direct_results(), "the save is emitted once, with the final prefill chunk")
+
+
+# --------------------------------------------------------------------------------------------
+# The second probe: vLLM's own `Scheduler.schedule()` of the tree drives the MoRIIO connector's
+# scheduler side through chunked prefills, built on CPU the way vLLM's unit tests build one
+# (a VllmConfig with a MoRIIO producer, one full-attention KV-cache group, a request with
+# `do_remote_decode`), with a model config read from a config.json written here (no download,
+# no tokenizer). The request's KV block is bigger than a chunk, as K3's padded pages are. It
+# also records what `req.num_computed_tokens` holds inside build_connector_meta.
+
+SCHEDULER_BLOCK = 5760
+SCHEDULER_CHUNK = 2048
+
+
+@dataclass(frozen=True)
+class SchedulerCase:
+    req_id: str
+    prompt: int
+    final_chunk: int  # the one chunk whose step must carry the save
+
+
+SCHEDULER_CASES = (
+    SchedulerCase("sched-2611", 2611, 2),  # 2,048 + 563 in one 5,760-token block
+    SchedulerCase("sched-2050", 2050, 2),  # a last chunk of 2 tokens: no slack
+    SchedulerCase("sched-5000", 5000, 3),  # 2,048 + 2,048 + 904
+)
+
+# A model vLLM knows, small; only its config is read (the scheduler runs no model).
+_PROBE_MODEL_CONFIG = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "hidden_size": 64,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 1,
+    "ffn_dim": 128,
+    "vocab_size": 1000,
+    "max_position_embeddings": 65536,
+    "word_embed_proj_dim": 64,
+}
+
+
+def _accepted(func: Callable[..., Any], **kwargs: Any) -> dict[str, Any]:
+    """The keyword arguments `func` takes (signatures differ between vLLM releases)."""
+    import inspect
+
+    params = inspect.signature(func).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _vllm_scheduler(model_dir: str) -> Any:
+    import torch
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    max_len = 16384
+    model = ModelConfig(
+        model=model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=max_len
+    )
+    scheduler_config = SchedulerConfig(
+        **_accepted(
+            SchedulerConfig,
+            max_num_seqs=4,
+            max_num_batched_tokens=SCHEDULER_CHUNK,
+            max_model_len=max_len,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        )
+    )
+    cache = CacheConfig(
+        **_accepted(
+            CacheConfig,
+            block_size=SCHEDULER_BLOCK,
+            gpu_memory_utilization=0.9,
+            cache_dtype="auto",
+            enable_prefix_caching=False,
+        )
+    )
+    transfer = KVTransferConfig(
+        kv_connector="MoRIIOConnector",
+        kv_role="kv_producer",
+        kv_connector_extra_config={
+            "host_ip": "127.0.0.1",
+            "handshake_port": 6301,
+            "notify_port": 6401,
+        },
+    )
+    config = VllmConfig(
+        model_config=model,
+        scheduler_config=scheduler_config,
+        cache_config=cache,
+        kv_transfer_config=transfer,
+        device_config=DeviceConfig("cpu"),
+    )
+    num_blocks = 64
+    config.cache_config.num_gpu_blocks = num_blocks
+    spec = FullAttentionSpec(
+        **_accepted(
+            FullAttentionSpec,
+            block_size=SCHEDULER_BLOCK,
+            num_kv_heads=1,
+            head_size=1,
+            dtype=torch.float32,
+        )
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+    return Scheduler(
+        **_accepted(
+            Scheduler.__init__,
+            vllm_config=config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=SCHEDULER_BLOCK,
+            log_stats=False,
+        )
+    )
+
+
+@dataclass
+class SchedulerRun:
+    """Per chunk (1-based): whether the step's connector metadata carried the save, and
+    `req.num_computed_tokens` inside build_connector_meta beside what scheduler_output says."""
+
+    chunks: int = 0
+    saves: list[int] = field(default_factory=list)
+    seen: list[tuple[int, int | None]] = field(default_factory=list)
+    error: str = ""
+
+
+def _seen_in_output(output: Any, req_id: str) -> int | None:
+    for new in getattr(output, "scheduled_new_reqs", None) or ():
+        if new.req_id == req_id:
+            return int(new.num_computed_tokens)
+    cached = output.scheduled_cached_reqs
+    if req_id in cached.req_ids:
+        return int(cached.num_computed_tokens[list(cached.req_ids).index(req_id)])
+    return None
+
+
+def drive_scheduler(scheduler: Any, case: SchedulerCase) -> SchedulerRun:
+    """One request through vLLM's Scheduler until its prefill is done."""
+    import dataclasses
+
+    from vllm import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    request = Request(
+        **_accepted(
+            Request.__init__,
+            request_id=case.req_id,
+            prompt_token_ids=[1] * case.prompt,
+            sampling_params=SamplingParams(max_tokens=1),
+            pooling_params=None,
+        )
+    )
+    request.kv_transfer_params = {**_kv_params(case.req_id), "do_remote_prefill": False}
+    run = SchedulerRun()
+    connector = scheduler.connector.connector_scheduler
+    build = connector.build_connector_meta
+
+    def watched(scheduler_output: Any) -> Any:
+        if case.req_id in scheduler_output.num_scheduled_tokens:
+            live = scheduler.requests[case.req_id].num_computed_tokens
+            run.seen.append((int(live), _seen_in_output(scheduler_output, case.req_id)))
+        return build(scheduler_output)
+
+    connector.build_connector_meta = watched
+    try:
+        scheduler.add_request(request)
+        for _ in range(case.final_chunk + 3):
+            output = scheduler.schedule()
+            if case.req_id not in output.num_scheduled_tokens:
+                break
+            run.chunks += 1
+            meta = output.kv_connector_metadata
+            if case.req_id in getattr(meta, "reqs_to_save", {}):
+                run.saves.append(run.chunks)
+            ids = list(output.num_scheduled_tokens)
+            done = {r: scheduler.requests[r].num_computed_tokens >= case.prompt for r in ids}
+            fields = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+            values: dict[str, Any] = {
+                "req_ids": ids,
+                "req_id_to_index": {r: i for i, r in enumerate(ids)},
+                "sampled_token_ids": [[7] if done[r] else [] for r in ids],
+                "logprobs": None,
+                "prompt_logprobs_dict": {},
+                "pooler_output": [],
+            }
+            scheduler.update_from_output(
+                output, ModelRunnerOutput(**{k: v for k, v in values.items() if k in fields})
+            )
+    finally:
+        connector.build_connector_meta = build
+    return run
+
+
+def judge_scheduler(case: SchedulerCase, run: SchedulerRun) -> list[tuple[str, bool]]:
+    want = [case.final_chunk]
+    line = (
+        f"Scheduler.schedule() [{case.req_id}]: {_saves(run.saves, run.chunks)}, "
+        f"expected chunk {case.final_chunk} only"
+    )
+    out = [(line, run.saves == want and run.chunks == case.final_chunk)]
+    live = [str(a) for a, _ in run.seen]
+    told = [str(b) for _, b in run.seen]
+    fresh = all(a == b for a, b in run.seen) and bool(run.seen)
+    out.append(
+        (
+            f"Scheduler.schedule() [{case.req_id}]: inside build_connector_meta "
+            f"req.num_computed_tokens = {', '.join(live)} at chunks 1-{len(run.seen)}; "
+            f"scheduler_output says {', '.join(told)}"
+            + (" (the count before this step's chunk, not stale)" if fresh else " (STALE)"),
+            fresh,
+        )
+    )
+    return out
+
+
+def probe_scheduler() -> list[tuple[str, bool]]:
+    import json
+    import logging
+    import os
+    import tempfile
+
+    results: list[tuple[str, bool]] = []
+    offline = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    os.environ.update({k: "1" for k in offline})
+    logging.disable(logging.WARNING)
+    try:
+        with tempfile.TemporaryDirectory(prefix="k3patch-probe-model-") as model_dir:
+            with open(os.path.join(model_dir, "config.json"), "w") as handle:
+                json.dump(_PROBE_MODEL_CONFIG, handle)
+            scheduler = _vllm_scheduler(model_dir)
+            for case in SCHEDULER_CASES:
+                results.extend(judge_scheduler(case, drive_scheduler(scheduler, case)))
+    finally:
+        logging.disable(logging.NOTSET)
+        for key, value in offline.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return results
+
+
+def probe_chunk_gate() -> ProbeOutcome:
+    """Both probes: the direct drive of build_connector_meta, then vLLM's own Scheduler."""
+    return _outcome(
+        [*direct_results(), *probe_scheduler()],
+        "the save is emitted once, with the final prefill chunk, by build_connector_meta "
+        "driven directly and under vLLM's Scheduler",
     )
