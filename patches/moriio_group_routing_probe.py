@@ -138,6 +138,7 @@ class Drive:
     """One request through the tree's WRITE path."""
 
     saves: list[int] = field(default_factory=list)  # chunks at which the save left
+    steps: list[str] = field(default_factory=list)  # per chunk: tokens, blocks, held or sent
     messages: int = 0
     routes: dict[str, Route] = field(default_factory=dict)  # of the (first) save
     errors: dict[str, str] = field(default_factory=dict)
@@ -209,13 +210,15 @@ def check_case(case: Case, drive: Drive) -> tuple[list[str], list[str]]:
     its name), naming the blocks it would write and the ones it should, or per case."""
     label = case.label
     final = len(case.chunks)
+    steps = [f"{label}: prefill " + "; ".join(drive.steps)]
     if not drive.saves:
         if case.gate_may_hold:
             return [
+                *steps,
                 f"{label}: not exercised, the save never left the prefill scheduler (its "
-                "final-chunk gate is moriio-chunk-gate's; the growing case covers chunks)"
+                "final-chunk gate is moriio-chunk-gate's; the growing case covers chunks)",
             ], []
-        return [], [f"the save never left the prefill scheduler in {final} chunks"]
+        return steps, [f"the save never left the prefill scheduler in {final} chunks"]
     failures: list[str] = []
     if drive.saves != [final]:
         failures.append(
@@ -223,10 +226,10 @@ def check_case(case: Case, drive: Drive) -> tuple[list[str], list[str]]:
         )
     if drive.messages != 1:
         failures.append(f"decode sent {drive.messages} notify messages, expected 1")
-        return [], failures
+        return steps, failures
     local = case.all_prefill_blocks()
     remote = case.decode_blocks()
-    checks: list[str] = []
+    checks = steps
     for layer, g in case.group_of().items():
         kind = {"mamba": "KDA", "mla": "MLA"}.get(case.layout[g][0], case.layout[g][0])
         head = f"{layer} ({kind} group {g})"
@@ -287,7 +290,12 @@ def drive_write(case: Case) -> Drive:
             new = None if chunk == 1 else case.prefill_blocks(chunk)
             step = prefill.build_connector_meta(_scheduler_output(request, scheduled, new))
             request.num_computed_tokens += scheduled
-            if request.request_id in step.reqs_to_save:
+            sent = request.request_id in step.reqs_to_save
+            drive.steps.append(
+                f"chunk {chunk} ({scheduled} tokens, blocks {case.prefill_blocks(chunk)}): "
+                + ("save sent" if sent else "held")
+            )
+            if sent:
                 drive.saves.append(chunk)
                 meta = meta or step.reqs_to_save[request.request_id]
         if meta is None:
