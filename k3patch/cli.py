@@ -10,12 +10,38 @@ import typer
 
 from k3patch import __version__
 
+
+class _FlagsWithoutTypes:
+    """Help that shows no type for a flag. Typer 0.29 prints `<bool>` beside every flag, its own
+    --help and completion options included; a flag takes no value, so there is nothing to show.
+    Options that take a value declare their metavar (PATH, ID, SECONDS, MODULE)."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        params = list(getattr(self, "params", []))
+        help_option = self.get_help_option(ctx)  # type: ignore[attr-defined]
+        if help_option is not None:
+            params.append(help_option)
+        for param in params:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        super().format_help(ctx, formatter)  # type: ignore[misc]
+
+
+class _Command(_FlagsWithoutTypes, typer.core.TyperCommand):
+    pass
+
+
+class _Group(_FlagsWithoutTypes, typer.core.TyperGroup):
+    pass
+
+
 app = typer.Typer(
     name="k3patch",
+    cls=_Group,
     help=(
-        "Apply, audit and revert the Kimi-K3 fixes in a vLLM tree. Exit codes: 0 ok, "
-        "1 attention (pending, drift, revert conflict), 2 usage or internal error, "
-        "3 environment (no vLLM, not writable, lock timeout)."
+        "Apply, audit and revert the Kimi-K3 fixes in a vLLM tree.\n\n"
+        "Exit codes: 0 ok; 1 attention (pending, drift, revert conflict); 2 usage or internal "
+        "error; 3 environment (no vLLM, not writable, lock timeout)."
     ),
     no_args_is_help=True,
     add_completion=True,
@@ -26,6 +52,7 @@ VllmOpt = Annotated[
     str | None,
     typer.Option(
         "--vllm",
+        metavar="PATH",
         help="The vllm package dir, a source checkout holding vllm/, or a site-packages dir. "
         "Default: the vLLM of this interpreter (found without importing it).",
         show_default=False,
@@ -35,10 +62,11 @@ JsonOpt = Annotated[
     bool, typer.Option("--json", help="Machine-readable output (schema_version 1).")
 ]
 OnlyOpt = Annotated[
-    list[str] | None, typer.Option("--only", help="Only this patch id (repeatable).")
+    list[str] | None,
+    typer.Option("--only", metavar="ID", help="Only this patch (repeatable; see `k3patch list`)."),
 ]
 SkipOpt = Annotated[
-    list[str] | None, typer.Option("--skip", help="Skip this patch id (repeatable).")
+    list[str] | None, typer.Option("--skip", metavar="ID", help="Skip this patch (repeatable).")
 ]
 SitesOpt = Annotated[
     bool,
@@ -48,20 +76,32 @@ SitesOpt = Annotated[
     ),
 ]
 LockOpt = Annotated[
-    float, typer.Option("--lock-timeout", help="Seconds to wait for another run's lock.")
+    float,
+    typer.Option(
+        "--lock-timeout",
+        metavar="SECONDS",
+        help="How long to wait for another k3patch run on the same tree; then exit 3.",
+    ),
 ]
 
 
 def _guarded(command: str, as_json: bool, body: Callable[[], int]) -> None:
     """Run a command body; every exception becomes a one-line error and its documented code."""
-    from k3patch import render
+    import sys
+
+    from k3patch import exitcodes, render
     from k3patch.exitcodes import describe, for_exception
 
+    exitcodes.decided.clear()
     try:
         code = body()
+        sys.stdout.flush()
     except (typer.Exit, typer.Abort, KeyboardInterrupt):
         raise
     except Exception as exc:
+        if isinstance(exc, OSError) and exitcodes.decided:
+            # The work is done (maybe a commit); only printing it failed: keep its code.
+            raise typer.Exit(exitcodes.output_failed(exc)) from None
         if os.environ.get("K3PATCH_DEBUG"):
             raise
         code = int(for_exception(exc))
@@ -79,7 +119,7 @@ def _tree(vllm: str | None) -> Any:
     return locate(vllm)
 
 
-@app.command("list")
+@app.command("list", cls=_Command)
 def list_(as_json: JsonOpt = False) -> None:
     """List the patches this k3patch carries."""
 
@@ -106,31 +146,58 @@ def list_(as_json: JsonOpt = False) -> None:
     _guarded("list", as_json, body)
 
 
-@app.command()
+@app.command(
+    cls=_Command,
+    help=(
+        "Report the verdict of every patch and site: pending, applied, satisfied, not "
+        "applicable or drifted. Exits 1 when anything is pending or drifted.\n\n"
+        "An explicit `--attention-backend ROCM_AITER_MLA` selects AITER MLA without asking "
+        "`is_mla_enabled`, so aiter-mla-gfx942 cannot stop that choice."
+    ),
+)
 def status(
     vllm: VllmOpt = None,
     as_json: JsonOpt = False,
     only: OnlyOpt = None,
     skip: SkipOpt = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per patch.")] = False,
-    digest: Annotated[bool, typer.Option("--digest", help="Print only the state digest.")] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="One line per patch: its id and verdict.")
+    ] = False,
+    digest: Annotated[
+        bool,
+        typer.Option("--digest", help="Print only the digest, the line two nodes compare."),
+    ] = False,
     sites: SitesOpt = False,
+    diff: Annotated[
+        bool,
+        typer.Option(
+            "--diff",
+            help="Print the unified diff from the originals k3patch recorded to the files now.",
+        ),
+    ] = False,
 ) -> None:
-    """Report every site's verdict: pending, applied, satisfied, not applicable or drifted.
-
-    Exits 1 when anything is pending or drifted. Note: an explicit
-    `--attention-backend ROCM_AITER_MLA` bypasses `is_mla_enabled`; aiter-mla-gfx942 cannot
-    stop that choice.
-    """
+    # Typer shows a docstring's line breaks as they are: the help is one line per paragraph.
+    """Report the verdict of every patch and site."""
 
     def body() -> int:
         from k3patch import engine, exitcodes, render
         from k3patch.registry import select
 
-        report = engine.scan(_tree(vllm), select(only, skip))
+        tree = _tree(vllm)
+        report = engine.scan(tree, select(only, skip))
         code = int(exitcodes.for_status(report))
+        changes = None
+        if diff:
+            from k3patch.changes import recorded_diff
+
+            changes = recorded_diff(tree)
         if as_json:
-            render.emit_json("status", code, report.to_json())
+            payload = report.to_json()
+            if diff:
+                payload["diff"] = changes or ""
+            render.emit_json("status", code, payload)
+        elif diff:
+            render.print_recorded_diff(changes)
         elif digest:
             print(report.digest)
         else:
@@ -140,7 +207,14 @@ def status(
     _guarded("status", as_json, body)
 
 
-@app.command()
+@app.command(
+    cls=_Command,
+    help=(
+        "Apply every pending patch as one transaction. A drifted patch is refused (nothing of "
+        "it is written, exit 1) and the other patches are still applied; --all-or-nothing "
+        "writes nothing at all then."
+    ),
+)
 def apply(
     vllm: VllmOpt = None,
     as_json: JsonOpt = False,
@@ -150,10 +224,11 @@ def apply(
         bool, typer.Option("--check", help="Write nothing; exit 1 if anything would change.")
     ] = False,
     diff: Annotated[
-        bool, typer.Option("--diff", help="Print the unified diff of the edits.")
+        bool, typer.Option("--diff", help="Print the unified diff of this run's edits.")
     ] = False,
     quiet: Annotated[
-        bool, typer.Option("--quiet", "-q", help="One line per patch (for entrypoints).")
+        bool,
+        typer.Option("--quiet", "-q", help="One line per patch, for entrypoint logs."),
     ] = False,
     all_or_nothing: Annotated[
         bool,
@@ -166,8 +241,7 @@ def apply(
     lock_timeout: LockOpt = 120.0,
     sites: SitesOpt = False,
 ) -> None:
-    """Apply every pending patch as one transaction. A drifted patch is refused (nothing of it
-    is written, exit 1) and the other patches are still applied."""
+    """Apply every pending patch as one transaction."""
 
     def body() -> int:
         from k3patch import engine, exitcodes, fastpath, render
@@ -193,10 +267,15 @@ def apply(
     _guarded("apply", as_json, body)
 
 
-@app.command()
+@app.command(
+    cls=_Command,
+    help=(
+        "Restore the original files k3patch recorded, byte for byte. When any of them changed "
+        "since k3patch wrote it, nothing is written and it exits 1."
+    ),
+)
 def revert(vllm: VllmOpt = None, as_json: JsonOpt = False, lock_timeout: LockOpt = 120.0) -> None:
-    """Restore the original files k3patch recorded, byte for byte. Refuses, writing nothing,
-    when any of them changed since k3patch wrote it."""
+    """Restore the original files k3patch recorded."""
 
     def body() -> int:
         from k3patch import engine, exitcodes, render
@@ -222,7 +301,15 @@ def revert(vllm: VllmOpt = None, as_json: JsonOpt = False, lock_timeout: LockOpt
     _guarded("revert", as_json, body)
 
 
-@app.command()
+@app.command(
+    cls=_Command,
+    help=(
+        "Import the patched modules in a subprocess and run each patch's behaviour probe.\n\n"
+        'It tells "broken by the patch" from "blocked by the environment" (no GPU, a missing '
+        "optional dependency). Exits 1 when a patch is pending, drifted or broken, or its "
+        "probe fails; 3 when nothing could be imported or no probe ran."
+    ),
+)
 def verify(
     vllm: VllmOpt = None,
     as_json: JsonOpt = False,
@@ -230,17 +317,18 @@ def verify(
     skip: SkipOpt = None,
     python: Annotated[
         str | None,
-        typer.Option("--python", help="Interpreter to import with (default: the tree's own)."),
+        typer.Option(
+            "--python",
+            metavar="PATH",
+            help="The interpreter to import with. Default: the one that owns the tree.",
+        ),
     ] = None,
     module: Annotated[
-        list[str] | None, typer.Option("--module", help="Also import this module (repeatable).")
+        list[str] | None,
+        typer.Option("--module", metavar="MODULE", help="Also import this module (repeatable)."),
     ] = None,
 ) -> None:
-    """Import the patched modules in a subprocess and run each patch's behaviour probe.
-
-    Tells "broken by the patch" from "blocked by the environment" (no GPU, missing optional
-    dependency). Exits 1 when a patch is pending, drifted, broken, or its probe fails.
-    """
+    """Import the patched modules and run each patch's behaviour probe."""
 
     def body() -> int:
         from k3patch import exitcodes, render
@@ -272,7 +360,9 @@ def version_callback(value: bool) -> None:
 def main_options(
     version: Annotated[
         bool,
-        typer.Option("--version", callback=version_callback, is_eager=True, help="Show version."),
+        typer.Option(
+            "--version", callback=version_callback, is_eager=True, help="Print the version."
+        ),
     ] = False,
 ) -> None:
-    """k3patch: the dependable way to fix a vLLM tree in place."""
+    """Apply, audit and revert the Kimi-K3 fixes in a vLLM tree."""

@@ -141,6 +141,18 @@ def _refused_text(outcome: ApplyOutcome) -> str:
     return line.removeprefix("k3patch: refused: ")
 
 
+def print_recorded_diff(diff: str | None) -> None:
+    """`status --diff`: the diff as it is (a diff is never wrapped), or one line saying why
+    there is none."""
+    if diff:
+        sys.stdout.write(diff)
+        sys.stdout.flush()
+    elif diff is None:
+        emit([plaintext.line("no state record: k3patch has changed nothing in this tree")])
+    else:
+        emit([plaintext.line("every file k3patch recorded holds its original again")])
+
+
 def print_revert(outcome: RevertOutcome) -> None:
     lines = [plaintext.line(f"recovered: {step}") for step in outcome.recovered]
     if outcome.conflicts:

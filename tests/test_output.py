@@ -1,0 +1,227 @@
+"""What an operator reads: reports that fit a log line and a terminal, help without Python types,
+and `status --diff`, the change k3patch made and nothing else."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+LOG_WIDTH = 100
+COMMANDS = ["list", "status", "apply", "revert", "verify"]
+# What Typer prints for a parameter without a metavar, and Python's own type names.
+TYPE_NAMES = re.compile(r"<[a-z]+(\[[a-z]+\])?>|\b(bool|str|float|int|list\[str\])\b")
+
+
+def long_lines(text: str, width: int) -> list[str]:
+    return [line for line in text.splitlines() if len(line) > width]
+
+
+def reports(site: Path) -> dict[str, str]:
+    """Every human report of a tree as a log gets it: before, during and after apply."""
+    out = {}
+    for name, args in [
+        ("status pending", ["status"]),
+        ("status --sites", ["status", "--sites"]),
+        ("apply --check", ["apply", "--check"]),
+        ("apply", ["apply"]),
+        ("apply --quiet", ["apply", "--quiet"]),
+        ("status applied", ["status", "--sites"]),
+        ("status full path", ["status", "--sites"]),
+    ]:
+        env = {"K3PATCH_NO_FASTPATH": "1"} if name == "status full path" else None
+        proc = run_cli(*args, "--vllm", str(site), env=env)
+        assert proc.returncode in (0, 1), (name, proc.stderr)
+        out[name] = proc.stdout
+    return out
+
+
+@pytest.mark.wheel
+@pytest.mark.parametrize("version", ["0.29.0", "0.31.0", "0.33.0"])
+def test_log_lines_fit_100_columns_on_real_trees(make_tree, version):
+    site = make_tree(version)
+    for name, text in reports(site).items():
+        assert text.strip(), name
+        assert long_lines(text, LOG_WIDTH) == [], name
+
+
+@pytest.mark.wheel
+def test_log_lines_fit_100_columns_on_a_fork_tree(fork_tree):
+    site = fork_tree("a")
+    texts = reports(site)
+    for name, text in texts.items():
+        assert long_lines(text, LOG_WIDTH) == [], name
+    # The fork tree has patches that need a look: their sites are detailed, the good ones not.
+    status = texts["status pending"]
+    assert "  rocm_aiter_ops.is_mla_enabled: pending" in status
+    assert "    vllm/_aiter_ops.py:" in status
+
+
+def test_list_is_compact_and_fits():
+    proc = run_cli("list")
+    assert proc.returncode == 0
+    assert long_lines(proc.stdout, LOG_WIDTH) == []
+    from k3patch.registry import all_patches
+
+    patch_lines = [line for line in proc.stdout.splitlines() if not line.startswith(" ")]
+    assert [line.split()[0] for line in patch_lines] == [p.id for p in all_patches()]
+
+
+@pytest.mark.wheel
+def test_default_status_details_only_sites_that_need_a_look(make_tree):
+    site = make_tree("0.31.0")
+    text = run_cli("status", "--vllm", str(site)).stdout
+    lines = text.splitlines()
+    # One line per patch, starting in column 0 with the id and the verdict.
+    assert any(re.match(r"aiter-mla-gfx942 +pending +upstream", line) for line in lines)
+    assert any(re.match(r"moriio-group-routing +satisfied", line) for line in lines)
+    # Pending sites get their file:line; a satisfied one does not.
+    assert "  build_connector_meta G1 (cached requests): pending" in text
+    assert "  layer -> KV-cache group map: satisfied" not in text
+    full = run_cli("status", "--vllm", str(site), "--sites").stdout
+    assert "  layer -> KV-cache group map: satisfied" in full
+
+
+@pytest.mark.wheel
+def test_apply_names_what_it_wrote(make_tree):
+    site = make_tree("0.31.0")
+    text = run_cli("apply", "--vllm", str(site)).stdout
+    assert re.search(r"^aiter-mla-gfx942 +applied +was upstream .*wrote _aiter_ops.py$", text, re.M)
+    assert "\n  vllm/_aiter_ops.py\n" in text
+
+
+def run_in_tty(args: list[str], columns: int) -> str:
+    """The CLI with its stdout on a pseudo-terminal of `columns` columns; returns what it
+    printed, colour codes removed."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a terminal of the given size, then the CLI
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+        env = {**os.environ, "COLUMNS": str(columns), "TERM": "xterm-256color"}
+        env.pop("NO_COLOR", None)
+        os.execve(sys.executable, [sys.executable, "-m", "k3patch", *args], env)
+    output = bytearray()
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        output.extend(chunk)
+    os.waitpid(pid, 0)
+    text = output.decode(errors="replace").replace("\r\n", "\n")
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+@pytest.mark.wheel
+def test_terminal_at_80_columns_folds_no_word(make_tree):
+    """At 80 columns the report is wrapped by k3patch on spaces: no line reaches the edge, so
+    the terminal never folds an id or a path in the middle."""
+    import shutil
+    import tempfile
+
+    short = Path(tempfile.mkdtemp(prefix="k3t-"))  # pytest's tmp paths alone fill 80 columns
+    site = short / "site"
+    shutil.move(str(make_tree("0.31.0")), site)
+    try:
+        _check_terminal_output(site)
+    finally:
+        shutil.rmtree(short)
+
+
+def _check_terminal_output(site: Path) -> None:
+    for args in (["status"], ["status", "--sites"], ["list"]):
+        text = run_in_tty([*args, "--vllm", str(site)] if args[0] != "list" else args, 80)
+        assert text.strip(), args
+        assert long_lines(text, 80) == [], args
+        for word in (
+            "kda-gather-diagnostic",
+            "moriio-group-routing",
+            "distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py",
+        ):
+            assert word in text, (args, word)
+    coloured = run_in_tty(["status", "--vllm", str(site)], 80)
+    assert re.search(r"^moriio-chunk-gate +pending", coloured, re.M)
+
+
+@pytest.mark.parametrize("command", ["", *COMMANDS])
+def test_help_has_no_python_type_names(command):
+    args = [command, "--help"] if command else ["--help"]
+    proc = run_cli(*args, env={"COLUMNS": "100"})
+    assert proc.returncode == 0, proc.stderr
+    assert "--help" in proc.stdout
+    found = [m.group(0) for m in TYPE_NAMES.finditer(proc.stdout)]
+    assert found == [], found
+
+
+def test_help_names_what_options_take():
+    text = run_cli("apply", "--help", env={"COLUMNS": "120"}).stdout
+    assert re.search(r"--vllm +PATH", text) and re.search(r"--only +ID", text)
+    assert re.search(r"--lock-timeout +SECONDS", text)
+    text = run_cli("verify", "--help", env={"COLUMNS": "120"}).stdout
+    assert re.search(r"--python +PATH", text) and re.search(r"--module +MODULE", text)
+
+
+def diff_files(diff: str) -> list[str]:
+    return re.findall(r"^\+\+\+ b/(\S+)", diff, re.M)
+
+
+@pytest.mark.wheel
+def test_status_diff_shows_k3patchs_change_and_nothing_else(make_tree):
+    site = make_tree("0.31.0")
+    none_yet = run_cli("status", "--diff", "--vllm", str(site))
+    assert "k3patch has changed nothing in this tree" in none_yet.stdout
+    planned = run_cli("apply", "--check", "--diff", "--vllm", str(site)).stdout
+    planned = planned[: planned.index("vLLM ")]  # the diff comes before the report
+    assert diff_files(planned) == [
+        "vllm/_aiter_ops.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py",
+    ]
+    assert run_cli("apply", "--quiet", "--vllm", str(site)).returncode == 0
+    # A file k3patch did not write changes too: it is not k3patch's change, it must not show.
+    envs = site / "vllm" / "envs.py"
+    envs.write_text(envs.read_text() + "\n# edited by hand\n")
+    proc = run_cli("status", "--diff", "--vllm", str(site))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == planned  # exactly the edit apply made, hunk for hunk
+    assert run_cli("revert", "--vllm", str(site)).returncode == 0
+    after = run_cli("status", "--diff", "--vllm", str(site)).stdout
+    assert "k3patch has changed nothing in this tree" in after
+
+
+@pytest.mark.wheel
+def test_status_diff_shows_a_later_edit_of_a_patched_file(make_tree):
+    site = make_tree("0.31.0")
+    assert run_cli("apply", "--quiet", "--vllm", str(site)).returncode == 0
+    target = site / "vllm" / "_aiter_ops.py"
+    target.write_text(target.read_text() + "# a hot fix by hand\n")
+    diff = run_cli("status", "--diff", "--vllm", str(site)).stdout
+    assert "+# a hot fix by hand" in diff
+    assert diff_files(diff)[0] == "vllm/_aiter_ops.py"
+
+
+@pytest.mark.wheel
+def test_revert_prints_its_bytecode_lines(make_tree):
+    site = make_tree("0.31.0")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", str(site / "vllm" / "_aiter_ops.py")],
+        check=True,
+        env=env,
+    )
+    assert run_cli("apply", "--quiet", "--vllm", str(site)).returncode == 0
+    proc = run_cli("revert", "--vllm", str(site))
+    assert proc.returncode == 0, proc.stderr
+    assert "\n  vllm/_aiter_ops.py\n" in proc.stdout
+    bytecode = [line for line in proc.stdout.splitlines() if line.startswith("bytecode: ")]
+    assert bytecode and "_aiter_ops" in bytecode[0], proc.stdout
