@@ -2,22 +2,41 @@
 
 Symptom: Kimi-K3 served as a prefill/decode split over the MoRIIO connector (WRITE mode)
 answers fluently but without the prompt's context.
-Cause: the fork's "mamba block ids" change taught the connector two KV-cache groups, block ids
-`[0]` for attention and `[1]` for Mamba. K3 has four: three KDA (Mamba) groups, then the MLA
-group at index 3. The prefill node wrote every MLA layer into group 0's block ids, which belong
-to a KDA group, and every KDA layer into group 1's; decode read MLA blocks nobody had written.
+Cause: the fork's "mamba block ids" change (the recipe's apply_kimik3_moriio_mamba_blockids.py
+on vLLM 0.28.0) taught the connector two KV-cache groups, block ids `[0]` for attention and `[1]`
+for Mamba. K3 has four: three KDA (Mamba) groups, then the MLA group at index 3. The prefill node
+wrote every MLA layer into group 0's block ids, which belong to a KDA group, and every KDA layer
+into group 1's; decode read MLA blocks nobody had written. A second defect sits in the same
+function: 0.28.0 caches a request's transfer offsets under the layer tensor's geometry alone
+(shape, stride, dtype) and reuses them for every later layer of that geometry. K3's three KDA
+groups share their layer tensors (same geometry) but not their block ids, so any per-group
+choice of block ids made inside that cache still writes the 2nd and 3rd KDA groups into the
+1st group's blocks.
 Fix: the worker maps each layer to its KV-cache group from `kv_cache_config.kv_cache_groups`
 (the attention group is the first group that is not a MambaSpec); the block ids of every group
 travel end to end (the scheduler's capture plus the blocks later prefill chunks add, ReqMeta,
 WriteTask, the decode node's notify message, RemoteAllocInfo); the transfer plan indexes those
-lists with the layer's own group. A transfer that lacks them (a peer without this fix) fails
+lists with the layer's own group and caches offsets per layer (`(task.layer_name, *geometry)`,
+as upstream 0.29.0 keys them). A transfer that lacks the lists (a peer without this fix) fails
 loudly; nothing falls back to group 0. A two-group [attention, mamba] model routes exactly as
-before (with prefix caching off a Mamba group holds one block per request; with it on, the
-Mamba list now also carries blocks later chunks add, which the fork dropped). Both nodes need
-the fix: the decode node sends the lists the prefill node writes into.
+before. Both nodes need the fix: the decode node sends the lists the prefill node writes into.
+The fork's K3_MAMBA_BC debug block reads the two-group choice it logs; it goes with that choice
+(revert brings both back). Everything k3patch adds is named `k3patch_*` / `_k3patch_*`.
 Check: `k3patch verify` drives the patched scheduler, notify message and transfer plan on CPU
-with K3's layout and checks that each MLA layer goes to group 3's blocks and each KDA layer to
-its own group's, on the prefill and the decode side.
+with K3's layout and checks that every layer's blocks land in its own group's blocks.
+
+Verdicts on the operators' real trees (vLLM 0.28.0 + the recipe's older scripts, tests/forktree):
+- (a)/(b) the fork (mamba block ids), with or without the four comment lines under
+  `if _k3_mamba:` and with or without the K3_MAMBA_BC debug block: pending.
+- (c) + the older group-routing fix (apply_kimik3_moriio_group_routing.py) alone, as the recipe
+  runs it by default: pending, defective: the all-group block lists are captured at the first
+  chunk only; later chunks' block lists are never sent. It also has (d)'s defect.
+- (d) + its chunked companion (apply_kimik3_chunked_allgrp.py): pending, defective: it chooses
+  the block ids inside the geometry-keyed offsets cache, so the 2nd and 3rd KDA groups are
+  misrouted. Besides, its silent fallbacks (a failed group map is group 0, a task without lists
+  takes the two-group choice) and `K3_GROUP_ROUTING=0` restore the bug.
+`apply` rewrites each of them, in place, into k3patch's form; the older fix's plumbing stays
+(unused by the new plan), so no pristine file is needed and revert is exact.
 Upstream: 0.14.1-0.30.0 cannot run K3 over MoRIIO at all (not applicable); 0.31.0 and later
 route per group natively (satisfied).
 """
@@ -58,51 +77,36 @@ MODULE_OF = {
     ENGINE: "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_engine",
 }
 
-# Names that tell the three families of this package apart (identifiers in code, never
-# comments). The fork's "mamba block ids" change, k3patch's post-image, and the older anchor
-# script's fixed form (its marker comment is `k3-group-routing`; the marker itself proves
-# nothing, these names do).
-FORK_NAMES = frozenset(
-    {"mamba_local_block_ids", "mamba_block_ids", "_reqs_save_mamba", "mamba_block_notify_list"}
-)
-K3PATCH_NAMES = frozenset(
-    {"group_block_ids", "_reqs_save_groups", "_kv_cache_group_index", "kv_group_of_layer"}
-)
-LEGACY_NAMES = frozenset(
-    {
-        "all_group_block_ids",
-        "_reqs_save_allgrp",
-        "all_group_block_notify",
-        "_layer_group_idx",
-        "_attn_group_idx",
-        "K3_GROUP_ROUTING",
-    }
-)
-
-_MENTIONS = re.compile(
-    r"\b(?:" + "|".join(sorted(FORK_NAMES | K3PATCH_NAMES | LEGACY_NAMES)) + r")\b"
-)
+# Words whose absence from all three files proves that neither the fork's statements nor
+# k3patch's are there: a cheap gate that keeps upstream trees off a walk of three long ASTs. A
+# hit is only a reason to look at statement shapes, never a verdict (it may be a comment).
+_MENTIONS = re.compile(r"\b(?:mamba_local_block_ids|mamba_block_notify_list|k3patch_group_)")
 
 # ---------------------------------------------------------------------------------------------
 # k3patch's post-image, piece by piece. Each piece is inserted next to the fork statement it
 # generalises, so a fork build that differs elsewhere in these long files is still recognised.
 
-FIELD = "group_block_ids: list[list[int]] | None = None"
+FIELD_NAME = "k3patch_group_block_ids"
+FIELD = f"{FIELD_NAME}: list[list[int]] | None = None"
 FIELD_COMMENT = "# k3patch moriio-group-routing: block ids of every KV-cache group"
 
 SCHEDULER_DICT = """
 # k3patch moriio-group-routing: every KV-cache group's blocks per request
-self._reqs_save_groups: dict[str, list[list[int]]] = {}
+self._k3patch_save_groups: dict[str, list[list[int]]] = {}
 """
 
 WORKER_MAP = """
 # k3patch moriio-group-routing: each layer's KV-cache group (no position
 # is assumed: K3 has three KDA groups before its MLA group)
-self.kv_group_of_layer, self.kv_attention_group = _kv_cache_group_index(kv_cache_config)
+self._k3patch_group_of_layer, self._k3patch_attention_group = (
+    _k3patch_kv_cache_group_index(kv_cache_config)
+)
 """
 
 GROUP_INDEX_FUNCTION = '''
-def _kv_cache_group_index(kv_cache_config: "KVCacheConfig") -> tuple[dict[str, int], int]:
+def _k3patch_kv_cache_group_index(
+    kv_cache_config: "KVCacheConfig",
+) -> tuple[dict[str, int], int]:
     """k3patch moriio-group-routing: the KV-cache group of every layer, and the attention group.
 
     A layer's KV lives in its own group's blocks. Kimi-K3 has three KDA (Mamba) groups before
@@ -130,45 +134,149 @@ SAVE_GROUPS = """
 # the request (K3's MLA group is index 3, not [0]). Blocks a later prefill
 # chunk allocates join their group's list; each save leaving in this step
 # takes its request's lists along.
-if self._reqs_save_groups:
-    _cached = scheduler_output.scheduled_cached_reqs
-    for _index, _req_id in enumerate(_cached.req_ids):
-        _new_groups = _cached.new_block_ids[_index]
-        if _new_groups is not None and _req_id in self._reqs_save_groups:
-            self._reqs_save_groups[_req_id] = [
-                group + list(new)
-                for group, new in zip(
-                    self._reqs_save_groups[_req_id], _new_groups, strict=True
+if self._k3patch_save_groups:
+    _k3patch_cached = scheduler_output.scheduled_cached_reqs
+    for _k3patch_index, _k3patch_req_id in enumerate(_k3patch_cached.req_ids):
+        _k3patch_new = _k3patch_cached.new_block_ids[_k3patch_index]
+        if _k3patch_new is not None and _k3patch_req_id in self._k3patch_save_groups:
+            self._k3patch_save_groups[_k3patch_req_id] = [
+                _k3patch_group + list(_k3patch_added)
+                for _k3patch_group, _k3patch_added in zip(
+                    self._k3patch_save_groups[_k3patch_req_id], _k3patch_new, strict=True
                 )
             ]
-    for _req_id, _req_meta in meta.reqs_to_save.items():
-        _req_meta.group_block_ids = self._reqs_save_groups.pop(_req_id, None)
+    for _k3patch_req_id, _k3patch_meta in meta.reqs_to_save.items():
+        _k3patch_meta.k3patch_group_block_ids = self._k3patch_save_groups.pop(
+            _k3patch_req_id, None
+        )
 """
 
-# The fork's per-layer choice in MoRIIOWriter._prepare_transfer_plan: two lists, [attention,
-# mamba], and [1] for any Mamba layer. On K3 that sends MLA (group 3) to group 0's blocks.
-FORK_PLAN = """
-_k3_local = [task.local_block_ids, task.mamba_local_block_ids]
-_k3_remote = [request_info.block_ids, request_info.mamba_block_ids or []]
-_k3_sel = 1 if isinstance(self.worker.layer_to_spec.get(task.layer_name), MambaSpec) else 0
+# ---------------------------------------------------------------------------------------------
+# The transfer plan (MoRIIOWriter._prepare_transfer_plan). Its region is the three statements
+# that choose and cache the offsets: `geometry_key = ...`, `offsets = ....get(geometry_key)` and
+# `if offsets is None: ...`. Only the choice inside that `if` differs between the forms.
+
+PLAN_HEAD = """
+geometry_key = _get_write_geometry_key(layer_cache)
+offsets = request_info.transfer_offsets.get(geometry_key)
+"""
+PLAN_MISS = "offsets is None"
+PLAN_TAIL = """
+offsets = self.worker._compute_block_transfer_offsets(
+    task.layer_name, _k3_local, _k3_remote, remote_moriio_meta
+)
+request_info.transfer_offsets[geometry_key] = offsets
 """
 
-# k3patch's replacement: the same three names, so the offsets call below them is untouched and
-# now indexes the per-group lists with the layer's own group.
+# The fork (mamba_blockids): two lists, [attention, mamba], and the mamba one for any Mamba
+# layer. On K3 that sends MLA (group 3) to group 0's blocks and every KDA group to group 1's.
+FORK_CHOICE = """
+from vllm.v1.kv_cache_interface import MambaSpec as _K3MS_BL
+_k3_mamba = isinstance(self.worker.layer_to_spec.get(task.layer_name), _K3MS_BL)
+if _k3_mamba:
+    _k3_local = task.mamba_local_block_ids or task.local_block_ids
+    _k3_remote = request_info.mamba_block_ids or request_info.block_ids
+else:
+    _k3_local = task.local_block_ids
+    _k3_remote = request_info.block_ids
+"""
+
+# The older fix (apply_kimik3_moriio_group_routing.py): the layer's own group when the lists
+# travelled and K3_GROUP_ROUTING is on, the fork's two-group choice otherwise. Right per layer,
+# but made inside the geometry-keyed cache, so the first KDA layer's offsets serve all three
+# KDA groups.
+LEGACY_CHOICE = """
+from vllm.v1.kv_cache_interface import MambaSpec as _K3MS_BL
+_k3_gr_local = getattr(task, "all_group_block_ids", None)
+_k3_gr_remote = getattr(request_info, "all_group_block_ids", None)
+_k3_gr_on = getattr(self.worker, "_k3_group_routing", False)
+if _k3_gr_on and _k3_gr_local is not None and _k3_gr_remote is not None:
+    _k3_gi = self.worker._layer_group_idx.get(task.layer_name, self.worker._attn_group_idx)
+    if _k3_gi < len(_k3_gr_local) and _k3_gi < len(_k3_gr_remote):
+        _k3_local = _k3_gr_local[_k3_gi]
+        _k3_remote = _k3_gr_remote[_k3_gi]
+    else:
+        _k3_local = task.local_block_ids
+        _k3_remote = request_info.block_ids
+elif isinstance(self.worker.layer_to_spec.get(task.layer_name), _K3MS_BL):
+    _k3_local = task.mamba_local_block_ids or task.local_block_ids
+    _k3_remote = request_info.mamba_block_ids or request_info.block_ids
+else:
+    _k3_local = task.local_block_ids
+    _k3_remote = request_info.block_ids
+"""
+
+# The fork's optional diagnostic between the choice and the offsets call:
+# `import os as X` then `if X.environ.get('K3_MAMBA_BC', '0') == '1': ...` (it logs the choice).
+DEBUG_TEST = "{alias}.environ.get('K3_MAMBA_BC', '0') == '1'"
+
+# k3patch's replacement of the whole region.
 K3PATCH_PLAN = """
 # k3patch moriio-group-routing: each layer's KV goes to its own KV-cache
-# group's blocks on both nodes (K3: KDA groups 0-2, MLA group 3). Without
-# per-group ids (a peer that lacks this fix) the write fails, never guesses.
-_k3_local = task.group_block_ids
-_k3_remote = request_info.group_block_ids
-if _k3_local is None or _k3_remote is None:
+# group's blocks on both nodes (K3: KDA groups 0-2, MLA group 3), and its
+# offsets are cached per layer: K3's KDA groups share one tensor geometry
+# but not their block ids. Without per-group ids (a peer that lacks this
+# fix) the write fails, never guesses.
+_k3patch_local = task.k3patch_group_block_ids
+_k3patch_remote = request_info.k3patch_group_block_ids
+if _k3patch_local is None or _k3patch_remote is None:
     raise MoRIIOError(
         f"MoRIIO transfer {task.transfer_id}: no per-group block ids from "
-        + ("the prefill scheduler" if _k3_local is None else "the decode node")
+        + ("the prefill scheduler" if _k3patch_local is None else "the decode node")
         + "; both nodes need k3patch moriio-group-routing"
     )
-_k3_sel = self.worker.kv_group_of_layer[task.layer_name]
+_k3patch_group = self.worker._k3patch_group_of_layer[task.layer_name]
+geometry_key = (task.layer_name, *_get_write_geometry_key(layer_cache))
+offsets = request_info.transfer_offsets.get(geometry_key)
+if offsets is None:
+    offsets = self.worker._compute_block_transfer_offsets(
+        task.layer_name,
+        _k3patch_local[_k3patch_group],
+        _k3patch_remote[_k3patch_group],
+        remote_moriio_meta,
+    )
+    request_info.transfer_offsets[geometry_key] = offsets
 """
+
+# The older fix's companion (apply_kimik3_chunked_allgrp.py), in build_connector_meta's G1 loop:
+# each chunk's new blocks join the all-group lists. Without it they stay as captured at chunk 1.
+CHUNKED_ALLGRP = """
+try:
+    if req_id in getattr(self, '_reqs_save_allgrp', {}):
+        _k3ca_cur = self._reqs_save_allgrp[req_id]
+        _k3ca_new = []
+        for _k3ca_gi in range(len(_k3ca_cur)):
+            _k3ca_add = list(new_block_ids[_k3ca_gi]) if _k3ca_gi < len(new_block_ids) else []
+            _k3ca_new.append(list(_k3ca_cur[_k3ca_gi]) + _k3ca_add)
+        self._reqs_save_allgrp[req_id] = _k3ca_new
+        if req_id in getattr(self, '_reqs_save_mamba', {}) and len(_k3ca_new) > 1:
+            pass
+except Exception:
+    pass
+"""
+# The older fix's capture in update_state_after_alloc (its all-group lists, at the first chunk).
+LEGACY_CAPTURE = "self._reqs_save_allgrp[request.request_id] = [list(g) for g in _k3_gbi]"
+
+FORK_SHAPE = "fork: mamba block ids ([0] attention, [1] mamba)"
+LEGACY_SHAPE = "older k3-group-routing fix (legacy, defective)"
+LEGACY_CHUNKED_SHAPE = "older k3-group-routing fix + k3-chunked-allgrp (legacy, defective)"
+
+GEOMETRY_DEFECT = (
+    "it chooses the block ids inside the geometry-keyed offsets cache (`geometry_key = "
+    "_get_write_geometry_key(layer_cache)`: shape, stride, dtype), so the offsets of the first "
+    "layer of a geometry are reused for every later layer of that geometry in the request; K3's "
+    "three KDA groups share one geometry, so it misroutes the 2nd and 3rd KDA groups into the "
+    "1st group's blocks"
+)
+FIRST_CHUNK_DEFECT = (
+    "the all-group block lists are captured at the first chunk only; later chunks' block lists "
+    "are never sent (its companion apply_kimik3_chunked_allgrp.py, which grows them, is not "
+    "applied)"
+)
+LEGACY_CAVEATS = (
+    "its fallbacks are silent (a group map that fails to build is group 0; a task without the "
+    "lists takes the two-group choice) and K3_GROUP_ROUTING=0 restores the bug"
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,19 +352,6 @@ def _is_self_attr(node: ast.AST, attr: str) -> bool:
     )
 
 
-def _subscripted_by_one(node: ast.AST) -> str | None:
-    """The name X in an `X[1]` under `node`: where the fork reads the mamba group from."""
-    for child in ast.walk(node):
-        if (
-            isinstance(child, ast.Subscript)
-            and isinstance(child.value, ast.Name)
-            and isinstance(child.slice, ast.Constant)
-            and child.slice.value == 1
-        ):
-            return child.value.id
-    return None
-
-
 def _callee(call: ast.Call) -> str:
     if isinstance(call.func, ast.Name):
         return call.func.id
@@ -270,6 +365,15 @@ def _short(text: str, lines: int = 40) -> str:
     if len(parts) <= lines:
         return text
     return "\n".join([*parts[:lines], f"... ({len(parts) - lines} more lines)"])
+
+
+def _stores(node: ast.AST) -> set[str]:
+    """Names bound anywhere under `node` (assignment targets, loop targets, imports, ...)."""
+    out = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    for n in ast.walk(node):
+        if isinstance(n, ast.Import | ast.ImportFrom):
+            out |= {(a.asname or a.name).split(".")[0] for a in n.names}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,7 +484,9 @@ def _apply(text: str, edits: list[_Edit]) -> str:
 # ---------------------------------------------------------------------------------------------
 # Site parts. A part looks at one piece of a site and says: the fork's shape (to be routed per
 # group), k3patch's shape, or neither (drift). A site is pending only when all its parts are
-# the fork's, applied only when all are k3patch's; any mixture is drift.
+# the fork's, applied only when all are k3patch's; any mixture is drift. A part whose anchor is
+# one of the fork's own statements is `evidence`: only such a part seeing the fork's shape (or
+# k3patch's) makes the package a fork package at all.
 
 
 class _State(enum.Enum):
@@ -395,7 +501,8 @@ class _Look:
     line: int | None = None
     found: str = ""
     expected: tuple[str, ...] = ()
-    why: str = ""
+    why: str = ""  # the drift reason, or for a pending form what is wrong with it
+    shape: str = ""  # the form seen, when it is not the plain fork's
 
 
 def _drift(
@@ -405,6 +512,8 @@ def _drift(
 
 
 class _Part:
+    evidence = False
+
     def look(self, src: SourceFile) -> _Look:
         raise NotImplementedError
 
@@ -419,10 +528,11 @@ def _function(src: SourceFile, scope: tuple[str, ...]) -> ast.FunctionDef | None
 
 @dataclass(frozen=True)
 class _Field(_Part):
-    """A dataclass field: the fork's `anchor` is there; k3patch adds FIELD after the last field."""
+    """A dataclass field: the fork's `fork` field is there; k3patch adds FIELD after the last."""
 
     cls: str
-    anchor: str
+    fork: str  # the fork's field statement, e.g. "mamba_block_ids: list[int] | None = None"
+    evidence = True
 
     def _fields(self, src: SourceFile) -> tuple[ast.ClassDef | None, dict[str, ast.AnnAssign]]:
         cls = find_class(src.tree, self.cls)
@@ -439,22 +549,24 @@ class _Field(_Part):
         cls, fields = self._fields(src)
         if cls is None:
             return _drift(f"class {self.cls} is absent", expected=(f"class {self.cls}",))
-        mine = fields.get("group_block_ids")
+        mine = fields.get(FIELD_NAME)
         if mine is not None:
             if site_fingerprint(mine) == source_fingerprint(FIELD):
                 return _Look(_State.APPLIED, mine.lineno)
             return _drift(
-                f"{self.cls}.group_block_ids is not k3patch's field",
+                f"{self.cls}.{FIELD_NAME} is not k3patch's field",
                 src.segment(mine),
                 (FIELD,),
                 mine.lineno,
             )
-        if self.anchor in fields:
-            return _Look(_State.FORK, fields[self.anchor].lineno)
+        want = source_fingerprint(self.fork)
+        fork = [s for s in fields.values() if site_fingerprint(s) == want]
+        if fork:
+            return _Look(_State.FORK, fork[0].lineno)
         return _drift(
-            f"{self.cls} has no `{self.anchor}` field (the fork's mamba block ids)",
+            f"{self.cls} has no `{self.fork}` field (the fork's mamba block ids)",
             _short(src.segment(cls)),
-            (f"{self.cls}.{self.anchor} (fork)", f"{self.cls}.{FIELD} (k3patch)"),
+            (f"{self.cls}.{self.fork} (fork)", f"{self.cls}.{FIELD} (k3patch)"),
             cls.lineno,
         )
 
@@ -467,13 +579,14 @@ class _Field(_Part):
 
 @dataclass(frozen=True)
 class _After(_Part):
-    """Statements k3patch adds right after the one fork statement `anchor` picks out."""
+    """Statements k3patch adds right after the one statement `anchor` picks out."""
 
     scope: tuple[str, ...]
     describe: str
     anchor: Callable[[ast.stmt], bool]
     added: Callable[[ast.stmt], str | None]
     marker: str
+    evidence: bool = True  # False where the anchor is upstream's own statement
 
     def _find(
         self, src: SourceFile
@@ -570,6 +683,7 @@ class _Keyword(_Part):
     callee: str
     anchor: str
     added: Callable[[ast.Call], tuple[str, str] | None]
+    evidence = True
 
     def _call(self, src: SourceFile) -> tuple[ast.FunctionDef | None, list[ast.Call]]:
         fn = _function(src, self.scope)
@@ -635,6 +749,7 @@ class _Param(_Part):
     scope: tuple[str, ...]
     anchor: str
     added: str  # "name: annotation = default"
+    evidence = True
 
     def _expected(self) -> ast.arguments:
         fn = ast.parse(f"def f({self.added}): pass").body[0]
@@ -704,6 +819,7 @@ class _DictKey(_Part):
     anchor: str
     key: str
     value: str
+    evidence = True
 
     def _dict(self, src: SourceFile) -> tuple[ast.FunctionDef | None, list[ast.Dict]]:
         fn = _function(src, self.scope)
@@ -780,47 +896,157 @@ class _Function(_Part):
 
 
 @dataclass(frozen=True)
-class _Replace(_Part):
-    """A run of fork statements that k3patch replaces with its own."""
+class _PlanRegion:
+    kind: str  # "fork", "legacy" or "k3patch"
+    stmts: list[ast.stmt]  # the statements `apply` replaces
+    debug: bool  # the fork's K3_MAMBA_BC block sits between the choice and the offsets call
 
-    scope: tuple[str, ...]
-    fork: str
-    k3patch: str
 
-    def _runs(self, src: SourceFile, source: str) -> list[list[ast.stmt]]:
-        fn = _function(src, self.scope)
-        if fn is None:
-            return []
-        n = _count_statements(source)
-        want = source_fingerprint(source)
-        head = _head(ast.parse(_dedent(source)).body[0])
-        return [
-            body[i : i + n]
-            for body in _bodies(fn)
-            for i in range(len(body) - n + 1)
-            if _head(body[i]) == head and _fingerprint(body[i : i + n]) == want
-        ]
+def _is_debug_block(stmts: list[ast.stmt]) -> bool:
+    """`import os as X` + `if X.environ.get('K3_MAMBA_BC', '0') == '1': ...` that only logs:
+    no else branch, and nothing bound that the offsets call or the cache store reads."""
+    if len(stmts) != 2:
+        return False
+    imp, gate = stmts
+    if not (
+        isinstance(imp, ast.Import)
+        and len(imp.names) == 1
+        and imp.names[0].name == "os"
+        and imp.names[0].asname
+        and isinstance(gate, ast.If)
+        and not gate.orelse
+    ):
+        return False
+    test = DEBUG_TEST.format(alias=imp.names[0].asname)
+    read_later = {"offsets", "geometry_key", "_k3_local", "_k3_remote", "task", "request_info"}
+    return site_fingerprint(gate.test) == _expr_fingerprint(test) and not (
+        _stores(gate) & read_later
+    )
+
+
+def _plan_regions(fn: ast.FunctionDef) -> list[_PlanRegion]:
+    head = source_fingerprint(PLAN_HEAD)
+    miss = _expr_fingerprint(PLAN_MISS)
+    tail = source_fingerprint(PLAN_TAIL)
+    mine = source_fingerprint(K3PATCH_PLAN)
+    n_mine = _count_statements(K3PATCH_PLAN)
+    choices = (
+        ("fork", source_fingerprint(FORK_CHOICE), _count_statements(FORK_CHOICE)),
+        ("legacy", source_fingerprint(LEGACY_CHOICE), _count_statements(LEGACY_CHOICE)),
+    )
+    found = []
+    for body in _bodies(fn):
+        for i in range(len(body)):
+            if _head(body[i]) == "Assign _k3patch_local" and (
+                _fingerprint(body[i : i + n_mine]) == mine
+            ):
+                found.append(_PlanRegion("k3patch", body[i : i + n_mine], False))
+                continue
+            if _head(body[i]) != "Assign geometry_key" or i + 2 >= len(body):
+                continue
+            check = body[i + 2]
+            if _fingerprint(body[i : i + 2]) != head or not isinstance(check, ast.If):
+                continue
+            if check.orelse or site_fingerprint(check.test) != miss:
+                continue
+            inner = check.body
+            for kind, choice, n in choices:
+                if _fingerprint(inner[:n]) != choice:
+                    continue
+                rest = inner[n:]
+                debug = _is_debug_block(rest[:2]) and len(rest) > 2
+                if debug:
+                    rest = rest[2:]
+                if rest and _fingerprint(rest) == tail:
+                    found.append(_PlanRegion(kind, body[i : i + 3], debug))
+    return found
+
+
+@dataclass(frozen=True)
+class _Plan(_Part):
+    """The per-layer choice of block ids and the offsets cache in the transfer plan."""
+
+    scope: tuple[str, ...] = ("MoRIIOWriter", "_prepare_transfer_plan")
+    evidence = True
 
     def look(self, src: SourceFile) -> _Look:
         where = ".".join(self.scope)
         fn = _function(src, self.scope)
         if fn is None:
             return _drift(f"{where} is absent", expected=(where,))
-        mine = self._runs(src, self.k3patch)
-        fork = self._runs(src, self.fork)
-        if len(mine) == 1 and not fork:
-            return _Look(_State.APPLIED, mine[0][0].lineno)
-        if len(fork) == 1 and not mine:
-            return _Look(_State.FORK, fork[0][0].lineno)
-        return _drift(
-            f"{where}: the per-layer block-id choice is in no known shape",
-            _short(src.segment(fn), 60),
-            (f"fork: {_dedent(self.fork)}", f"k3patch: {_dedent(self.k3patch)}"),
-            fn.lineno,
+        regions = _plan_regions(fn)
+        if len(regions) != 1:
+            return _drift(
+                f"{where}: the per-layer block-id choice is in no known shape"
+                + (f" ({len(regions)} candidate regions)" if regions else ""),
+                _short(src.segment(fn), 60),
+                (
+                    f"fork: {_dedent(PLAN_HEAD)}if {PLAN_MISS}:\n"
+                    f"{_block(FORK_CHOICE, '    ')}    [K3_MAMBA_BC debug block]\n"
+                    f"{_block(PLAN_TAIL, '    ')}",
+                    f"older k3-group-routing fix: the same with\n{_block(LEGACY_CHOICE, '    ')}",
+                    f"k3patch: {_dedent(K3PATCH_PLAN)}",
+                ),
+                fn.lineno,
+            )
+        region = regions[0]
+        line = region.stmts[0].lineno
+        if region.kind == "k3patch":
+            return _Look(_State.APPLIED, line)
+        debug = (
+            "; the K3_MAMBA_BC debug block that logs that choice goes with it"
+            if region.debug
+            else ""
+        )
+        if region.kind == "fork":
+            return _Look(
+                _State.FORK,
+                line,
+                why="the fork routes by [0]/[1] (MLA into group 0's blocks, every KDA group into "
+                "group 1's) and caches offsets by tensor geometry alone" + debug,
+            )
+        return _Look(
+            _State.FORK,
+            line,
+            why=f"the older k3-group-routing fix: {GEOMETRY_DEFECT}; {LEGACY_CAVEATS}" + debug,
+            shape=LEGACY_SHAPE,
         )
 
     def edits(self, src: SourceFile, text: _Text) -> list[_Edit]:
-        return [_replace(text, self._runs(src, self.fork)[0], self.k3patch)]
+        fn = _function(src, self.scope)
+        assert fn is not None
+        region = _plan_regions(fn)[0]
+        return [_replace(text, region.stmts, K3PATCH_PLAN)]
+
+
+@dataclass(frozen=True)
+class _LegacyGrowth(_Part):
+    """No opinion on the site's state; names the older fix's first-chunk defect where its
+    capture is there and its chunked companion is not."""
+
+    def look(self, src: SourceFile) -> _Look:
+        usaa = _function(src, _USAA)
+        bcm = _function(src, (_SCHED, "build_connector_meta"))
+        if usaa is None or bcm is None:
+            return _Look(None)
+        capture = source_fingerprint(LEGACY_CAPTURE)
+        if not any(
+            _head(s) == "Assign self._reqs_save_allgrp[request.request_id]"
+            and site_fingerprint(s) == capture
+            for body in _bodies(usaa)
+            for s in body
+        ):
+            return _Look(None)
+        grows = source_fingerprint(CHUNKED_ALLGRP)
+        if any(isinstance(s, ast.Try) and site_fingerprint(s) == grows for s in ast.walk(bcm)):
+            return _Look(
+                None,
+                why="the older fix's chunked companion grows its all-group lists per chunk",
+                shape=LEGACY_CHUNKED_SHAPE,
+            )
+        return _Look(
+            None, why=f"older k3-group-routing fix: {FIRST_CHUNK_DEFECT}", shape=LEGACY_SHAPE
+        )
 
 
 @dataclass(frozen=True)
@@ -845,27 +1071,44 @@ def _has_param(scope: tuple[str, ...], name: str) -> Callable[[SourceFile], bool
 
 
 @dataclass(frozen=True)
+class _SiteLook:
+    verdict: Verdict
+    look: _Look
+    notes: tuple[str, ...]  # what is wrong with a pending form, beyond the fork's bug
+    shape: str  # the form seen when it is not the plain fork's
+    evidence: bool  # an anchored part saw the fork's shape or k3patch's
+
+
+@dataclass(frozen=True)
 class _Site:
     name: str
     file: str
     parts: tuple[_Part, ...]
     what: str  # what k3patch does here, for reports
 
-    def look(self, src: SourceFile) -> tuple[Verdict, _Look]:
-        looks = [part.look(src) for part in self.parts]
-        states = [look for look in looks if look.state is not None]
+    def look(self, src: SourceFile) -> _SiteLook:
+        looks = [(part, part.look(src)) for part in self.parts]
+        evidence = any(
+            part.evidence and look.state in (_State.FORK, _State.APPLIED) for part, look in looks
+        )
+        notes = tuple(look.why for _, look in looks if look.state is not _State.DRIFT and look.why)
+        shape = next((look.shape for _, look in looks if look.shape), "")
+        states = [look for _, look in looks if look.state is not None]
         for look in states:
             if look.state is _State.DRIFT:
-                return Verdict.DRIFTED, look
+                return _SiteLook(Verdict.DRIFTED, look, (), "", evidence)
         kinds = {look.state for look in states}
         line = next((look.line for look in states if look.line), None)
         if kinds == {_State.APPLIED}:
-            return Verdict.APPLIED, _Look(_State.APPLIED, line)
+            return _SiteLook(Verdict.APPLIED, _Look(_State.APPLIED, line), (), "", evidence)
         if kinds == {_State.FORK}:
-            return Verdict.PENDING, _Look(_State.FORK, line)
-        return Verdict.DRIFTED, _drift(
-            "partly in k3patch's shape, partly in the fork's: edited by hand?",
-            line=line,
+            return _SiteLook(Verdict.PENDING, _Look(_State.FORK, line), notes, shape, evidence)
+        return _SiteLook(
+            Verdict.DRIFTED,
+            _drift("partly in k3patch's shape, partly in the fork's: edited by hand?", line=line),
+            (),
+            "",
+            evidence,
         )
 
 
@@ -877,57 +1120,66 @@ _WORKER = "MoRIIOConnectorWorker"
 _USAA = (_SCHED, "update_state_after_alloc")
 
 
-def _assigns_reqs_save_mamba(stmt: ast.stmt) -> bool:
-    target: ast.expr | None = stmt.target if isinstance(stmt, ast.AnnAssign) else None
+def _assign_target(stmt: ast.stmt) -> ast.expr | None:
+    if isinstance(stmt, ast.AnnAssign):
+        return stmt.target
     if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-        target = stmt.targets[0]
-    return target is not None and _is_self_attr(target, "_reqs_save_mamba")
+        return stmt.targets[0]
+    return None
+
+
+def _is_scheduler_dict(stmt: ast.stmt) -> bool:
+    # `self._reqs_save_mamba: dict[ReqId, list[int]] = {}`, annotated or not.
+    target = _assign_target(stmt)
+    value = getattr(stmt, "value", None)
+    return (
+        target is not None
+        and _is_self_attr(target, "_reqs_save_mamba")
+        and isinstance(value, ast.Dict)
+        and not value.keys
+    )
 
 
 def _scheduler_dict(stmt: ast.stmt) -> str | None:
     return SCHEDULER_DICT
 
 
-def _stores_mamba_capture(stmt: ast.stmt) -> bool:
-    return (
-        isinstance(stmt, ast.Assign)
-        and len(stmt.targets) == 1
-        and isinstance(stmt.targets[0], ast.Subscript)
-        and _is_self_attr(stmt.targets[0].value, "_reqs_save_mamba")
-    )
+# The fork's capture in uSAA (do_remote_decode): the mamba group [1] of `_k3_gbi`.
+FORK_CAPTURE = (
+    "self._reqs_save_mamba[request.request_id] = list(_k3_gbi[1]) if len(_k3_gbi) > 1 else []"
+)
+FORK_NOTIFY = (
+    "mamba_block_notify_list = ((list(_k3_gbi_d[1]) if len(_k3_gbi_d) > 1 else [])"
+    " if num_external_tokens > 0 else [])"
+)
+
+
+def _is_fork_capture(stmt: ast.stmt) -> bool:
+    return _head(stmt) == "Assign self._reqs_save_mamba[request.request_id]"
 
 
 def _capture_all_groups(stmt: ast.stmt) -> str | None:
-    # The fork reads group [1] from `_k3_gbi = blocks.get_block_ids()`; k3patch keeps them all.
-    assert isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Subscript)
-    source = _subscripted_by_one(stmt.value)
-    if source is None:
+    if site_fingerprint(stmt) != source_fingerprint(FORK_CAPTURE):
         return None
-    key = ast.unparse(stmt.targets[0].slice)
     return (
         "# k3patch moriio-group-routing: every group's blocks, not only [0]/[1]\n"
-        f"self._reqs_save_groups[{key}] = [list(group) for group in {source}]\n"
+        "self._k3patch_save_groups[request.request_id] = [\n"
+        "    list(_k3patch_g) for _k3patch_g in _k3_gbi\n"
+        "]\n"
     )
 
 
-def _assigns_mamba_notify(stmt: ast.stmt) -> bool:
-    return (
-        isinstance(stmt, ast.Assign)
-        and len(stmt.targets) == 1
-        and isinstance(stmt.targets[0], ast.Name)
-        and stmt.targets[0].id == "mamba_block_notify_list"
-    )
+def _is_fork_notify(stmt: ast.stmt) -> bool:
+    return _head(stmt) == "Assign mamba_block_notify_list"
 
 
 def _notify_all_groups(stmt: ast.stmt) -> str | None:
-    assert isinstance(stmt, ast.Assign)
-    source = _subscripted_by_one(stmt.value)
-    if source is None:
+    if site_fingerprint(stmt) != source_fingerprint(FORK_NOTIFY):
         return None
     return (
         "# k3patch moriio-group-routing: send every group's blocks\n"
-        f"group_block_notify_list = (\n"
-        f"    [list(group) for group in {source}] if num_external_tokens > 0 else []\n"
+        "_k3patch_group_notify = (\n"
+        "    [list(_k3patch_g) for _k3patch_g in _k3_gbi_d] if num_external_tokens > 0 else []\n"
         ")\n"
     )
 
@@ -946,38 +1198,35 @@ def _worker_map(stmt: ast.stmt) -> str | None:
     return WORKER_MAP
 
 
-def _fixed(name: str, value: str) -> Callable[[ast.Call], tuple[str, str] | None]:
+def _fixed(name: str, value: str, fork: str) -> Callable[[ast.Call], tuple[str, str] | None]:
+    """k3patch passes `name=value` where the fork passes its mamba list as `fork` (source)."""
+
     def added(call: ast.Call) -> tuple[str, str] | None:
+        passed = next(k.value for k in call.keywords if k.arg and k.arg.startswith("mamba_"))
+        if site_fingerprint(passed) != _expr_fingerprint(fork):
+            return None
         return name, value
 
     return added
 
 
-def _meta_group_ids(call: ast.Call) -> tuple[str, str] | None:
-    # The fork passes `<meta>.mamba_local_block_ids`; k3patch passes `<meta>.group_block_ids`.
-    value = next(k.value for k in call.keywords if k.arg == "mamba_local_block_ids")
-    if not (isinstance(value, ast.Attribute) and value.attr == "mamba_local_block_ids"):
-        return None
-    return "group_block_ids", f"{ast.unparse(value.value)}.group_block_ids"
-
-
 FORK_SITES: tuple[_Site, ...] = (
     _Site(
-        "WriteTask.group_block_ids",
+        f"WriteTask.{FIELD_NAME}",
         COMMON,
-        (_Field("WriteTask", "mamba_local_block_ids"),),
+        (_Field("WriteTask", "mamba_local_block_ids: list[int] | None = None"),),
         "the write task carries every group's local block ids",
     ),
     _Site(
-        "RemoteAllocInfo.group_block_ids",
+        f"RemoteAllocInfo.{FIELD_NAME}",
         COMMON,
-        (_Field("RemoteAllocInfo", "mamba_block_ids"),),
+        (_Field("RemoteAllocInfo", "mamba_block_ids: list[int] | None = None"),),
         "the decode node's block ids of every group, as the prefill node received them",
     ),
     _Site(
-        "ReqMeta.group_block_ids",
+        f"ReqMeta.{FIELD_NAME}",
         COMMON,
-        (_Field("ReqMeta", "mamba_local_block_ids"),),
+        (_Field("ReqMeta", "mamba_local_block_ids: list[int] = field(default_factory=list)"),),
         "the connector metadata carries every group's block ids",
     ),
     _Site(
@@ -987,9 +1236,9 @@ FORK_SITES: tuple[_Site, ...] = (
             _After(
                 (_SCHED, "__init__"),
                 "`self._reqs_save_mamba = {}`",
-                _assigns_reqs_save_mamba,
+                _is_scheduler_dict,
                 _scheduler_dict,
-                "_reqs_save_groups",
+                "_k3patch_save_groups",
             ),
         ),
         "a per-request dict of every group's blocks beside the fork's `_reqs_save_mamba`",
@@ -1000,10 +1249,10 @@ FORK_SITES: tuple[_Site, ...] = (
         (
             _After(
                 _USAA,
-                "`self._reqs_save_mamba[...] = ...[1]...` capture",
-                _stores_mamba_capture,
+                "`self._reqs_save_mamba[request.request_id] = ..._k3_gbi[1]...` capture",
+                _is_fork_capture,
                 _capture_all_groups,
-                "_reqs_save_groups",
+                "_k3patch_save_groups",
             ),
         ),
         "the prefill scheduler captures every group's blocks, not only [1]",
@@ -1018,16 +1267,20 @@ FORK_SITES: tuple[_Site, ...] = (
             ),
             _After(
                 _USAA,
-                "`mamba_block_notify_list = ...[1]...`",
-                _assigns_mamba_notify,
+                "`mamba_block_notify_list = ..._k3_gbi_d[1]...`",
+                _is_fork_notify,
                 _notify_all_groups,
-                "group_block_notify_list",
+                "_k3patch_group_notify",
             ),
             _Keyword(
                 _USAA,
                 "send_notify_block",
                 "mamba_block_notify_list",
-                _fixed("group_block_notify_list", "group_block_notify_list"),
+                _fixed(
+                    "k3patch_group_block_notify",
+                    "_k3patch_group_notify",
+                    "mamba_block_notify_list",
+                ),
             ),
         ),
         "the decode scheduler sends every group's blocks to the prefill node",
@@ -1039,16 +1292,16 @@ FORK_SITES: tuple[_Site, ...] = (
             _Param(
                 (_SCHED, "send_notify_block"),
                 "mamba_block_notify_list",
-                ("group_block_notify_list: list[list[int]] | None = None"),
+                "k3patch_group_block_notify: list[list[int]] | None = None",
             ),
             _DictKey(
                 (_SCHED, "send_notify_block"),
                 "mamba_block_notify_list",
-                "group_block_ids",
-                "group_block_notify_list",
+                "k3patch_group_block_ids",
+                "k3patch_group_block_notify",
             ),
         ),
-        "the notify message has a `group_block_ids` key",
+        "the notify message has a `k3patch_group_block_ids` key",
     ),
     _Site(
         f"{_SCHED}.build_connector_meta",
@@ -1061,7 +1314,8 @@ FORK_SITES: tuple[_Site, ...] = (
                     and _returns_meta(src)
                 ),
             ),
-            _BeforeReturn((_SCHED, "build_connector_meta"), SAVE_GROUPS, "_reqs_save_groups"),
+            _BeforeReturn((_SCHED, "build_connector_meta"), SAVE_GROUPS, "_k3patch_save_groups"),
+            _LegacyGrowth(),
         ),
         "later chunks' blocks join their group; each save takes its request's group lists",
     ),
@@ -1074,9 +1328,10 @@ FORK_SITES: tuple[_Site, ...] = (
                 "`self.layer_to_spec = build_layer_to_spec(kv_cache_config)`",
                 _is_layer_to_spec,
                 _worker_map,
-                "kv_group_of_layer",
+                "_k3patch_group_of_layer",
+                evidence=False,
             ),
-            _Function("_kv_cache_group_index", GROUP_INDEX_FUNCTION),
+            _Function("_k3patch_kv_cache_group_index", GROUP_INDEX_FUNCTION),
         ),
         "the worker maps every layer to its KV-cache group and finds the attention group",
     ),
@@ -1087,13 +1342,13 @@ FORK_SITES: tuple[_Site, ...] = (
             _Param(
                 (_WORKER, "schedule_write_blocks"),
                 "mamba_local_block_ids",
-                "group_block_ids: list[list[int]] | None = None",
+                f"{FIELD_NAME}: list[list[int]] | None = None",
             ),
             _Keyword(
                 (_WORKER, "schedule_write_blocks"),
                 "WriteTask",
                 "mamba_local_block_ids",
-                _fixed("group_block_ids", "group_block_ids"),
+                _fixed(FIELD_NAME, FIELD_NAME, "mamba_local_block_ids"),
             ),
         ),
         "every group's block ids go into the write task",
@@ -1106,7 +1361,7 @@ FORK_SITES: tuple[_Site, ...] = (
                 (_WORKER, "_write_blocks_for_req"),
                 "schedule_write_blocks",
                 "mamba_local_block_ids",
-                _meta_group_ids,
+                _fixed(FIELD_NAME, f"meta.{FIELD_NAME}", "meta.mamba_local_block_ids"),
             ),
         ),
         "the metadata's group lists are handed to the write",
@@ -1123,7 +1378,11 @@ FORK_SITES: tuple[_Site, ...] = (
                 ("MoRIIOWrapper", "_handle_remote_blocks_message"),
                 "RemoteAllocInfo",
                 "mamba_block_ids",
-                _fixed("group_block_ids", 'data.get("group_block_ids")'),
+                _fixed(
+                    FIELD_NAME,
+                    'data.get("k3patch_group_block_ids")',
+                    "list(mamba_block_notify_list or [])",
+                ),
             ),
         ),
         "the prefill node keeps the decode node's group lists",
@@ -1136,9 +1395,10 @@ FORK_SITES: tuple[_Site, ...] = (
                 "MoRIIOError bound in moriio_engine",
                 lambda src: module_binds(src.tree, "MoRIIOError"),
             ),
-            _Replace(("MoRIIOWriter", "_prepare_transfer_plan"), FORK_PLAN, K3PATCH_PLAN),
+            _Plan(),
         ),
-        "each layer's transfer indexes the per-group lists with the layer's own group",
+        "each layer's transfer indexes the per-group lists with the layer's own group, and its "
+        "offsets are cached per layer",
     ),
 )
 
@@ -1156,8 +1416,8 @@ def _returns_meta(src: SourceFile) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Upstream and legacy shapes: named predicates over the whole package, one verdict for all
-# three files (SITES.md section 1, "Upstream" and the older anchor script's fixed form).
+# Upstream shapes: named predicates over the whole package, one verdict for all three files
+# (SITES.md section 1, "Upstream").
 
 UPSTREAM_SITES = {
     COMMON: "per-group block ids",
@@ -1223,7 +1483,8 @@ def _upstream_single_group(sources: Sources) -> bool:
     )
 
 
-UPSTREAM_SHAPES: tuple[tuple[str, Verdict, Callable[[Sources], bool], str], ...] = (
+# Positive upstream shapes, tried before the fork's: none of them can hold on a fork tree.
+NATIVE_SHAPES: tuple[tuple[str, Verdict, Callable[[Sources], bool], str], ...] = (
     (
         "upstream 0.33.0+ native per-group WRITE routing",
         Verdict.SATISFIED,
@@ -1248,43 +1509,18 @@ UPSTREAM_SHAPES: tuple[tuple[str, Verdict, Callable[[Sources], bool], str], ...]
         "MoRIIO supports hybrid KV caches for sliding-window models only (READ mode); a Mamba "
         "group is refused at scheduler init, so Kimi-K3 cannot use MoRIIO on this version",
     ),
-    (
-        "upstream 0.14.1-0.29.0 single-group connector",
-        Verdict.NOT_APPLICABLE,
-        _upstream_single_group,
-        "no hybrid support: MoRIIOConnector does not implement SupportsHMA, so vLLM runs it "
-        "with exactly one KV-cache group (the scheduler asserts it) and it reads block ids "
-        "[0] only; Kimi-K3 (four groups) cannot use MoRIIO on this version",
-    ),
 )
-
-
-def _legacy_file_ok(rel: str, sources: Sources) -> bool:
-    src = sources[rel]
-    if rel == COMMON:
-        return all(
-            "all_group_block_ids" in _Field(cls, "")._fields(src)[1]
-            for cls in ("WriteTask", "RemoteAllocInfo", "ReqMeta")
-        )
-    if rel == CONNECTOR:
-        return {"_reqs_save_allgrp", "all_group_block_notify", "_layer_group_idx"} <= _names(
-            src.tree
-        )
-    plan = _function(src, ("MoRIIOWriter", "_prepare_transfer_plan"))
-    return plan is not None and {"_layer_group_idx", "all_group_block_ids"} <= _names(plan)
-
-
-def _legacy_swallows_errors(sources: Sources) -> bool:
-    """The older script built its group map under `try/except Exception` with group 0 as the
-    fallback: the original bug, silently, whenever building the map fails."""
-    for node in ast.walk(sources[CONNECTOR].tree):
-        if isinstance(node, ast.Try) and "_layer_group_idx" in _names(node):
-            for handler in node.handlers:
-                if handler.type is None or (
-                    isinstance(handler.type, ast.Name) and handler.type.id == "Exception"
-                ):
-                    return True
-    return False
+# The single-group connector holds on the fork too (its READ path keeps `get_block_ids()[0]`),
+# so it is tried only when no fork statement is there.
+SINGLE_GROUP_SHAPE = (
+    "upstream 0.14.1-0.29.0 single-group connector",
+    Verdict.NOT_APPLICABLE,
+    _upstream_single_group,
+    "no hybrid support: MoRIIOConnector does not implement SupportsHMA, so vLLM runs it "
+    "with exactly one KV-cache group (the scheduler asserts it) and it reads block ids "
+    "[0] only; Kimi-K3 (four groups) cannot use MoRIIO on this version",
+)
+UPSTREAM_SHAPES = (*NATIVE_SHAPES, SINGLE_GROUP_SHAPE)
 
 
 class MoriioGroupRouting(Patch):
@@ -1320,24 +1556,15 @@ class MoriioGroupRouting(Patch):
                 )
                 for rel in FILES
             ]
-        # A word search first keeps upstream trees off a walk of three long ASTs; a hit is
-        # only a reason to look, never a verdict (it may be a comment).
-        if not any(_MENTIONS.search(sources[rel].text) for rel in FILES):
-            return self._classify_upstream(sources)
-        every = set().union(*(_names(sources[rel].tree) for rel in FILES))
-        if every & LEGACY_NAMES:
-            return self._classify_legacy(sources, bool(every & K3PATCH_NAMES))
-        if every & (FORK_NAMES | K3PATCH_NAMES):
-            return self._classify_fork(sources)
-        return self._classify_upstream(sources)
-
-    def _classify_upstream(self, sources: Sources) -> list[SiteResult]:
-        for shape, verdict, holds, detail in UPSTREAM_SHAPES:
-            if holds(sources):
-                return [
-                    SiteResult(self.id, UPSTREAM_SITES[rel], rel, verdict, shape, detail)
-                    for rel in FILES
-                ]
+        for shape in NATIVE_SHAPES:
+            if shape[2](sources):
+                return self._upstream(sources, shape)
+        if any(_MENTIONS.search(sources[rel].text) for rel in FILES):
+            looks = [(site, site.look(sources[site.file])) for site in FORK_SITES]
+            if any(look.evidence for _, look in looks):
+                return self._classify_fork(looks)
+        if _upstream_single_group(sources):
+            return self._upstream(sources, SINGLE_GROUP_SHAPE)
         plan = _function(sources[ENGINE], ("MoRIIOWriter", "_prepare_transfer_plan"))
         return [
             SiteResult(
@@ -1357,56 +1584,22 @@ class MoriioGroupRouting(Patch):
             for rel in FILES
         ]
 
-    def _classify_legacy(self, sources: Sources, mixed: bool) -> list[SiteResult]:
-        shape = "older anchor script k3-group-routing (legacy)"
-        warn = (
-            "; note: it builds the layer map under `except Exception` with group 0 as the "
-            "fallback, which silently restores the original bug if that map fails"
-            if _legacy_swallows_errors(sources)
-            else ""
-        )
-        results = []
-        for rel in FILES:
-            ok = _legacy_file_ok(rel, sources)
-            if ok and not mixed:
-                results.append(
-                    SiteResult(
-                        self.id,
-                        UPSTREAM_SITES[rel],
-                        rel,
-                        Verdict.SATISFIED,
-                        shape,
-                        "all_group_block_ids carried end to end; the plan indexes them with "
-                        "_layer_group_idx" + warn,
-                    )
-                )
-            else:
-                results.append(
-                    SiteResult(
-                        self.id,
-                        UPSTREAM_SITES[rel],
-                        rel,
-                        Verdict.DRIFTED,
-                        detail=(
-                            "both the older k3-group-routing script's form and k3patch's are "
-                            "in this package"
-                            if mixed
-                            else "the older k3-group-routing script patched other files of "
-                            "this package but not this one"
-                        )
-                        + "; nothing will be written",
-                        expected=(shape,),
-                    )
-                )
-        return results
+    def _upstream(
+        self, sources: Sources, shape: tuple[str, Verdict, Callable[[Sources], bool], str]
+    ) -> list[SiteResult]:
+        name, verdict, _holds, detail = shape
+        return [
+            SiteResult(self.id, UPSTREAM_SITES[rel], rel, verdict, name, detail) for rel in FILES
+        ]
 
-    def _classify_fork(self, sources: Sources) -> list[SiteResult]:
+    def _classify_fork(self, looks: list[tuple[_Site, _SiteLook]]) -> list[SiteResult]:
         results = []
-        for site in FORK_SITES:
-            verdict, look = site.look(sources[site.file])
-            if verdict is Verdict.PENDING:
-                shape, detail = "fork: mamba block ids ([0] attention, [1] mamba)", site.what
-            elif verdict is Verdict.APPLIED:
+        for site, seen in looks:
+            look = seen.look
+            if seen.verdict is Verdict.PENDING:
+                shape = seen.shape or FORK_SHAPE
+                detail = "; ".join((site.what, *seen.notes))
+            elif seen.verdict is Verdict.APPLIED:
                 shape, detail = "k3patch", site.what
             else:
                 shape, detail = "", look.why
@@ -1415,7 +1608,7 @@ class MoriioGroupRouting(Patch):
                     self.id,
                     site.name,
                     site.file,
-                    verdict,
+                    seen.verdict,
                     shape,
                     detail,
                     look.line,
@@ -1452,7 +1645,7 @@ class MoriioGroupRouting(Patch):
             edits = [
                 edit
                 for site in FORK_SITES
-                if site.file == rel and site.look(src)[0] is Verdict.PENDING
+                if site.file == rel and site.look(src).verdict is Verdict.PENDING
                 for part in site.parts
                 for edit in part.edits(src, text)
             ]
