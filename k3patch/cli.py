@@ -336,7 +336,11 @@ def verify(
         from k3patch.verify import verify as run_verify
 
         report = run_verify(
-            _tree(vllm), select(only, skip), python=python, extra_modules=tuple(module or ())
+            _tree(vllm),
+            select(only, skip),
+            python=python,
+            extra_modules=tuple(module or ()),
+            progress=render.progress_line,
         )
         code = int(exitcodes.for_verify(report))
         if as_json:

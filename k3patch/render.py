@@ -223,6 +223,11 @@ def _probes_ran(ran: Sequence[str], not_run: Sequence[str]) -> str:
     return text
 
 
+def progress_line(text: str) -> None:
+    """Progress goes to stderr: stdout stays the report (or the JSON) alone."""
+    emit([plaintext.line(text, 4)], stderr=True)
+
+
 def print_verify(report: VerifyReport) -> None:
     emit(verify_lines(report))
 

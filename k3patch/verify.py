@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,7 +164,10 @@ def verify(
     *,
     python: str | None = None,
     extra_modules: tuple[str, ...] = (),
+    progress: Callable[[str], None] | None = None,
 ) -> VerifyReport:
+    """`progress` is told, before the child starts (it takes seconds: it imports torch), which
+    interpreter imports how many modules and runs how many probes."""
     patches = all_patches() if patches is None else patches
     report = scan(tree, patches, use_record=False)
     if python and os.sep in python:
@@ -183,6 +187,11 @@ def verify(
         "probes": [p.id for p in live],
         "probe_modules": {p.id: list(p.modules) for p in live},
     }
+    if progress is not None and (modules or live):
+        progress(
+            f"verify: importing {len(modules)} module(s) and running {len(live)} probe(s) with "
+            f"{python} ({chosen})"
+        )
     result = _run_child(python, tree, args) if modules or live else {"imports": {}, "probes": {}}
     patched_files = _patched_files(tree, report)
     failed = [m for m, r in result["imports"].items() if not r["ok"]]

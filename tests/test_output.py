@@ -225,3 +225,20 @@ def test_revert_prints_its_bytecode_lines(make_tree):
     assert "\n  vllm/_aiter_ops.py\n" in proc.stdout
     bytecode = [line for line in proc.stdout.splitlines() if line.startswith("bytecode: ")]
     assert bytecode and "_aiter_ops" in bytecode[0], proc.stdout
+
+
+@pytest.mark.wheel
+@pytest.mark.verify
+def test_verify_says_what_it_runs_and_to_apply_first(make_tree, verify_python):
+    site = make_tree("0.31.0", full=True)
+    proc = run_cli("verify", "--vllm", str(site), "--python", verify_python)
+    assert proc.returncode == 1
+    # Before the child starts (seconds, it imports torch): which interpreter, how much.
+    assert re.search(
+        r"^verify: importing \d+ module\(s\) and running \d+ probe\(s\) with ", proc.stderr
+    )
+    assert verify_python in proc.stderr.replace("\n    ", " ")
+    assert "probes ran: moriio-group-routing" in proc.stdout
+    record = proc.stdout.replace("\n  ", " ")
+    assert "aiter-mla-gfx942, moriio-chunk-gate pending: run `k3patch apply` first" in record
+    assert long_lines(proc.stdout, LOG_WIDTH) == []
