@@ -13,8 +13,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import forktree
 import pytest
-from conftest import FIXTURES, run_cli, sha, tree_hashes
+from conftest import built_fork_tree, run_cli, sha, tree_hashes
 from conftest import sites_of as _sites_of
 from conftest import status_json as _status_json
 from k3patch.patches import moriio_chunk_gate as gate
@@ -26,6 +27,7 @@ REL = "vllm/" + gate.FILE
 SHAPE_OF = {
     "0.23.0": "A (0.14.1-0.23.0)",
     "0.27.1": "B (0.24.0-0.27.1)",
+    "0.28.0": "C (0.28.0-0.29.0)",
     "0.29.0": "C (0.28.0-0.29.0)",
     "0.31.0": "D (0.30.0-0.31.0)",
 }
@@ -44,12 +46,6 @@ def verdicts_of(site: Path) -> tuple[str, str]:
     return sites[gate.G1]["verdict"], sites[gate.G2]["verdict"]
 
 
-def fixture_copy(name: str, tmp_path: Path) -> Path:
-    dst = tmp_path / name
-    shutil.copytree(FIXTURES / name, dst, ignore=shutil.ignore_patterns("__pycache__"))
-    return dst
-
-
 def classify_text(text: str) -> dict[str, object]:
     sources = Sources(lambda rel: text.encode() if rel == gate.FILE else None)
     return {r.site: r for r in gate.PATCH.classify(sources)}
@@ -61,7 +57,7 @@ def classify_text(text: str) -> dict[str, object]:
 
 
 @pytest.mark.wheel
-@pytest.mark.parametrize("version", ["0.23.0", "0.27.1", "0.29.0", "0.31.0"])
+@pytest.mark.parametrize("version", ["0.23.0", "0.27.1", "0.28.0", "0.29.0", "0.31.0"])
 def test_full_cycle_on_real_wheel(make_tree, version):
     site = make_tree(version)
     target = site / REL
@@ -95,7 +91,7 @@ def test_full_cycle_on_real_wheel(make_tree, version):
 
 
 @pytest.mark.wheel
-@pytest.mark.parametrize("version", ["0.33.0"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
 def test_upstream_fix_is_satisfied_and_nothing_is_written(make_tree, version):
     site = make_tree(version)
     before = tree_hashes(site)
@@ -278,15 +274,43 @@ def test_unknown_gate_is_drift_and_nothing_is_written(
     assert tree_hashes(site) == before
 
 
+UPSTREAM_RETURN = "return req.num_computed_tokens + num_scheduled >= req.num_prompt_tokens"
+
+
 @pytest.mark.wheel
-def test_upstream_helper_with_another_meaning_is_drift(make_tree):
+@pytest.mark.parametrize(
+    "new",
+    [
+        "return len(req.block_ids) >= req.num_prompt_tokens",
+        # Inverted, equal, unequal, off by one, sides swapped, a slack: all wrong, all drift.
+        "return req.num_computed_tokens + num_scheduled < req.num_prompt_tokens",
+        "return req.num_computed_tokens + num_scheduled == req.num_prompt_tokens",
+        "return req.num_computed_tokens + num_scheduled != req.num_prompt_tokens",
+        "return req.num_computed_tokens + num_scheduled > req.num_prompt_tokens",
+        "return req.num_prompt_tokens >= req.num_computed_tokens + num_scheduled",
+        "return req.num_computed_tokens + num_scheduled >= req.num_prompt_tokens - 2",
+        "return req.num_computed_tokens + num_scheduled + 1 >= req.num_prompt_tokens",
+        "return req.num_computed_tokens >= req.num_prompt_tokens",
+    ],
+)
+def test_upstream_helper_with_another_meaning_is_drift(make_tree, new):
     site = make_tree("0.33.0")
     target = site / REL
     text = target.read_text()
-    old = "return req.num_computed_tokens + num_scheduled >= req.num_prompt_tokens"
-    assert old in text
-    target.write_text(text.replace(old, "return len(req.block_ids) >= req.num_prompt_tokens"))
+    assert text.count(UPSTREAM_RETURN) == 1
+    target.write_text(text.replace(UPSTREAM_RETURN, new))
     assert verdicts_of(site) == ("drifted", "drifted")
+
+
+@pytest.mark.wheel
+def test_upstream_helper_mirrored_is_still_satisfied(make_tree):
+    # The same inequality written the other way round decides the same thing.
+    site = make_tree("0.33.0")
+    target = site / REL
+    text = target.read_text()
+    mirrored = "return req.num_prompt_tokens <= num_scheduled + req.num_computed_tokens"
+    target.write_text(text.replace(UPSTREAM_RETURN, mirrored))
+    assert verdicts_of(site) == ("satisfied", "satisfied")
 
 
 @pytest.mark.wheel
@@ -303,82 +327,244 @@ def test_no_moriio_is_not_applicable_and_no_scheduler_is_drift(make_tree):
 
 
 # --------------------------------------------------------------------------------------------
-# Fixtures: the fork (pending, shape C gates) and the older k3-chunk-gate script (satisfied).
+# The operators' real trees (tests/forktree: the 0.28.0 wheel + the recipe's older scripts).
+# a, b, c never ran the older chunk-gate script: shape C gates in the fork's surroundings.
+# d ran it (K3_EXTRA_FIXES=1): its real form is pending, with both defects named.
+
+FORK_VERDICTS = {
+    "a": ("the fork (shape C gates)", ()),
+    "b": ("the fork (shape C gates)", ()),
+    "c": ("the fork (shape C gates)", ()),
+    "a-comments": ("the fork (shape C gates)", ()),
+    "a-nodebug": ("the fork (shape C gates)", ()),
+    "d": (gate.LEGACY_PENDING, gate.LEGACY_DEFECTS),
+}
+APPLIED_SHAPE = {name: "k3patch" for name in FORK_VERDICTS} | {"d": gate.LEGACY_APPLIED}
 
 
-def test_fork_fixture_cycle(tmp_path):
-    site = fixture_copy("chunk-gate-fork", tmp_path)
+@pytest.mark.wheel
+@pytest.mark.parametrize("name", sorted(FORK_VERDICTS))
+def test_fork_tree_verdicts(fork_tree, name):
+    shape, defects = FORK_VERDICTS[name]
+    data = status_json(fork_tree(name))
+    assert data["_rc"] == 1
+    assert data["patches"][0]["verdict"] == "pending"
+    for result in data["patches"][0]["sites"]:
+        assert (result["verdict"], result["shape"]) == ("pending", shape), result
+        for defect in defects:
+            assert defect in result["detail"]
+
+
+def test_legacy_defects_read_as_issue_12_names_them():
+    assert gate.LEGACY_DEFECTS == (
+        "fires up to K3_CHUNK_GATE_SLACK (default 2) tokens early",
+        "falls back to the block-count gate (the original bug) when its progress map lacks "
+        "the request",
+    )
+
+
+@pytest.mark.wheel
+@pytest.mark.parametrize("name", sorted(FORK_VERDICTS))
+def test_fork_tree_cycle(fork_tree, name):
+    site = fork_tree(name)
     target = site / REL
     original = tree_hashes(site)
-    sites = sites_of(site)
-    assert [sites[s]["verdict"] for s in (gate.G1, gate.G2)] == ["pending", "pending"]
-    assert sites[gate.G1]["shape"] == "the fork (shape C gates)"
-
-    assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
-    assert verdicts_of(site) == ("applied", "applied")
+    first = run_cli("apply", "--vllm", str(site), *ONLY)
+    assert first.returncode == 0, first.stdout + first.stderr
+    for result in sites_of(site).values():
+        assert (result["verdict"], result["shape"]) == ("applied", APPLIED_SHAPE[name]), result
     text = target.read_text()
-    # The fork's own block-id code (SITES.md 1) is not this patch's to touch.
-    for kept in (
-        "block_ids = new_block_ids[0]",
-        "list(_k3_gbi[1]) if len(_k3_gbi) > 1 else []",
-        "mamba_local_block_ids=self._reqs_save_mamba.pop(req_id, []),",
-    ):
-        assert text.count(kept) == (FIXTURES / "chunk-gate-fork" / REL).read_text().count(kept)
+    # The older scripts' own block-id code is not this patch's to touch.
+    before = (built_fork_tree(name) / REL).read_text()
+    for kept in ("block_ids = new_block_ids[0]", "self._reqs_save_mamba.get(req_id, [])"):
+        assert text.count(kept) == before.count(kept) >= 1
     once = tree_hashes(site)
     assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
-    assert tree_hashes(site) == once
-    assert run_cli("revert", "--vllm", str(site)).returncode == 0
-    assert tree_hashes(site) == original
+    assert tree_hashes(site) == once, "a second apply changed bytes"
+    back = run_cli("revert", "--vllm", str(site))
+    assert back.returncode == 0, back.stderr
+    assert tree_hashes(site) == original, "revert is not byte-identical"
 
 
-def test_legacy_fixture_is_satisfied_and_left_alone(tmp_path):
-    site = fixture_copy("chunk-gate-legacy", tmp_path)
-    before = tree_hashes(site)
-    data = status_json(site)
-    assert data["_rc"] == 0
-    for result in data["patches"][0]["sites"]:
-        assert result["verdict"] == "satisfied"
-        assert result["shape"] == gate.SATISFIED_LEGACY
-        assert "K3_CHUNK_GATE_SLACK" in result["detail"]
+@pytest.mark.wheel
+def test_legacy_repair_is_in_place_and_changes_only_the_decisions(fork_tree):
+    site = fork_tree("d")
+    target = site / REL
+    before = target.read_text()
     assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
-    assert tree_hashes(site) == before
+    after = target.read_text()
+    old = before.splitlines()
+    matcher = difflib.SequenceMatcher(a=old, b=after.splitlines(), autojunk=False)
+    removed = [
+        ln for tag, i1, i2, _, _ in matcher.get_opcodes() if tag != "equal" for ln in old[i1:i2]
+    ]
+    # The three decisions (G1, the sweep, G2) and the two block-count fallbacks go, nothing
+    # else: the helper, the progress map and the debug lines stay.
+    assert sorted(ln.strip() for ln in removed) == sorted(
+        [
+            "_k3done2 = _k3_prefill_done(self, req_id, req)  # k3-chunk-gate",
+            "if _k3done2 is None:",
+            "_k3done2 = (",
+            "len(self._reqs_need_pending_save[req_id][1]) * self.block_size",
+            ">= req.num_prompt_tokens",
+            ")",
+            "_k3sw_done = _k3_prefill_done(self, _k3sw_rid, _k3sw_req)",
+            "_k3done = _k3_prefill_done(self, req_id, req)",
+            "if _k3done is None:",
+            "_k3done = not (req.num_prompt_tokens > len(block_ids) * self.block_size)",
+        ]
+    )
+    assert after.count("def _k3_prefill_done(") == 1
+    assert "self._k3_prog = {}" in after
+    assert after.count("K3_CHUNK_GATE_SLACK") == before.count("K3_CHUNK_GATE_SLACK") == 1
+    module = ast.parse(after)
+    method = gate._method(module)
+    assert method is not None
+    # Nothing decides through the helper any more: its only caller is gone.
+    calls = [
+        n
+        for n in ast.walk(method)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == gate.LEGACY_HELPER
+    ]
+    assert calls == []
 
 
-@pytest.mark.parametrize(
-    ("old", "new", "expect"),
-    [
-        # SITES.md 2: the script calls os.environ where upstream never imports os.
-        ("import os\n", "", ("drifted", "drifted", "uses os")),
-        # Half applied: G1 still waits for a new block, and the sweep is gone.
-        (
-            "            for req_id in list(self._reqs_need_pending_save):\n",
-            "            for req_id in []:\n",
-            ("drifted", "satisfied", "sweep"),
-        ),
-        (
-            "        self._k3_prog = dict(",
-            "        self._k3_other = dict(",
-            ("drifted",) * 2 + ("_k3_prog",),
-        ),
-        (
-            "def _k3_prefill_done(self",
-            "def _k3_prefill_done_old(self",
-            ("drifted",) * 2 + ("defines no",),
-        ),
-    ],
-)
-def test_legacy_pitfalls_are_drift(tmp_path, old, new, expect):
-    site = fixture_copy("chunk-gate-legacy", tmp_path)
+def _edit_d(fork_tree, old: str, new: str) -> Path:
+    """Tree d with every `old` replaced by `new` (the map is set twice: at the top of the
+    producer branch and in its `except`)."""
+    site = fork_tree("d")
     target = site / REL
     text = target.read_text()
-    assert old in text
-    target.write_text(text.replace(old, new, 1))
+    assert text.count(old) in (1, 2), old
+    target.write_text(text.replace(old, new))
+    return site
+
+
+# Edits of tree d (the older script's real form) that leave no form the script writes: each is
+# drift, and nothing is written.
+LEGACY_DRIFT = [
+    # The helper's comparison inverted, off by one, or slack made larger.
+    (
+        "(cb + st) >= (int(req.num_prompt_tokens) - slack)",
+        "(cb + st) < (int(req.num_prompt_tokens) - slack)",
+        ("drifted", "drifted", "is not the script's"),
+    ),
+    (
+        "(cb + st) >= (int(req.num_prompt_tokens) - slack)",
+        "(cb + st) > (int(req.num_prompt_tokens) - slack)",
+        ("drifted", "drifted", "is not the script's"),
+    ),
+    # The progress map never set: the helper always answers None.
+    ("self._k3_prog = {}\n", "self._k3_other = {}\n", ("drifted", "drifted", "_k3_prog")),
+    # G1's decision inverted where its body sends.
+    (
+        "            if _k3done2:\n",
+        "            if not _k3done2:\n",
+        ("drifted", "pending", "inverted"),
+    ),
+    # G2's gate turned round: it would defer the final chunk.
+    (
+        "            if not _k3done:\n",
+        "            if _k3done:\n",
+        ("pending", "drifted", "inverted"),
+    ),
+    # A decision that is neither the helper nor progress.
+    (
+        "_k3done = _k3_prefill_done(self, req_id, req)",
+        "_k3done = req.num_computed_tokens < req.num_prompt_tokens",
+        ("pending", "drifted", "neither"),
+    ),
+    # G1's fallback edited.
+    (
+        "                            >= req.num_prompt_tokens\n                        )\n",
+        "                            > req.num_prompt_tokens\n                        )\n",
+        ("drifted", "pending", "fallback"),
+    ),
+    # The sweep gone: a final chunk without a new block would never be sent.
+    (
+        "for _k3sw_rid in list(self._reqs_need_pending_save.keys()):",
+        "for _k3sw_rid in []:",
+        ("drifted", "pending", "sweeps"),
+    ),
+]
+
+
+@pytest.mark.wheel
+@pytest.mark.parametrize(("old", "new", "expect"), LEGACY_DRIFT)
+def test_legacy_edits_are_drift_and_nothing_is_written(fork_tree, old, new, expect):
+    site = _edit_d(fork_tree, old, new)
     sites = sites_of(site)
-    assert (sites[gate.G1]["verdict"], sites[gate.G2]["verdict"]) == expect[:2]
-    assert expect[2] in sites[gate.G1]["detail"]
+    got = (sites[gate.G1]["verdict"], sites[gate.G2]["verdict"])
+    assert got == expect[:2], (sites[gate.G1]["detail"], sites[gate.G2]["detail"])
+    drifted = [s for s in sites.values() if s["verdict"] == "drifted"]
+    assert all(expect[2] in s["detail"] for s in drifted), [s["detail"] for s in drifted]
+    assert all(s["expected"] and s["found"] for s in drifted)
     before = tree_hashes(site)
     assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 1
     assert tree_hashes(site) == before
+
+
+@pytest.mark.wheel
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (">= req.num_prompt_tokens\n", "> req.num_prompt_tokens\n"),
+        (">= req.num_prompt_tokens\n", "== req.num_prompt_tokens\n"),
+        (">= req.num_prompt_tokens\n", "<= req.num_prompt_tokens\n"),
+        (">= req.num_prompt_tokens\n", ">= req.num_prompt_tokens - 2\n"),
+    ],
+)
+def test_repaired_legacy_edited_wrongly_is_drift(fork_tree, old, new):
+    site = fork_tree("d")
+    assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
+    target = site / REL
+    text = target.read_text()
+    # The repaired G2 decision: the last progress comparison in the file.
+    at = text.rindex(old)
+    target.write_text(text[:at] + new + text[at + len(old) :])
+    assert verdicts_of(site) == ("applied", "drifted")
+
+
+@pytest.mark.wheel
+def test_chunk_gate_script_without_the_maps_it_reads_is_drift(make_tree):
+    # The script's sweep reads self._reqs_save_mamba and self._reqs_save_allgrp (added by the
+    # mamba-blockids and group-routing scripts): alone on 0.28.0 it raises inside its try on
+    # every step and a final chunk without a new block is never sent.
+    site = make_tree("0.28.0")
+    forktree.run_steps(site / "vllm", ["chunk_gate_fix"])
+    sites = sites_of(site)
+    assert sites[gate.G1]["verdict"] == "drifted"
+    assert "self._reqs_save_allgrp, self._reqs_save_mamba" in sites[gate.G1]["detail"]
+    assert sites[gate.G2]["verdict"] == "pending"
+    assert sites[gate.G2]["shape"] == gate.LEGACY_PENDING
+
+
+@pytest.mark.wheel
+def test_chunk_gate_script_without_os_is_drift(fork_tree):
+    site = _edit_d(fork_tree, "\nimport os\n", "\n")
+    sites = sites_of(site)
+    assert verdicts_of(site) == ("drifted", "drifted")
+    assert "reads os" in sites[gate.G2]["detail"]
+
+
+@pytest.mark.wheel
+def test_fork_is_told_by_statements_not_by_a_name(make_tree, fork_tree):
+    # A bare mention of the fork's map does not make 0.28.0 the fork ...
+    site = make_tree("0.28.0")
+    target = site / REL
+    text = target.read_text()
+    anchor = "        self._reqs_need_pending_save: dict[ReqId, tuple[Request, list[int]]] = {}\n"
+    assert text.count(anchor) == 1
+    target.write_text(text.replace(anchor, anchor + "        self._reqs_save_mamba = {}\n"))
+    assert {s["shape"] for s in sites_of(site).values()} == {"C (0.28.0-0.29.0)"}
+    # ... and the fork without its map in __init__ is not the fork either.
+    fork = fork_tree("a")
+    target = fork / REL
+    text = target.read_text()
+    line = "self._reqs_save_mamba: dict[ReqId, list[int]] = {}"
+    assert text.count(line) == 1
+    target.write_text(text.replace(line, "self._reqs_save_mamba_unused = 0"))
+    assert {s["shape"] for s in sites_of(fork).values()} == {"C (0.28.0-0.29.0)"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -463,7 +649,10 @@ if req_id not in self._reqs_need_pending_save:
     continue
 req, existing_blocks = self._reqs_need_pending_save[req_id]
 if not self._has_mamba:
-    if req.num_computed_tokens + scheduler_output.num_scheduled_tokens[req_id] >= req.num_prompt_tokens:
+    if (
+        req.num_computed_tokens + scheduler_output.num_scheduled_tokens[req_id]
+        >= req.num_prompt_tokens
+    ):
         del self._reqs_need_pending_save[req_id]
 """
 G1_GUARD_EDITED = G1_APPLIED.replace("    req = self._reqs_need_pending_save[req_id][0]\n", "")
@@ -471,6 +660,27 @@ INLINE = (
     "(req.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(req_id, 0) "
     ">= req.num_prompt_tokens)"
 )
+
+
+PROGRESS = "req.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(req_id, 0)"
+G2_TEST = "req.num_prompt_tokens > len(block_ids) * self.block_size"
+# G1's upstream-style gate is `if not <final>: continue`; each of these decides wrongly.
+INVERTED_G1 = [
+    ("`<` where `>=` belongs", f"({PROGRESS} < req.num_prompt_tokens)"),
+    ("`==`", f"({PROGRESS} == req.num_prompt_tokens)"),
+    ("`!=`", f"({PROGRESS} != req.num_prompt_tokens)"),
+    ("`>` (off by one at the last token)", f"({PROGRESS} > req.num_prompt_tokens)"),
+    ("sides swapped", f"(req.num_prompt_tokens >= {PROGRESS})"),
+    ("a slack of 2", f"({PROGRESS} >= req.num_prompt_tokens - 2)"),
+    ("computed tokens only", "(req.num_computed_tokens >= req.num_prompt_tokens)"),
+]
+# G2 defers while its test holds: it must mean "not final yet".
+INVERTED_G2 = [
+    ("final where it defers", f"{PROGRESS} >= req.num_prompt_tokens"),
+    ("`<=` (off by one)", f"{PROGRESS} <= req.num_prompt_tokens"),
+    ("sides swapped", f"req.num_prompt_tokens < {PROGRESS}"),
+    ("`!=`", f"{PROGRESS} != req.num_prompt_tokens"),
+]
 
 
 def module_with(g1: str = G1_C, g2: str = G2_C) -> str:
@@ -546,6 +756,20 @@ SHAPE_TABLE = [
     ),
     ("k3patch's guard edited (req not rebound)", G1_GUARD_EDITED, G2_C, ("drifted", "pending")),
     ("k3patch's post-image", G1_APPLIED, G2_C, ("applied", "pending")),
+    *[
+        (f"G1 progress gate, {why}", G1_PROGRESS.format(test=test), G2_C, ("drifted", "pending"))
+        for why, test in INVERTED_G1
+    ],
+    *[
+        (f"G2 progress gate, {why}", G1_C, G2_C.replace(G2_TEST, test), ("pending", "drifted"))
+        for why, test in INVERTED_G2
+    ],
+    (
+        "G2 progress gate, mirrored",
+        G1_C,
+        G2_C.replace(G2_TEST, f"req.num_prompt_tokens > {PROGRESS}"),
+        ("pending", "satisfied"),
+    ),
 ]
 
 
