@@ -174,17 +174,22 @@ def test_verify_passes_the_probe_after_apply(fork_tree, verify_python, name):
         assert any(c.startswith(line) for c in checks), line
 
 
+def routes(probe: dict[str, Any], prefix: str) -> list[str]:
+    """The per-layer route lines, without the note on whose offsets call made them (a rewrite
+    may key the offsets cache per layer: the same blocks, computed once per layer)."""
+    return [c.split(" (offsets reused")[0] for c in lines(probe, prefix) if "@chunk" in c]
+
+
 def test_a_two_group_model_routes_as_before(fork_tree, verify_python):
     site = fork_tree("a", full=True)
-    before = [c for c in lines(run_probe(verify_python, site), "two-group") if "@chunk" in c]
+    before = routes(run_probe(verify_python, site), "two-group")
     assert run_cli("apply", "--vllm", str(site)).returncode == 0
-    after = [c for c in lines(run_probe(verify_python, site), "two-group") if "@chunk" in c]
+    after = routes(run_probe(verify_python, site), "two-group")
     assert len(before) == 8  # 4 layers x (1 chunk, 3 chunks)
     assert after == before
     assert (
         "two-group, 3 chunks @chunk 3: model.layers.2.attn (attention group 0): "
-        "local [101, 102, 103] -> remote [1101, 1102, 1103] (offsets reused from "
-        "model.layers.0.attn)"
+        "local [101, 102, 103] -> remote [1101, 1102, 1103]"
     ) in after
 
 
