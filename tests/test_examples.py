@@ -1,6 +1,7 @@
-"""The operator recipes in examples/: shell syntax, the entrypoint against a real tree with a fake
-`vllm` on PATH that records whether it was started, and the Dockerfiles' k3patch steps run as
-a build would run them (the build must fail on drift)."""
+"""The operator recipes in examples/: the entrypoint against a real tree with a fake `vllm` on
+PATH that records whether it was started, and each Dockerfile's COPY and RUN steps run in order,
+as a build would, from a k3patch wheel built here (docker is not needed: the image's Python is a
+fresh venv, and the build must fail on drift)."""
 
 from __future__ import annotations
 
@@ -12,29 +13,36 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli, tree_hashes
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.wheel
+CONNECTOR = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
 
 
-def test_entrypoint_shell_syntax():
+def test_shell_syntax():
     subprocess.run(["bash", "-n", str(EXAMPLES / "entrypoint.sh")], check=True)
+    for name in ("Dockerfile.installed", "Dockerfile.source"):
+        for kind, args in instructions(EXAMPLES / name):
+            if kind == "RUN":
+                subprocess.run(["bash", "-n", "-c", args], check=True)
 
 
-def run_instructions(dockerfile: Path) -> list[str]:
-    """The RUN instructions of a Dockerfile, continuation lines joined."""
+def instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """The COPY and RUN instructions of a Dockerfile, in order, continuation lines joined."""
     text = re.sub(r"\\\n", " ", dockerfile.read_text())
-    return [line[4:].strip() for line in text.splitlines() if line.startswith("RUN ")]
+    found = []
+    for line in text.splitlines():
+        kind, _, args = line.partition(" ")
+        if kind in ("COPY", "RUN"):
+            found.append((kind, args.strip()))
+    return found
 
 
-@pytest.mark.parametrize("name", ["Dockerfile.installed", "Dockerfile.source"])
-def test_dockerfile_run_steps_are_valid_shell(name):
-    steps = run_instructions(EXAMPLES / name)
-    assert any("k3patch apply" in step for step in steps)
-    for step in steps:
-        subprocess.run(["bash", "-n", "-c", step], check=True)
+# ------------------------------------------------------------------------------------------
+# The entrypoint.
 
 
 @pytest.fixture
@@ -81,11 +89,19 @@ def test_entrypoint_patches_then_starts_vllm(make_tree, fake_vllm):
     proc = entrypoint(site, fake_vllm, "--model", "moonshotai/Kimi-K3")
     assert proc.returncode == 0, proc.stderr
     assert fake_vllm[1].read_text().strip() == "serve --model moonshotai/Kimi-K3"
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("k3patch: ")]
+    lines = proc.stdout.splitlines()
+    from k3patch import __version__
     from k3patch.registry import all_patches
 
-    assert len(lines) == len(all_patches()), proc.stdout
-    assert "k3patch: aiter-mla-gfx942: applied" in lines
+    # Which k3patch, one line per patch, the digest, and the vllm it execs.
+    assert lines[0] == f"k3patch: k3patch {__version__} ({BIN / 'k3patch'})"
+    patch_lines = [line for line in lines if re.match(r"k3patch: [a-z0-9-]+: ", line)]
+    assert len(patch_lines) == len(all_patches()), proc.stdout
+    assert "k3patch: aiter-mla-gfx942: applied" in patch_lines
+    digest = run_cli("status", "--digest", "--vllm", str(site)).stdout.strip()
+    assert re.fullmatch(r"[0-9a-f]{16}", digest)
+    assert f"k3patch: digest {digest} (compare it across nodes: equal <=> same tree state)" in lines
+    assert lines[-1] == f"k3patch: exec {fake_vllm[0] / 'vllm'} serve --model moonshotai/Kimi-K3"
 
 
 def test_entrypoint_forwards_vllm_exit_code(make_tree, fake_vllm):
@@ -104,60 +120,206 @@ def test_entrypoint_fails_closed_on_drift(make_tree, fake_vllm):
     assert "aiter-mla-gfx942: drifted: vllm/_aiter_ops.py" in proc.stdout
 
 
-def test_entrypoint_warn_mode_starts_anyway(make_tree, fake_vllm):
+def test_entrypoint_warn_mode_starts_with_the_safe_fixes(make_tree, fake_vllm):
     site = make_tree("0.31.0")
     drift(site)
     proc = entrypoint(site, fake_vllm, K3PATCH_ON_DRIFT="warn")
-    assert proc.returncode == 0
+    assert proc.returncode == 0, proc.stderr
     assert fake_vllm[1].exists()
+    warnings = [line for line in proc.stderr.splitlines() if "WITHOUT this fix" in line]
+    assert warnings == [
+        "k3patch: warning: aiter-mla-gfx942 is drifted: vLLM starts WITHOUT this fix "
+        "(K3PATCH_ON_DRIFT=warn)"
+    ]
     assert "starting vLLM anyway" in proc.stderr
+    assert "k3patch: moriio-chunk-gate: applied" in proc.stdout
+    assert "envs.is_set" not in (site / "vllm" / "_aiter_ops.py").read_text()
 
 
-def test_entrypoint_environment_error_is_forwarded(tmp_path, fake_vllm):
+def test_entrypoint_warn_mode_all_or_nothing_names_every_missing_fix(make_tree, fake_vllm):
+    site = make_tree("0.31.0")
+    drift(site)
+    proc = entrypoint(
+        site,
+        fake_vllm,
+        K3PATCH_ON_DRIFT="warn",
+        K3PATCH_ARGS=f"--vllm {site} --all-or-nothing",
+    )
+    assert proc.returncode == 0, proc.stderr
+    missing = re.findall(r"warning: (\S+) is (\S+): vLLM starts WITHOUT", proc.stderr)
+    assert missing == [("aiter-mla-gfx942", "drifted"), ("moriio-chunk-gate", "pending")]
+
+
+def test_entrypoint_usage_error_is_forwarded(tmp_path, fake_vllm):
     proc = entrypoint(tmp_path / "no-such-tree", fake_vllm)
     assert proc.returncode == 2
+    assert "exit 2 (usage or internal error" in proc.stderr
     assert not fake_vllm[1].exists()
 
 
-def build_step(dockerfile: str, site: Path, checkout: Path | None = None) -> int:
-    """Run a Dockerfile's k3patch RUN step as the build would, with the tree the image has.
-    Package installs are out of scope here and become no-ops."""
-    steps = [s for s in run_instructions(EXAMPLES / dockerfile) if "k3patch apply" in s]
-    assert len(steps) == 1
-    step = re.sub(r"pip install [^&]*", ":", steps[0])
-    if checkout is not None:
-        step = step.replace("/src/vllm", str(checkout))
+def test_entrypoint_without_k3patch_says_so(make_tree, fake_vllm):
+    site = make_tree("0.31.0")
+    before = tree_hashes(site)
+    proc = entrypoint(site, fake_vllm, K3PATCH_BIN="k3patch-not-installed")
+    assert proc.returncode == 127
+    assert "'k3patch-not-installed' is not on PATH: k3patch is not installed" in proc.stderr
+    assert not fake_vllm[1].exists() and tree_hashes(site) == before
+
+
+def test_entrypoint_without_vllm_patches_nothing(make_tree, fake_vllm):
+    site = make_tree("0.31.0")
+    before = tree_hashes(site)
+    proc = entrypoint(site, fake_vllm, VLLM_BIN="vllm-not-installed")
+    assert proc.returncode == 127
+    assert "'vllm-not-installed' is not on PATH: no vLLM to start" in proc.stderr
+    assert tree_hashes(site) == before
+
+
+# ------------------------------------------------------------------------------------------
+# The Dockerfiles, step by step.
+
+
+@pytest.fixture(scope="module")
+def wheel_dist(tmp_path_factory) -> Path:
+    """The k3patch wheel, built as the README says (`pip wheel --no-deps . -w dist`)."""
+    dist = tmp_path_factory.mktemp("context") / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", ".", "-w", str(dist)],
+        cwd=ROOT,
+        check=True,
+    )
+    wheels = list(dist.glob("k3patch-*.whl"))
+    assert len(wheels) == 1, wheels
+    return dist
+
+
+def image_python(where: Path, vllm_deps: bool) -> Path:
+    """A fresh venv standing in for the image's Python. With `vllm_deps` it also sees the
+    packages a vLLM image has (torch CPU and vLLM's pure-Python imports, from the interpreter
+    K3PATCH_TEST_VLLM_PYTHON names), as `pip` there would."""
+    subprocess.run([sys.executable, "-m", "venv", str(where)], check=True)
+    site = next((where / "lib").glob("python*/site-packages"))
+    if vllm_deps:
+        python = os.environ.get("K3PATCH_TEST_VLLM_PYTHON")
+        if not python:
+            pytest.fail("K3PATCH_TEST_VLLM_PYTHON is not set (see .ci/run)")
+        paths = subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        (site / "vllm-image-deps.pth").write_text(paths + "\n")
+    return site
+
+
+# A step a test cannot run is replaced, and says by what: building vLLM from source needs its
+# compilers and hours; "installing" the checkout is copying the package into site-packages.
+STANDINS = {
+    "pip install --no-build-isolation .": 'cp -r vllm "$IMAGE_SITE/"',
+}
+
+
+def build(dockerfile: str, context: Path, image: Path, site: Path) -> list[tuple[str, int, str]]:
+    """Run a Dockerfile's COPY and RUN steps in order, stopping at the first that fails, as
+    `docker build` does. Absolute paths the Dockerfile copies to live under `image/root`."""
+    root = image / "root"
     env = {
-        **os.environ,
-        "PATH": f"{BIN}:{os.environ['PATH']}",
-        "PYTHONPATH": str(site),
+        **{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")},
+        "PATH": f"{image / 'bin'}:{os.environ['PATH']}",
+        "IMAGE_SITE": str(site),
         "NO_COLOR": "1",
     }
-    env.setdefault("K3PATCH_TEST_VLLM_PYTHON", sys.executable)
-    return subprocess.run(["bash", "-c", step], env=env, capture_output=True).returncode
+    done: list[tuple[str, int, str]] = []
+    destinations: list[str] = []
+    for kind, args in instructions(EXAMPLES / dockerfile):
+        if kind == "COPY":
+            src, dst = args.split()
+            target = root / dst.lstrip("/")
+            source = (ROOT if src.startswith("examples/") else context) / src
+            if source.is_dir():
+                shutil.copytree(source, target, dirs_exist_ok=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, target)
+            destinations.append(dst.rstrip("/"))
+            done.append((args, 0, ""))
+            continue
+        step = args
+        for real, standin in STANDINS.items():
+            step = step.replace(real, standin)
+        for dst in sorted(destinations, key=len, reverse=True):
+            step = step.replace(dst, str(root / dst.lstrip("/")))
+        proc = subprocess.run(
+            ["bash", "-ec", step], env=env, cwd=root, capture_output=True, text=True
+        )
+        done.append((args, proc.returncode, proc.stdout + proc.stderr))
+        if proc.returncode != 0:
+            break
+    return done
 
 
-def test_installed_dockerfile_step(make_tree):
-    good = make_tree("0.31.0")
-    assert build_step("Dockerfile.installed", good) == 0
-    bad = make_tree("0.31.0")
-    drift(bad)
-    assert build_step("Dockerfile.installed", bad) != 0
+def context_with(wheel_dist: Path, where: Path, checkout: Path | None = None) -> Path:
+    context = where / "context"
+    shutil.copytree(wheel_dist, context / "dist")
+    if checkout is not None:
+        shutil.copytree(checkout, context / "vllm")
+    return context
 
 
-def test_source_dockerfile_step(make_tree, tmp_path):
-    site = make_tree("0.31.0")
-    checkout = tmp_path / "checkout"
+@pytest.mark.verify
+def test_installed_dockerfile_builds_from_the_wheel(make_tree, wheel_dist, tmp_path):
+    image = tmp_path / "image"
+    site = image_python(image, vllm_deps=True)
+    shutil.copytree(make_tree("0.31.0", full=True), site, dirs_exist_ok=True)
+    steps = build("Dockerfile.installed", context_with(wheel_dist, tmp_path), image, site)
+    assert [rc for _, rc, _ in steps] == [0] * len(steps), steps[-1]
+    assert len(steps) == len(instructions(EXAMPLES / "Dockerfile.installed"))
+    assert (site / "k3patch" / "patches").is_dir()
+    assert "envs.is_set" in (site / "vllm" / "_aiter_ops.py").read_text()
+    assert (image / "root" / "usr/local/bin/entrypoint.sh").is_file()
+
+
+def test_installed_dockerfile_fails_on_drift(make_tree, wheel_dist, tmp_path):
+    image = tmp_path / "image"
+    site = image_python(image, vllm_deps=False)
+    shutil.copytree(make_tree("0.31.0"), site, dirs_exist_ok=True)
+    drift(site)
+    steps = build("Dockerfile.installed", context_with(wheel_dist, tmp_path), image, site)
+    args, rc, output = steps[-1]
+    assert args.startswith("k3patch apply") and rc == 1, output
+    assert "aiter-mla-gfx942" in output
+
+
+def source_checkout(site: Path, where: Path) -> Path:
+    checkout = where / "checkout"
     checkout.mkdir()
     (checkout / "pyproject.toml").write_text("[project]\nname = 'vllm'\n")
     shutil.move(str(site / "vllm"), checkout / "vllm")
-    assert build_step("Dockerfile.source", site, checkout) == 0
-    assert "envs.is_set" in (checkout / "vllm" / "_aiter_ops.py").read_text()
-    drift_checkout = tmp_path / "drift"
-    shutil.copytree(checkout, drift_checkout)
-    shutil.rmtree(drift_checkout / "vllm" / ".k3patch")
-    original = drift_checkout / "vllm" / "_aiter_ops.py"
+    return checkout
+
+
+def test_source_dockerfile_builds_from_the_wheel(make_tree, wheel_dist, tmp_path):
+    checkout = source_checkout(make_tree("0.31.0"), tmp_path)
+    image = tmp_path / "image"
+    site = image_python(image, vllm_deps=False)
+    steps = build("Dockerfile.source", context_with(wheel_dist, tmp_path, checkout), image, site)
+    assert [rc for _, rc, _ in steps] == [0] * len(steps), steps[-1]
+    assert len(steps) == len(instructions(EXAMPLES / "Dockerfile.source"))
+    assert "envs.is_set" in (image / "root/src/vllm/vllm/_aiter_ops.py").read_text()
+    # The last step audited the installed copy, built from the patched checkout.
+    assert "aiter-mla-gfx942       applied" in steps[-1][2]
+
+
+def test_source_dockerfile_fails_on_drift(make_tree, wheel_dist, tmp_path):
+    checkout = source_checkout(make_tree("0.31.0"), tmp_path)
+    original = checkout / "vllm" / "_aiter_ops.py"
     original.write_text(
-        original.read_text().replace("return not on_gfx942()", "return on_gfx942()")
+        original.read_text().replace("cls._AITER_ENABLED and", "cls._AITER_ENABLED or")
     )
-    assert build_step("Dockerfile.source", site, drift_checkout) != 0
+    image = tmp_path / "image"
+    site = image_python(image, vllm_deps=False)
+    steps = build("Dockerfile.source", context_with(wheel_dist, tmp_path, checkout), image, site)
+    args, rc, output = steps[-1]
+    assert args.startswith("k3patch apply --vllm /src/vllm") and rc == 1, output
+    assert not (site / "vllm").exists(), "the vLLM build step must not have run"
