@@ -20,6 +20,41 @@ class ExitCode(enum.IntEnum):
     ENVIRONMENT = 3  # no vLLM found, not writable, disk full, lock timeout, bad --python
 
 
+# The code of the outcome a command reached, once it reached one: output that fails after it
+# (a closed pipe, a full disk behind stdout) keeps this code, since the work is done.
+decided: list[int] = []
+
+
+def _decide(code: ExitCode) -> ExitCode:
+    decided.append(int(code))
+    return code
+
+
+def output_failed(exc: OSError) -> int:
+    """Writing the result failed after the command did its work: keep the work's code. A closed
+    pipe (`| head -1`) is quiet; anything else says so on stderr, never "nothing written"."""
+    import errno
+    import os
+    import sys
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the exit-time flush cannot fail again
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    if exc.errno != errno.EPIPE:
+        try:
+            sys.stderr.write(
+                f"k3patch: could not write the output ({exc.strerror or exc}); the command "
+                "itself completed, see its exit code\n"
+            )
+            sys.stderr.flush()
+        except OSError:
+            pass
+    return decided[-1]
+
+
 def code_for_verdicts(verdicts: Iterable[str], *, interrupted: bool) -> ExitCode:
     """Site verdicts (their string values) -> the code of a reporting command."""
     if interrupted or any(v in ("pending", "drifted") for v in verdicts):
@@ -29,21 +64,21 @@ def code_for_verdicts(verdicts: Iterable[str], *, interrupted: bool) -> ExitCode
 
 def for_status(report: Report) -> ExitCode:
     verdicts = [r.verdict.value for r in report.results]
-    return code_for_verdicts(verdicts, interrupted=report.interrupted is not None)
+    return _decide(code_for_verdicts(verdicts, interrupted=report.interrupted is not None))
 
 
 def for_apply(outcome: ApplyOutcome) -> ExitCode:
     # Pending after a real apply cannot happen (the plan re-checks); under --check it means
     # "would change". Drift is refused, and an interrupted journal needs a real run.
-    return ExitCode.ATTENTION if outcome.refused else for_status(outcome.report)
+    return _decide(ExitCode.ATTENTION if outcome.refused else for_status(outcome.report))
 
 
 def for_revert(outcome: RevertOutcome) -> ExitCode:
-    return ExitCode.ATTENTION if outcome.conflicts else ExitCode.OK
+    return _decide(ExitCode.ATTENTION if outcome.conflicts else ExitCode.OK)
 
 
 def for_verify(report: VerifyReport) -> ExitCode:
-    return ExitCode.OK if report.ok else ExitCode.ATTENTION
+    return _decide(ExitCode.OK if report.ok else ExitCode.ATTENTION)
 
 
 def for_exception(exc: BaseException) -> ExitCode:

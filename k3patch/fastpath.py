@@ -450,6 +450,20 @@ def _apply_human_text(outcome: ApplyOutcome, every_site: bool) -> str:
 
 
 def try_fast(argv: list[str]) -> int | None:
+    """Serve the command from the state record, or return None to let the full path run.
+    Output that fails after the outcome is known (a closed pipe, a full disk) keeps its code."""
+    from k3patch import exitcodes
+
+    exitcodes.decided.clear()
+    try:
+        return _try_fast(argv)
+    except OSError as exc:
+        if exitcodes.decided:
+            return exitcodes.output_failed(exc)
+        raise
+
+
+def _try_fast(argv: list[str]) -> int | None:
     """Serve the command from the state record, or return None to let the full path run."""
     opts = _parse(argv)
     if opts is None:
@@ -475,6 +489,13 @@ def try_fast(argv: list[str]) -> int | None:
                 record = fresh_record(state_dir, package_dir)
                 if record is None:
                     lock.hold(state_dir, timeout)  # the other run left work: do it ourselves
+        except lock._Busy as exc:
+            # The one timeout is spent: the full path must not wait a second time.
+            if opts.get("json"):
+                sys.stdout.write(envelope("apply", 3, {"error": str(exc)}))
+            else:
+                sys.stderr.write(f"k3patch: error: {exc}\n")
+            return 3
         except (lock.EnvironmentProblem, ValueError):
             return None
         if record is None:
@@ -495,9 +516,11 @@ def try_fast(argv: list[str]) -> int | None:
     verdicts = [r["verdict"] for r in results]
     if "drifted" in verdicts:
         return None  # drift reports carry details only the full path renders
+    from k3patch import exitcodes
     from k3patch.exitcodes import code_for_verdicts
 
     code = int(code_for_verdicts(verdicts, interrupted=False))
+    exitcodes.decided.append(code)
     if opts["command"] == "apply" and code != 0:
         return None  # something to do: the full path does it
     vllm = {

@@ -28,7 +28,7 @@ from k3patch import _verify_child
 from k3patch.engine import Report, scan
 from k3patch.model import Patch, Verdict
 from k3patch.registry import all_patches, patch_module_file
-from k3patch.state import load
+from k3patch.state import load_or_none
 from k3patch.transaction import Transaction
 from k3patch.tree import VllmTree
 
@@ -174,7 +174,11 @@ def verify(
         python = os.path.abspath(python)  # the child runs from a temp dir
     elif python:
         python = shutil.which(python) or python
+    chosen = "given by --python" if python else "the tree's own interpreter, found beside it"
+    if not python and tree_python(tree) == sys.executable:
+        chosen = "k3patch's own interpreter: none was found beside the tree"
     python = python or tree_python(tree)
+    _check_interpreter(python)
     verdicts = report.verdicts()
     live = [p for p in patches if verdicts[p.id] in (Verdict.APPLIED, Verdict.SATISFIED)]
     modules = list(dict.fromkeys([m for p in live for m in p.modules] + list(extra_modules)))
@@ -216,14 +220,50 @@ def verify(
         _judge(name, result["imports"][name], patched_files, original_imports)
         for name in extra_modules
     ]
-    return VerifyReport(report, python, result.get("python", ""), checks, extra)
+    verified = VerifyReport(report, python, result.get("python", ""), checks, extra)
+    _refuse_vacuous(verified, patches, chosen)
+    return verified
+
+
+def _refuse_vacuous(verified: VerifyReport, patches: tuple[Patch, ...], chosen: str) -> None:
+    """A pass that checked nothing is not a pass: the Dockerfile's `&& k3patch verify` must not
+    go green because this interpreter lacks torch or vLLM's dependencies."""
+    if not verified.ok:
+        return  # a real failure is reported as one (exit 1)
+    own_probe = {p.id for p in patches if type(p).probe is not Patch.probe}
+    lacking = [
+        f"{c.patch_id}'s probe did not run ({c.probe_summary or 'no result'})"
+        for c in verified.patches
+        if c.verdict in (Verdict.APPLIED, Verdict.SATISFIED)
+        and c.patch_id in own_probe
+        and c.probe_ok is None
+    ]
+    modules = [m for c in verified.patches for m in c.modules]
+    if modules and not any(m.status == IMPORT_OK for m in modules):
+        first = modules[0]
+        lacking.insert(0, f"no selected module imported (e.g. {first.module}: {first.reason})")
+    if lacking:
+        raise VerifyError(
+            f"nothing was verified with {verified.python} ({chosen}): "
+            + "; ".join(lacking)
+            + ". Pass --python with the interpreter that runs vLLM (torch and vLLM's "
+            "dependencies installed)"
+        )
+
+
+def _check_interpreter(python: str) -> None:
+    """An unusable --python is the environment's problem (exit 3), said before anything runs."""
+    if os.path.isdir(python):
+        raise VerifyError(f"--python {python}: a directory, not an interpreter")
+    if os.path.exists(python) and not os.access(python, os.X_OK):
+        raise VerifyError(f"--python {python}: not executable; pass the interpreter that runs vLLM")
 
 
 def _import_originals(
     python: str, tree: VllmTree, failed: list[str], patched_files: set[str]
 ) -> dict[str, Any] | None:
     """Import the failed modules again from the original text of every patched file."""
-    record = load(tree.state_dir)
+    record = load_or_none(tree.state_dir)
     if not failed or not patched_files or record is None:
         return None
     txn = Transaction(tree.package_dir)

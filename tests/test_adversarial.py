@@ -1,0 +1,649 @@
+"""Trust nothing on disk (issue 13): tampered records and journals, planted symlinks, upgrades
+and reinstalls, races, odd files and closed pipes never cost data, never make k3patch write
+outside the tree, and never give an exit code that lies. One test (at least) per numbered
+defect of the issue; each was seen to fail with its protection removed."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import pristine_tree, run_cli, tree_hashes
+
+from k3patch import engine, fastpath, lock, plugin, transaction
+from k3patch.state import STATE_FILE, RecordDamaged, RecordOtherSchema, registered_targets
+from k3patch.transaction import EnvironmentProblem, Transaction
+from k3patch.tree import TreeError, locate
+
+pytestmark = pytest.mark.wheel
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")
+AITER = "_aiter_ops.py"
+ROCM = "platforms/rocm.py"
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sources(site: Path) -> dict[str, str]:
+    return {k: v for k, v in tree_hashes(site).items() if "/.k3patch/" not in k}
+
+
+def record(site: Path) -> dict:
+    return json.loads((site / "vllm/.k3patch" / STATE_FILE).read_text())
+
+
+def write_record(site: Path, data: dict) -> None:
+    (site / "vllm/.k3patch" / STATE_FILE).write_text(json.dumps(data))
+
+
+def upgrade(site: Path, version: str) -> None:
+    """What `pip install --upgrade vllm==version` does to the files k3patch reads: every file
+    of the old wheel is replaced or removed; `vllm/.k3patch/` is not in RECORD and stays."""
+    new = pristine_tree(version)
+    for dist_info in site.glob("vllm-*.dist-info"):
+        shutil.rmtree(dist_info)
+    for dist_info in new.glob("vllm-*.dist-info"):
+        shutil.copytree(dist_info, site / dist_info.name)
+    for rel in ["__init__.py", "envs.py", *registered_targets()]:
+        dst, src = site / "vllm" / rel, new / "vllm" / rel
+        if src.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+        elif dst.exists():
+            dst.unlink()
+
+
+# -- 1: upgrade / reinstall, then revert ---------------------------------------------------
+
+
+def test_1_upgrade_then_revert_leaves_the_new_version(make_tree):
+    site = make_tree("0.29.0")
+    tree = locate(site)
+    assert engine.apply(tree).written
+    upgrade(site, "0.31.0")
+    tree = locate(site)
+    engine.apply(tree)
+    outcome = engine.revert(tree)
+    assert not outcome.conflicts
+    new = pristine_tree("0.31.0") / "vllm"
+    for rel in registered_targets():
+        if (new / rel).exists():
+            assert (site / "vllm" / rel).read_bytes() == (new / rel).read_bytes(), rel
+    assert not (site / "vllm/.k3patch").exists()
+
+
+def test_1_upgrade_without_new_apply_revert_names_both_hashes(make_tree):
+    site = make_tree("0.31.0")
+    engine.apply(locate(site))
+    upgrade(site, "0.33.0")
+    changed = [rel for rel, fs in record(site)["files"].items()]
+    outcome = engine.revert(locate(site))
+    # Each file is 0.33.0's now: neither what k3patch wrote nor the recorded original.
+    pristine = pristine_tree("0.33.0") / "vllm"
+    differing = [r for r in changed if (site / "vllm" / r).read_bytes() != b""]
+    assert outcome.conflicts and len(outcome.conflicts) <= len(differing)
+    assert all("original" in c and "k3patch wrote" in c for c in outcome.conflicts)
+    assert (site / "vllm" / AITER).read_bytes() == (pristine / AITER).read_bytes()
+
+
+def test_1_force_reinstall_then_revert_is_clean(make_tree):
+    site = make_tree("0.31.0")
+    before = sources(site)
+    engine.apply(locate(site))
+    upgrade(site, "0.31.0")  # --force-reinstall: the originals are back
+    outcome = engine.revert(locate(site))
+    assert not outcome.conflicts
+    assert sources(site) == before
+    assert not (site / "vllm/.k3patch").exists()
+
+
+def test_1_orphan_state_dir_after_uninstall_is_exit_3(make_tree):
+    site = make_tree("0.31.0")
+    engine.apply(locate(site))
+    for entry in (site / "vllm").iterdir():
+        if entry.name != ".k3patch":
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    with pytest.raises(TreeError) as info:
+        locate(site)
+    assert not info.value.usage and "no longer installed" in str(info.value)
+    assert run_cli("status", "--vllm", str(site)).returncode == 3
+
+
+# -- 2: paths in the record and the journal are confined ------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["../../outside.py", "/ABS/outside.py", "envs.py", "a/../b.py"])
+def test_2_record_paths_outside_the_targets_are_damage(make_tree, tmp_path, bad):
+    site = make_tree("0.31.0")
+    engine.apply(locate(site))
+    outside = tmp_path / "outside.py"
+    outside.write_text("precious\n")
+    bad = bad.replace("/ABS", str(tmp_path))
+    data = record(site)
+    some = next(iter(data["files"].values()))
+    data["files"][bad] = {
+        "original": some["original"],
+        "applied": sha(outside.read_bytes()),
+        "patches": [],
+    }
+    write_record(site, data)
+    snapshot = tree_hashes(site)
+    proc = run_cli("revert", "--vllm", str(site))
+    assert proc.returncode == 3 and "damaged" in proc.stderr, proc.stderr
+    assert outside.read_text() == "precious\n"
+    assert tree_hashes(site) == snapshot
+
+
+def test_2_journal_naming_an_absolute_path_is_damage(make_tree, tmp_path):
+    site = make_tree("0.31.0")
+    victim = tmp_path / "victim.py"
+    victim.write_text("keep me\n")
+    litter = tmp_path / ".victim.py.k3patch-tmp.1234"
+    litter.write_text("keep me too\n")
+    (site / "vllm/.k3patch").mkdir()
+    journal = {
+        "op": "apply",
+        "files": [{"path": str(victim), "before": None, "after": sha(victim.read_bytes())}],
+    }
+    (site / "vllm/.k3patch/journal.json").write_text(json.dumps(journal))
+    snapshot = tree_hashes(site)
+    proc = run_cli("apply", "--vllm", str(site))
+    assert proc.returncode == 3 and "damaged" in proc.stderr, proc.stderr
+    assert victim.read_text() == "keep me\n" and litter.exists()
+    assert tree_hashes(site) == snapshot
+
+
+# -- 12: the fast path and the plugin check the registry's targets ---------------------------
+
+
+def test_12_record_with_empty_scan_does_not_vouch_for_a_pristine_tree(make_tree):
+    patched, pristine = make_tree("0.31.0"), make_tree("0.31.0")
+    engine.apply(locate(patched))
+    data = record(patched)
+    data["scan"] = {}
+    (pristine / "vllm/.k3patch").mkdir()
+    write_record(pristine, data)
+    assert fastpath.fresh_record(str(pristine / "vllm/.k3patch"), str(pristine / "vllm")) is None
+    proc = run_cli("status", "--quiet", "--vllm", str(pristine))
+    assert proc.returncode == 1 and "pending" in proc.stdout
+    assert plugin.preflight_problem(str(pristine / "vllm")) is not None  # fail mode raises
+
+
+def test_12_fast_path_reads_the_registry_targets_without_importing_patches():
+    import k3patch.patches
+
+    targets = fastpath._patch_set(os.path.dirname(k3patch.patches.__file__))[1]
+    assert targets == registered_targets()
+
+
+# -- 5: absent, damaged, of another schema -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda d: {**d, "schema_version": 99},
+        lambda d: "truncated",
+        lambda d: {**d, "files": {k: {**v, "original": 5} for k, v in d["files"].items()}},
+        lambda d: {k: v for k, v in d.items() if k != "results"},
+        lambda d: {**d, "results": [{"patch": 1}]},
+        lambda d: {
+            **d,
+            "files": {k: {**v, "original": "../../etc/passwd"} for k, v in d["files"].items()},
+        },
+    ],
+    ids=["future-schema", "truncated", "mistyped-hash", "missing-field", "bad-result", "blob-path"],
+)
+def test_5_a_bad_record_is_never_overwritten_or_pruned(make_tree, damage):
+    site = make_tree("0.31.0")
+    engine.apply(locate(site))
+    # A pending change so that apply has work: revert one file by hand to its original.
+    data = record(site)
+    state = site / "vllm/.k3patch" / STATE_FILE
+    bad = damage(data)
+    state.write_text(bad if isinstance(bad, str) else json.dumps(bad))
+    if isinstance(bad, str):
+        state.write_text(json.dumps(data)[:200])
+    rel, fs = next(iter(data["files"].items()))
+    blob = site / "vllm/.k3patch/blobs" / fs["original"]
+    (site / "vllm" / rel).write_bytes(blob.read_bytes())
+    snapshot = tree_hashes(site)
+    for command in ("apply", "revert"):
+        proc = run_cli(command, "--vllm", str(site))
+        assert proc.returncode == 3, (command, proc.stdout, proc.stderr)
+        assert "schema" in proc.stderr or "damaged" in proc.stderr
+        assert tree_hashes(site) == snapshot
+    with pytest.raises(RecordDamaged if "schema" not in proc.stderr else RecordOtherSchema):
+        engine.revert(locate(site))
+
+
+def test_5_revert_without_a_record_keeps_the_saved_originals(make_tree):
+    site = make_tree("0.31.0")
+    engine.apply(locate(site))
+    (site / "vllm/.k3patch" / STATE_FILE).unlink()
+    snapshot = tree_hashes(site)
+    proc = run_cli("revert", "--vllm", str(site))
+    assert proc.returncode == 3 and "missing" in proc.stderr
+    assert tree_hashes(site) == snapshot
+
+
+# -- 3, 4, 6: no symlink followed where k3patch writes or deletes ---------------------------
+
+
+def test_3_blobs_as_a_symlink_is_refused_and_the_target_dir_untouched(make_tree, tmp_path):
+    site = make_tree("0.31.0")
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "thesis.tex").write_text("years of work\n")
+    (site / "vllm/.k3patch").mkdir()
+    (site / "vllm/.k3patch/blobs").symlink_to(user)
+    before = sources(site)
+    proc = run_cli("apply", "--vllm", str(site))
+    assert proc.returncode == 3, proc.stderr
+    assert sorted(p.name for p in user.iterdir()) == ["thesis.tex"]
+    assert sources(site) == before
+    assert run_cli("revert", "--vllm", str(site)).returncode in (0, 3)
+    assert (user / "thesis.tex").read_text() == "years of work\n"
+
+
+def test_3_prune_removes_only_blob_named_regular_files(make_tree, tmp_path):
+    site = make_tree("0.31.0")
+    engine.apply(locate(site))
+    blobs = site / "vllm/.k3patch/blobs"
+    (blobs / "notes.txt").write_text("mine\n")
+    victim = tmp_path / "victim"
+    victim.write_text("x\n")
+    (blobs / ("f" * 64)).symlink_to(victim)
+    Transaction(site / "vllm").prune_blobs(set())
+    assert (blobs / "notes.txt").exists() and victim.exists() and (blobs / ("f" * 64)).is_symlink()
+
+
+def test_4_planted_temp_symlinks_are_never_written_through(make_tree, tmp_path, monkeypatch):
+    site = make_tree("0.31.0")
+    victim = tmp_path / "victim"
+    victim.write_text("root's file\n")
+    os.chmod(victim, 0o600)
+    fixed = iter(["0" * 16, "0" * 16, *(f"{i:016x}" for i in range(1, 10_000))])
+    monkeypatch.setattr(transaction.secrets, "token_hex", lambda n: next(fixed))
+    target = site / "vllm" / AITER
+    # The old predictable name (pid) and the first name this run will try.
+    for suffix in (str(os.getpid()), "0" * 16):
+        (target.parent / f".{target.name}.k3patch-tmp.{suffix}").symlink_to(victim)
+    assert engine.apply(locate(site)).written
+    assert victim.read_text() == "root's file\n"
+    assert stat_mode(victim) == 0o600
+
+
+def stat_mode(path: Path) -> int:
+    return os.stat(path).st_mode & 0o7777
+
+
+@pytest.mark.parametrize("link", ["distributed", ".k3patch"])
+def test_6_a_symlinked_directory_on_the_way_is_refused(make_tree, tmp_path, link):
+    site = make_tree("0.31.0")
+    elsewhere = tmp_path / "elsewhere"
+    real = site / "vllm" / link
+    if real.exists():
+        shutil.move(real, elsewhere)
+    else:
+        elsewhere.mkdir()
+    real.symlink_to(elsewhere)
+    outside = tree_hashes(elsewhere)
+    proc = run_cli("apply", "--vllm", str(site))
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    assert "symlink" in proc.stderr
+    assert tree_hashes(elsewhere) == outside
+
+
+# -- 16: verify never passes vacuously -------------------------------------------------------
+
+
+def test_16_verify_with_an_interpreter_lacking_torch_is_exit_3(make_tree):
+    site = make_tree("0.31.0")
+    engine.apply(locate(site))
+    proc = run_cli("verify", "--vllm", str(site))  # k3patch's own interpreter: no torch
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    assert "nothing was verified" in proc.stderr and sys.executable in proc.stderr
+    assert "verified" not in proc.stdout
+
+
+# -- 15: exit codes that do not lie ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("odd", ["state-dir-is-a-file", "journal-is-a-dir"])
+def test_15_odd_state_entries_are_environment_problems(make_tree, odd):
+    site = make_tree("0.31.0")
+    state_dir = site / "vllm/.k3patch"
+    if odd == "state-dir-is-a-file":
+        state_dir.write_text("")
+    else:
+        (state_dir / "journal.json").mkdir(parents=True)
+    before = sources(site)
+    proc = run_cli("apply", "--vllm", str(site))
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    assert "internal error" not in proc.stderr
+    assert sources(site) == before
+    status = run_cli("status", "--vllm", str(site))
+    assert status.returncode in (1, 3) and "internal error" not in status.stderr
+    if odd == "state-dir-is-a-file":
+        assert status.returncode == 1 and "pending" in status.stdout
+
+
+def shell(command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", command], capture_output=True, text=True)
+
+
+def test_15_closed_pipe_and_full_stdout_after_a_commit_keep_its_code(make_tree):
+    k3 = f"{sys.executable} -m k3patch"
+    site, other = make_tree("0.31.0"), make_tree("0.31.0")
+    piped = shell(f"{k3} apply --vllm {site} | head -c 1 >/dev/null; exit ${{PIPESTATUS[0]}}")
+    assert piped.returncode == 0, piped.stderr
+    assert "Traceback" not in piped.stderr and "internal error" not in piped.stderr
+    full = shell(f"{k3} apply --vllm {other} > /dev/full")
+    assert full.returncode == 0, full.stderr
+    assert "nothing was written" not in full.stderr and "could not write" in full.stderr
+    for tree in (site, other):
+        assert run_cli("status", "--vllm", str(tree)).returncode == 0
+    status = shell(f"{k3} status --vllm {site} | head -c 1 >/dev/null; exit ${{PIPESTATUS[0]}}")
+    assert status.returncode == 0, status.stderr
+
+
+def test_15_non_executable_python_is_exit_3(make_tree, tmp_path):
+    site = make_tree("0.31.0")
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n")
+    proc = run_cli("verify", "--vllm", str(site), "--python", str(fake))
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+
+
+# -- 10, 11: the plugin never raises or hangs; FIFOs; deep expressions ---------------------
+
+
+class FakeVllm:
+    def __init__(self, site: Path) -> None:
+        self.__file__ = str(site / "vllm" / "__init__.py")
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda d: {k: v for k, v in d.items() if k != "results"},
+        lambda d: {**d, "results": [{"patch": 3, "verdict": None}]},
+        lambda d: {**d, "patches": [None]},
+        lambda d: {**d, "scan": []},
+    ],
+    ids=["missing", "mistyped-result", "mistyped-patch", "mistyped-scan"],
+)
+def test_10_plugin_warns_never_raises_on_a_damaged_record(make_tree, monkeypatch, damage):
+    site = make_tree("0.31.0")
+    engine.apply(locate(site))
+    write_record(site, damage(record(site)))
+    monkeypatch.setitem(sys.modules, "vllm", FakeVllm(site))
+    monkeypatch.setenv(plugin.ENV, "warn")
+    plugin.preflight()  # must not raise
+    monkeypatch.setenv(plugin.ENV, "fail")
+    with pytest.raises(plugin.PreflightError):
+        plugin.preflight()
+
+
+def test_10_plugin_survives_an_unexpected_error(make_tree, monkeypatch):
+    site = make_tree("0.31.0")
+    engine.apply(locate(site))
+    monkeypatch.setitem(sys.modules, "vllm", FakeVllm(site))
+    monkeypatch.setenv(plugin.ENV, "warn")
+
+    def boom(path: str) -> str | None:
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(fastpath, "file_sha256", boom)
+    monkeypatch.setattr(plugin, "preflight_problem", lambda d: boom(d))
+    plugin.preflight()
+    monkeypatch.setenv(plugin.ENV, "fail")
+    with pytest.raises(plugin.PreflightError):
+        plugin.preflight()
+
+
+def test_11_a_fifo_target_is_refused_without_hanging(make_tree):
+    site = make_tree("0.31.0")
+    engine.apply(locate(site))
+    target = site / "vllm" / ROCM
+    target.unlink()
+    os.mkfifo(target)
+    # A hang is caught by the timeout below (generous: it is a guard, not a measurement).
+    for args in (["status"], ["apply"], ["status", "--quiet"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "k3patch", *args, "--vllm", str(site)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 3 and "not a regular file" in proc.stderr, (args, proc.stderr)
+    assert plugin.preflight_problem(str(site / "vllm")) is not None
+
+
+def test_11_deep_expressions_are_drift_not_a_traceback(make_tree):
+    site = make_tree("0.31.0")
+    target = site / "vllm" / AITER
+    deep = "x = " + " + ".join(["1"] * 1500) + "\n"
+    target.write_text(target.read_text() + deep)
+    proc = run_cli("status", "--vllm", str(site), "--json")
+    assert proc.returncode in (0, 1), proc.stderr
+    assert "internal error" not in proc.stdout + proc.stderr
+
+
+# -- 9: a revert killed after its journal ----------------------------------------------------
+
+
+def test_9_apply_after_a_killed_revert_is_exit_0(make_tree):
+    site = make_tree("0.31.0")
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    killed = run_cli("revert", "--vllm", str(site), env={"K3PATCH_TEST_CRASH_AT": "blobs-written"})
+    assert killed.returncode == 137
+    proc = run_cli("apply", "--quiet", "--vllm", str(site))
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+
+
+# -- 7: concurrent apply and revert ------------------------------------------------------------
+
+
+def test_7_release_never_removes_a_directory_another_run_holds(make_tree):
+    site = make_tree("0.31.0")
+    state = site / "vllm/.k3patch"
+    lock.hold(state, 5)
+    os.rmdir(state)  # what a finishing revert does while it holds the lock
+    state.mkdir()  # another run creates the directory afresh ...
+    fd = os.open(state, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ... and locks it
+    try:
+        lock.release(state)
+        assert state.is_dir(), "release removed the directory another run holds"
+    finally:
+        os.close(fd)
+
+
+def test_7_racing_applies_and_reverts_stay_whole(make_tree):
+    site = make_tree("0.31.0")
+    original = sources(site)
+    reference = make_tree("0.31.0")
+    engine.apply(locate(reference))
+    patched = {k.replace(reference.name, site.name): v for k, v in sources(reference).items()}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "k3patch", op, "--vllm", str(site)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for op in ["apply", "revert"] * 6
+    ]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, (p.args, out, err)
+    assert sources(site) in (original, patched)
+
+
+# -- 8: another writer during the commit ------------------------------------------------------
+
+
+def test_8_an_edit_before_the_rename_is_kept_and_no_journal_blocks(make_tree, monkeypatch):
+    site = make_tree("0.31.0")
+    target = site / "vllm" / AITER
+    theirs = target.read_bytes() + b"# theirs\n"
+    real = transaction._write_temp
+
+    def racing(dfd: int, name: str, data: bytes, like_fd: int | None) -> str:
+        tmp = real(dfd, name, data, like_fd)
+        if name == AITER:
+            target.write_bytes(theirs)  # lands after the content check, before the rename
+        return tmp
+
+    monkeypatch.setattr(transaction, "_write_temp", racing)
+    with pytest.raises(transaction.ConcurrentChange):
+        engine.apply(locate(site))
+    assert target.read_bytes() == theirs
+    assert not (site / "vllm/.k3patch/journal.json").exists()
+    monkeypatch.undo()
+    assert run_cli("status", "--vllm", str(site)).returncode in (0, 1)
+    assert engine.scan(locate(site)).interrupted is None
+
+
+def test_8_an_edit_during_blobs_does_not_leave_a_journal(make_tree):
+    site = make_tree("0.31.0")
+    target = site / "vllm" / AITER
+    theirs = target.read_bytes() + b"# theirs\n"
+
+    def hook(step: str) -> None:
+        if step == "blobs-written":
+            target.write_bytes(theirs)
+
+    with pytest.raises(transaction.ConcurrentChange):
+        engine.apply(locate(site), fault=hook)
+    assert target.read_bytes() == theirs
+    assert not (site / "vllm/.k3patch/journal.json").exists()
+    assert engine.scan(locate(site)).interrupted is None
+
+
+# -- 13: one finite lock timeout; a live apply is not an interrupted one --------------------
+
+
+def test_13_lock_timeout_must_be_finite(make_tree):
+    site = make_tree("0.31.0")
+    for bad in ("nan", "inf", "-1"):
+        proc = run_cli("apply", "--vllm", str(site), "--lock-timeout", bad)
+        assert proc.returncode == 2 and "lock-timeout" in proc.stderr, (bad, proc.stderr)
+
+
+def test_13_fast_path_and_full_path_share_one_timeout(make_tree, monkeypatch):
+    site = make_tree("0.31.0")
+    state = site / "vllm/.k3patch"
+    state.mkdir()
+    fd = os.open(state, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a stopped lock holder
+    clock = [0.0]
+    monkeypatch.setattr(lock.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(lock.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    try:
+        code = fastpath.try_fast(["apply", "--quiet", "--lock-timeout", "7", "--vllm", str(site)])
+    finally:
+        os.close(fd)
+    assert code == 3
+    assert 7 <= clock[0] < 8, clock[0]
+
+
+def test_13_status_waits_for_a_live_apply_instead_of_saying_interrupted(make_tree):
+    site = make_tree("0.31.0")
+    engine.apply(locate(site))
+    state = site / "vllm/.k3patch"
+    journal = state / "journal.json"
+    journal.write_text(json.dumps({"op": "apply", "files": []}))
+    fd = os.open(state, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "k3patch", "status", "--json", "--vllm", str(site)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1.0)  # let it see the journal and the held lock
+    journal.unlink()  # the live run finishes its commit ...
+    os.close(fd)  # ... and lets go
+    out, _ = proc.communicate(timeout=120)
+    data = json.loads(out)
+    assert data["interrupted"] is None and data["exit_code"] == 0
+
+
+# -- 14: owner, setuid/setgid, xattrs, hard links -------------------------------------------
+
+
+@ROOT_ONLY
+def test_14_owner_special_bits_and_xattrs_survive_apply_and_revert(make_tree):
+    site = make_tree("0.31.0")
+    target = site / "vllm" / AITER
+    os.chown(target, 1234, 5678)
+    os.chmod(target, 0o6751)
+    try:
+        os.setxattr(target, "user.k3patch-test", b"kept")
+        xattrs = True
+    except OSError:
+        xattrs = False
+    for step in (engine.apply, engine.revert):
+        step(locate(site))
+        st = os.stat(target)
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1234, 5678, 0o6751), step
+        if xattrs:
+            assert os.getxattr(target, "user.k3patch-test") == b"kept"
+
+
+def test_14_a_split_hard_link_is_reported(make_tree, tmp_path):
+    site = make_tree("0.31.0")
+    target = site / "vllm" / AITER
+    os.link(target, tmp_path / "other-name.py")
+    outcome = engine.apply(locate(site))
+    assert any("hard links" in line for line in outcome.pycache), outcome.pycache
+
+
+# -- What to build: the pycache directory, and a thread racing the lock ----------------------
+
+
+def test_pycache_symlink_is_refused_before_any_write(make_tree, tmp_path):
+    site = make_tree("0.31.0")
+    elsewhere = tmp_path / "pyc"
+    elsewhere.mkdir()
+    (site / "vllm" / "__pycache__").symlink_to(elsewhere)
+    before = sources(site)
+    with pytest.raises(EnvironmentProblem):
+        engine.apply(locate(site))
+    assert sources(site) == before and list(elsewhere.iterdir()) == []
+
+
+def test_lock_create_open_race_is_retried(make_tree):
+    site = make_tree("0.31.0")
+    state = site / "vllm/.k3patch"
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            try:
+                os.rmdir(state)
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(50):
+            lock.hold(state, 5)
+            lock.release(state)
+    finally:
+        stop.set()
+        thread.join()
