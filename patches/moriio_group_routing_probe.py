@@ -25,7 +25,7 @@ is stood in: the worker object (`object.__new__` plus what the methods read), th
 CUDA event, the offsets computation.
 
 Block ids name their owner: prefill block `100 * (group + 1) + chunk`, decode block `1000 +` the
-same, so `402` is group 1's block from chunk 2 and `1402` the decode block it must land in.
+same, so `402` is group 3's (MLA) block from chunk 2 and `1402` the decode block it goes to.
 
 On upstream 0.31.0+ (satisfied natively) it checks upstream's own group split and, where the
 writer indexes per-group lists (0.33.0+), its transfer plan for K3's MLA layers.
@@ -168,7 +168,7 @@ def probe_fork() -> ProbeOutcome:
             continue
         got, bad = check_case(case, drive)
         checks += got
-        checks += [f"FAIL {line}" for line in bad]
+        checks += [f"FAIL {case.label}: {line}" for line in bad]
         if bad:
             summaries.append(_case_summary(case, bad))
     if summaries:

@@ -95,7 +95,7 @@ def test_the_fork_pre_image_writes_mla_into_a_kda_groups_blocks(fork_tree, verif
         "chunk 3 (8 tokens, blocks [[], [], [], [403]]): held"
     ) in probe["checks"]
     # Two groups: the fork was right, and the probe says so.
-    assert lines(probe, "two-group") and not lines(probe, "FAIL model.layers.0.attn")
+    assert lines(probe, "two-group") and not lines(probe, "FAIL two-group")
 
 
 def test_the_older_fix_alone_never_sends_later_chunks(fork_tree, verify_python):
@@ -103,13 +103,15 @@ def test_the_older_fix_alone_never_sends_later_chunks(fork_tree, verify_python):
     assert probe["ok"] is False
     # Captured at chunk 1, never grown: MLA's blocks of chunks 2 and 3 are left out.
     assert (
-        "FAIL model.layers.3.mla (MLA group 3): local [401] -> remote [1401, 1402, 1403], "
+        "FAIL K3, 3 chunks, every group grows: model.layers.3.mla (MLA group 3): local [401] -> "
+        "remote [1401, 1402, 1403], "
         "its prefill blocks of chunk(s) [2, 3] left out; "
         "expected local [401, 402, 403] -> remote [1401, 1402, 1403]"
     ) in probe["checks"]
     # It also reaches two-group models (their lists are filled too), which the fork got right.
     assert (
-        "FAIL model.layers.0.attn (attention group 0): local [101] -> remote [1101, 1102, 1103], "
+        "FAIL two-group, 3 chunks: model.layers.0.attn (attention group 0): local [101] -> "
+        "remote [1101, 1102, 1103], "
         "its prefill blocks of chunk(s) [2, 3] left out; "
         "expected local [101, 102, 103] -> remote [1101, 1102, 1103]"
     ) in probe["checks"]
@@ -127,7 +129,7 @@ def test_the_older_fix_with_its_companions_still_shares_kda_offsets(fork_tree, v
     assert probe["ok"] is False
     failed = lines(probe, "FAIL ")
     # Only KDA groups 1 and 2 (every layer, every case), from group 0's cached offsets.
-    assert {f.split(" (")[0][5:] for f in failed} == {
+    assert {f.split(": ", 1)[1].split(" (")[0] for f in failed} == {
         "model.layers.1.kda",
         "model.layers.5.kda",
         "model.layers.2.kda",
