@@ -1,19 +1,18 @@
 """moriio-chunk-gate's behaviour on the real code, no GPU: the probe drives the real
-`build_connector_meta` of a tree (unpatched and patched) with synthetic scheduler steps, in the
+`build_connector_meta` of a tree (unpatched and patched) with synthetic scheduler steps, then
+vLLM's own `Scheduler.schedule()` of the tree with the MoRIIO connector's scheduler side, in the
 verify child (the tree's interpreter, PYTHONPATH = the tree, the patch module loaded by file
-path). Unpatched 0.29.0/0.31.0 and the fork send after chunk 1 (the bug); patched, they send
-once, at the final chunk; upstream 0.33.0 does too; the older script's slack shows."""
+path). Unpatched 0.28.0-0.31.0 and the fork trees send after chunk 1 (the bug); patched, they
+send once, at the final chunk; upstream 0.33.0 does too; the older script's slack shows."""
 
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import pristine_tree, run_cli
 
-from conftest import FIXTURES, pristine_tree, run_cli
 from k3patch import model
 from k3patch import verify as verify_mod
 from k3patch.registry import all_patches, patch_module_file
@@ -104,47 +103,103 @@ def test_probe_on_patched_shape_b(make_tree, verify_python):
     assert probe["ok"] is True, probe["summary"]
 
 
-# The fixtures import with the standard library alone: any interpreter runs their probe.
+# The operators' real trees and vLLM's own Scheduler. Unpatched fork code (shape C gates)
+# sends at chunk 1; the older script's real form sends a 2-token last chunk one chunk early
+# (its slack); patched, both send once, at the final chunk, also under Scheduler.schedule().
+
+SCHED_BUG = "Scheduler.schedule() [sched-2611]: save at chunk 1 of 2, expected chunk 2 only"
+SCHED_FIXED = "Scheduler.schedule() [sched-2611]: save at chunk 2 of 2, expected chunk 2 only"
+SCHED_SLACK = "Scheduler.schedule() [sched-2050]: save at chunk 1 of 2, expected chunk 2 only"
+NOT_STALE = "(the count before this step's chunk, not stale)"
 
 
-def test_probe_on_fork_fixture_before_and_after(tmp_path):
-    site = tmp_path / "fork"
-    shutil.copytree(FIXTURES / "chunk-gate-fork", site)
-    before = run_probe(sys.executable, site)
+def _scheduler_lines(probe: dict) -> list[str]:
+    return [c for c in probe["checks"] if c.startswith("Scheduler.schedule()")]
+
+
+def _assert_fixed(probe: dict) -> None:
+    assert probe["ok"] is True, probe["summary"]
+    lines = _scheduler_lines(probe)
+    assert SCHED_FIXED in lines
+    assert "Scheduler.schedule() [sched-5000]: save at chunk 3 of 3, expected chunk 3 only" in lines
+    assert "Scheduler.schedule() [sched-2050]: save at chunk 2 of 2, expected chunk 2 only" in lines
+
+
+@pytest.mark.wheel
+@pytest.mark.verify
+@pytest.mark.parametrize("name", ["a", "c"])
+def test_probe_on_fork_tree_before_and_after(fork_tree, verify_python, name):
+    site = fork_tree(name, full=True)
+    before = run_probe(verify_python, site)
     assert before["ok"] is False
     assert K3_BUG in before["summary"]
+    assert SCHED_BUG in before["summary"]
     assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
-    after = run_probe(sys.executable, site)
-    assert after["ok"] is True, after["summary"]
-    code, check = verify_cli(site, sys.executable)
-    assert code == 0 and check["probe"]["ok"] is True
+    _assert_fixed(run_probe(verify_python, site))
 
 
-def test_probe_shows_the_legacy_slack(tmp_path):
-    # Satisfied (legacy), and it does send a 2,611-token prompt whole; but its slack of 2
-    # sends a prompt whose last chunk is 2 tokens one chunk early.
-    site = tmp_path / "legacy"
-    shutil.copytree(FIXTURES / "chunk-gate-legacy", site)
-    probe = run_probe(sys.executable, site)
+@pytest.mark.wheel
+@pytest.mark.verify
+def test_probe_shows_the_legacy_slack_and_verify_after_repair(fork_tree, verify_python):
+    # Tree d: the older script's real form sends a 2,611-token prompt whole, but its slack of
+    # 2 sends a prompt whose last chunk is 2 tokens one chunk early, in both probes.
+    site = fork_tree("d", full=True)
+    probe = run_probe(verify_python, site)
     assert probe["ok"] is False
-    assert probe["summary"].startswith("wrong in 1 of 6 requests")
+    assert probe["summary"].startswith("wrong in 2 of 12 checks")
     assert "[k3-2050]: save at chunk 1 of 2, expected chunk 2 only" in probe["summary"]
-    assert any(K3_FIXED in c for c in probe["checks"])
+    assert SCHED_SLACK in probe["summary"]
+    assert SCHED_FIXED in probe["checks"]
+    assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
+    code, check = verify_cli(site, verify_python)
+    assert code == 0, check
+    assert check["verdict"] == "applied"
+    _assert_fixed(check["probe"])
 
 
-def test_with_group_routing_on_the_fork(tmp_path):
-    # Both MoRIIO patches edit moriio_connector.py (group routing also adds a per-request map
-    # to the scheduler and a post-loop block to build_connector_meta): applied together they
-    # fold, both read applied, and the chunk gate still sends once, at the final chunk.
+@pytest.mark.wheel
+@pytest.mark.verify
+def test_scheduler_probe_on_unpatched_and_patched_0_28_0(make_tree, verify_python):
+    site = make_tree("0.28.0", full=True)
+    before = run_probe(verify_python, site)
+    assert SCHED_BUG in before["summary"]
+    assert "Scheduler.schedule() [sched-5000]: save at chunk 1 of 3" in before["summary"]
+    # The older script's docstring says req.num_computed_tokens is stale (0) inside
+    # build_connector_meta; vLLM's own scheduler shows it is the count before the chunk.
+    stale = [c for c in before["checks"] if "inside build_connector_meta" in c]
+    assert len(stale) == 3 and all(NOT_STALE in c for c in stale), stale
+    assert any("req.num_computed_tokens = 0, 2048 at chunks 1-2" in c for c in stale)
+    assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
+    _assert_fixed(run_probe(verify_python, site))
+
+
+@pytest.mark.wheel
+@pytest.mark.verify
+def test_scheduler_probe_on_0_31_0_and_0_33_0(make_tree, verify_python):
+    site = make_tree("0.31.0", full=True)
+    assert SCHED_BUG in run_probe(verify_python, site)["summary"]
+    assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
+    _assert_fixed(run_probe(verify_python, site))
+    # 0.33.0 carries upstream's fix: it passes unpatched.
+    _assert_fixed(run_probe(verify_python, pristine_tree("0.33.0")))
+
+
+@pytest.mark.wheel
+@pytest.mark.verify
+def test_with_group_routing_on_the_fork(fork_tree, verify_python):
+    # Both MoRIIO patches edit moriio_connector.py: applied together they fold, both read
+    # applied, and the chunk gate still sends once, at the final chunk.
     if not any(p.id == "moriio-group-routing" for p in all_patches()):
         pytest.skip("the moriio-group-routing patch is not in this checkout")
-    site = tmp_path / "fork"
-    shutil.copytree(FIXTURES / "group-routing-fork", site)
+    site = fork_tree("a", full=True)
     both = ["--only", PATCH_ID, "--only", "moriio-group-routing"]
+    before = json.loads(run_cli("status", "--vllm", str(site), "--json", *both).stdout)
+    routing = {p["id"]: p["verdict"] for p in before["patches"]}["moriio-group-routing"]
+    if routing != "pending":
+        pytest.skip(f"moriio-group-routing reads {routing} on fork tree a (not this patch's)")
     assert run_cli("apply", "--vllm", str(site), *both).returncode == 0
     proc = run_cli("status", "--vllm", str(site), "--json", *both)
     assert proc.returncode == 0, proc.stdout
     verdicts = {p["id"]: p["verdict"] for p in json.loads(proc.stdout)["patches"]}
     assert verdicts == {PATCH_ID: "applied", "moriio-group-routing": "applied"}
-    probe = run_probe(sys.executable, site)
-    assert probe["ok"] is True, probe["summary"]
+    _assert_fixed(run_probe(verify_python, site))
