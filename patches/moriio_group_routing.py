@@ -626,9 +626,15 @@ class _After(_Part):
                 anchor.lineno,
             )
         count = _count_statements(want)
-        following = body[i + 1 : i + 1 + count]
-        if len(following) == count and _fingerprint(following) == source_fingerprint(want):
-            return _Look(_State.APPLIED, following[0].lineno)
+        fingerprint = source_fingerprint(want)
+        head = _head(ast.parse(_dedent(want)).body[0])
+        # k3patch puts its statements right after the anchor, but a script that runs again
+        # later (the recipe re-runs its scripts at every container start; xfer_probe then
+        # inserts its dump after `self.layer_to_spec = ...` once more) may push them down the
+        # same block: they still follow the anchor, so they still count.
+        for j in range(i + 1, len(body) - count + 1):
+            if _head(body[j]) == head and _fingerprint(body[j : j + count]) == fingerprint:
+                return _Look(_State.APPLIED, body[j].lineno)
         if self.marker in _names(fn):
             return _drift(
                 f"{where}: `{self.marker}` is used, but not in k3patch's shape",

@@ -396,3 +396,18 @@ def test_composes_with_the_chunk_gate_patch_in_either_order(fork_tree):
         data = status_json(tree, *both)
         assert {p["verdict"] for p in data["patches"]} == {"applied"}
         assert source_hashes(tree) == source_hashes(together)
+
+
+def test_a_script_that_runs_again_over_the_applied_tree_leaves_it_applied(fork_tree):
+    # The recipe runs its scripts at every container start. Over an applied tree all of them
+    # find their markers or miss their anchors, except xfer_probe's group dump: its anchor
+    # (`self.layer_to_spec = ...`) is still there, so it inserts the dump once more, between
+    # that line and k3patch's map. k3patch's statements still follow the anchor: applied.
+    import forktree
+
+    tree, _before, _after = applied(fork_tree, "c")
+    dump = next(h for h in forktree.STEPS["xfer_probe"] if "group dump" in h.hunk)
+    forktree.apply_hunks(tree / "vllm", [dump])
+    init = sites(tree)["MoRIIOConnectorWorker.__init__"]
+    assert init["verdict"] == "applied", init
+    assert patch_of(status_json(tree, *ONLY))["verdict"] == "applied"
