@@ -14,11 +14,24 @@ scheduler_output.num_scheduled_tokens.get(req_id, 0) >= req.num_prompt_tokens` (
 the scheduler advances `num_computed_tokens`, so this step's chunk is added; no slack), and G1 is
 evaluated for every pending request, also when the step allocated no block. Only the two gate
 statements change; the accumulated block lists are built exactly as before. vLLM 0.32.0 and later
-carry the same fix (`_is_final_prefill_chunk`); the older k3-chunk-gate script's form is accepted.
+carry the same fix (`_is_final_prefill_chunk`). A gate that compares progress with the prompt in
+any other way (`<` where `>=` belongs, `==`, `!=`, `>`, sides swapped, a slack) is drift.
+The older k3-chunk-gate script (apply_kimik3_chunk_gate_fix.py) decides through a helper with a
+slack of K3_CHUNK_GATE_SLACK (default 2) tokens and falls back to the block count when its
+per-step map lacks the request: pending, with both defects named; apply replaces its three
+decisions (G1, its post-loop sweep, G2) in place by compute progress and drops the fallbacks,
+without the pristine file (its helper and map stay, unused by the gates).
+Verdicts on the real trees: upstream A (0.14.1-0.23.0), B (0.24.0-0.27.1), C (0.28.0-0.29.0),
+D (0.30.0-0.31.0) pending; 0.32.0 and later satisfied (upstream). The operators' fork trees
+(0.28.0 + the recipe's older scripts): a, b, c and the plan variants (no chunk-gate script, the
+default K3_EXTRA_FIXES=0) pending, "the fork (shape C gates)"; d (K3_EXTRA_FIXES=1) pending,
+"older k3-chunk-gate script (legacy, defective)"; after apply every one reads applied.
 Check: `k3patch verify` drives the real `build_connector_meta` of the tree with synthetic
-scheduler steps (no GPU, no cluster): a 2,611-token prompt in one 5,760-token block, chunks of
-2,048 and 563, must emit its save once, with the second chunk; so must a 3-chunk prompt at its
-third chunk, and a prompt whose last chunk is 2 tokens.
+scheduler steps (a 2,611-token prompt in one 5,760-token block, chunks of 2,048 and 563, must
+send once, with the second chunk; so must a 3-chunk prompt at its third chunk, and a prompt
+whose last chunk is 2 tokens), then vLLM's own `Scheduler.schedule()` of the tree with the
+MoRIIO scheduler side on CPU through the same prompts (about 5 s beside the imports). It also
+shows that `req.num_computed_tokens` inside bCM is the count before the step's chunk, not stale.
 """
 
 from __future__ import annotations
