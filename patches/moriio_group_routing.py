@@ -34,7 +34,10 @@ Verdicts on the operators' real trees (vLLM 0.28.0 + the recipe's older scripts,
 - (d) + its chunked companion (apply_kimik3_chunked_allgrp.py): pending, defective: it chooses
   the block ids inside the geometry-keyed offsets cache, so the 2nd and 3rd KDA groups are
   misrouted. Besides, its silent fallbacks (a failed group map is group 0, a task without lists
-  takes the two-group choice) and `K3_GROUP_ROUTING=0` restore the bug.
+  takes the two-group choice) and `K3_GROUP_ROUTING=0` restore the bug, and where the fork had
+  the K3_MAMBA_BC block, that block still reads `_k3_mamba`, which the older fix no longer binds.
+  Its plan anchor needs the fork's four comment lines, so after the stored mamba-blockids script
+  (which lacks them) it writes nothing at all: that tree is (a).
 `apply` rewrites each of them, in place, into k3patch's form; the older fix's plumbing stays
 (unused by the new plan), so no pristine file is needed and revert is exact.
 Upstream: 0.14.1-0.30.0 cannot run K3 over MoRIIO at all (not applicable); 0.31.0 and later
@@ -1020,7 +1023,16 @@ class _Plan(_Part):
         return _Look(
             _State.FORK,
             line,
-            why=f"the older k3-group-routing fix: {GEOMETRY_DEFECT}; {LEGACY_CAVEATS}" + debug,
+            why=f"the older k3-group-routing fix: {GEOMETRY_DEFECT}; {LEGACY_CAVEATS}"
+            + (
+                # The older fix replaced the statement that binds `_k3_mamba` but left the
+                # fork's debug block that reads it.
+                "; its K3_MAMBA_BC block still reads `_k3_mamba`, which the older fix no "
+                "longer binds (a NameError with K3_MAMBA_BC=1)"
+                if region.debug
+                else ""
+            )
+            + debug,
             shape=LEGACY_SHAPE,
         )
 

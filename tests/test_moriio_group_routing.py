@@ -43,7 +43,11 @@ EXPECTED: dict[str, tuple[str, str, tuple[str, ...], tuple[str, ...]]] = {
     "c": (
         gr.LEGACY_SHAPE,
         gr.LEGACY_SHAPE,
-        ("misroutes the 2nd and 3rd KDA groups", "K3_GROUP_ROUTING=0", "K3_MAMBA_BC"),
+        (
+            "misroutes the 2nd and 3rd KDA groups",
+            "K3_GROUP_ROUTING=0",
+            "NameError with K3_MAMBA_BC=1",
+        ),
         ("captured at the first chunk only; later chunks' block lists are never sent",),
     ),
     "d": (
