@@ -77,6 +77,10 @@ class Case:
     # A case whose save a block-count chunk gate may hold forever (the fork's gate counts group
     # 0's blocks, a KDA group that never grows): held is "not exercised", not a routing failure.
     gate_may_hold: bool = False
+    # The decode node runs the fork with no routing fix: its notify carries only the fork's two
+    # lists ([0] and [1]). A layer may refuse the transfer or happen to be right; a layer
+    # written silently into another group's blocks is the bug the older fix's fallback keeps.
+    fork_peer: bool = False
 
     @property
     def prompt(self) -> int:
@@ -117,6 +121,7 @@ CASES = (
     Case("K3, 3 chunks, every group grows", K3_LAYOUT, (16, 16, 8), frozenset({"mamba", "mla"})),
     Case("two-group, 1 chunk", TWO_GROUP_LAYOUT, (12,), frozenset()),
     Case("two-group, 3 chunks", TWO_GROUP_LAYOUT, (16, 16, 8), frozenset({"attention"})),
+    Case("K3, 1 chunk, decode node without the fix", K3_LAYOUT, (12,), frozenset(), fork_peer=True),
 )
 
 
@@ -234,7 +239,10 @@ def check_case(case: Case, drive: Drive) -> tuple[list[str], list[str]]:
         kind = {"mamba": "KDA", "mla": "MLA"}.get(case.layout[g][0], case.layout[g][0])
         head = f"{layer} ({kind} group {g})"
         if layer in drive.errors:
-            failures.append(f"{head}: {drive.errors[layer]}")
+            if case.fork_peer:
+                checks.append(f"{label}: {head} refused: {drive.errors[layer]}")
+            else:
+                failures.append(f"{head}: {drive.errors[layer]}")
             continue
         route = drive.routes.get(layer)
         if route is None:
@@ -246,7 +254,11 @@ def check_case(case: Case, drive: Drive) -> tuple[list[str], list[str]]:
         checks.append(f"{label} @chunk {drive.saves[0]}: {line}")
         if route.local != local[g] or route.remote != remote[g]:
             whose = _whose(route, g, local[g], remote[g])
-            failures.append(f"{line}, {whose}; expected local {local[g]} -> remote {remote[g]}")
+            silently = "silently " if case.fork_peer else ""
+            failures.append(
+                f"{line}, {silently}{whose}; expected local {local[g]} -> remote {remote[g]}"
+                + (" or a refusal" if case.fork_peer else "")
+            )
     return checks, failures
 
 
@@ -320,7 +332,7 @@ def drive_write(case: Case) -> Drive:
         wrapper.done_write_cache_req_ids = []
         wrapper._terminal_transfer_ids = OrderedDict()
         wrapper.paths = {}  # read when the worker is collected (its __del__ shuts it down)
-        wrapper._handle_message(socket.sent[0])
+        wrapper._handle_message(_fork_notify(engine, case) if case.fork_peer else socket.sent[0])
         request_info = wrapper.done_remote_allocate_req_dict[TRANSFER_ID]
 
         # 4. Prefill worker: its own layer maps, then one write task per layer.
@@ -372,6 +384,22 @@ def drive_write(case: Case) -> Drive:
         return drive
     finally:
         common.set_role(saved_role)
+
+
+def _fork_notify(engine: Any, case: Case) -> bytes:
+    """The notify an unfixed fork decode node sends for `case`: the keys of the fork's
+    `send_notify_block`, group 0's blocks as `block_notify_list`, group 1's as the Mamba list."""
+    blocks = case.decode_blocks()
+    message = {
+        "req_id": "req-decode",
+        "transfer_id": TRANSFER_ID,
+        "block_notify_list": blocks[0],
+        "mamba_block_notify_list": blocks[1] if len(blocks) > 1 else [],
+        "decode_rank": 0,
+        "type": "remote_blocks",
+    }
+    data: bytes = engine.msgpack.dumps(message)
+    return data
 
 
 def _run_worker_maps(connector: Any, worker: Any, vllm_config: Any, kv_cache_config: Any) -> None:

@@ -127,7 +127,7 @@ def test_the_older_fix_alone_never_sends_later_chunks(fork_tree, verify_python):
 def test_the_older_fix_with_its_companions_still_shares_kda_offsets(fork_tree, verify_python):
     probe = run_probe(verify_python, fork_tree("d", full=True))
     assert probe["ok"] is False
-    failed = lines(probe, "FAIL ")
+    failed = [f for f in lines(probe, "FAIL ") if "without the fix" not in f]
     # Only KDA groups 1 and 2 (every layer, every case), from group 0's cached offsets.
     assert {f.split(": ", 1)[1].split(" (")[0] for f in failed} == {
         "model.layers.1.kda",
@@ -142,6 +142,12 @@ def test_the_older_fix_with_its_companions_still_shares_kda_offsets(fork_tree, v
         "(offsets reused from model.layers.0.kda), group(s) 0's blocks; "
         "expected local [201, 202, 203] -> remote [1201, 1202, 1203]"
     ) in probe["summary"]
+    # A decode node without the fix: the older fix falls back to [0]/[1] without a word.
+    assert (
+        "FAIL K3, 1 chunk, decode node without the fix: model.layers.3.mla (MLA group 3): "
+        "local [101] -> remote [1101], silently group(s) 0's blocks; "
+        "expected local [401] -> remote [1401] or a refusal"
+    ) in probe["checks"]
     # Its chunk-gate fix lets the K3 3-chunk save leave at the final chunk, MLA complete.
     assert (
         "K3, 3 chunks @chunk 3: model.layers.7.mla (MLA group 3): local [401, 402, 403] -> "
@@ -174,6 +180,9 @@ def test_verify_passes_the_probe_after_apply(fork_tree, verify_python, name):
         "local [301, 302, 303] -> remote [1301, 1302, 1303]",
     ):
         assert any(c.startswith(line) for c in checks), line
+    # A decode node without the fix: every K3 layer refuses the transfer, none guesses.
+    refused = lines(check["probe"], "K3, 1 chunk, decode node without the fix: model.")
+    assert len(refused) == 8 and all(" refused: " in c for c in refused), refused
 
 
 def routes(probe: dict[str, Any], prefix: str) -> list[str]:
