@@ -415,3 +415,22 @@ def test_a_script_that_runs_again_over_the_applied_tree_leaves_it_applied(fork_t
     init = sites(tree)["MoRIIOConnectorWorker.__init__"]
     assert init["verdict"] == "applied", init
     assert patch_of(status_json(tree, *ONLY))["verdict"] == "applied"
+
+
+def test_the_mamba_blockids_script_half_done_on_029_is_drift_not_upstream(make_tree):
+    # On 0.29.0 the mamba-blockids script writes moriio_common.py and moriio_connector.py and
+    # misses its engine anchors (SITES.md section 1, pitfalls). The connector still reads
+    # `get_block_ids()[0]` on its READ path, so the single-group upstream shape would hold:
+    # the fork's statements must win, and the half-done package is drift.
+    import forktree
+
+    tree = make_tree("0.29.0")
+    done = [h for h in forktree.STEPS["mamba_blockids"] if h.file != gr.ENGINE]
+    forktree.apply_hunks(tree / "vllm", done)
+    before = tree_hashes(tree)
+    patch = patch_of(status_json(tree, *ONLY))
+    assert patch["verdict"] == "drifted"
+    by_file = {s["file"]: s["verdict"] for s in patch["sites"] if s["verdict"] == "drifted"}
+    assert set(by_file) == {gr.ENGINE}
+    assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 1
+    assert tree_hashes(tree) == before
