@@ -323,3 +323,45 @@ def test_source_dockerfile_fails_on_drift(make_tree, wheel_dist, tmp_path):
     args, rc, output = steps[-1]
     assert args.startswith("k3patch apply --vllm /src/vllm") and rc == 1, output
     assert not (site / "vllm").exists(), "the vLLM build step must not have run"
+
+
+# ------------------------------------------------------------------------------------------
+# The Kubernetes initContainer check.
+
+
+def init_script() -> str:
+    """The shell script of the initContainer (the `- |` block under its args)."""
+    lines = (EXAMPLES / "kubernetes" / "k3patch-check.yaml").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "- |")
+    indent = len(lines[start + 1]) - len(lines[start + 1].lstrip())
+    body = []
+    for line in lines[start + 1 :]:
+        if line.strip() and len(line) - len(line.lstrip()) < indent:
+            break
+        body.append(line[indent:])
+    return "\n".join(body) + "\n"
+
+
+def run_init(site: Path, expect: str) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+        "PYTHONPATH": str(site),  # the image's vLLM, found by the interpreter k3patch runs on
+        "K3PATCH_EXPECT_DIGEST": expect,
+        "NO_COLOR": "1",
+    }
+    return subprocess.run(["sh", "-ec", init_script()], env=env, capture_output=True, text=True)
+
+
+def test_kubernetes_init_check(make_tree):
+    site = make_tree("0.31.0")
+    assert run_cli("apply", "--quiet", "--vllm", str(site)).returncode == 0
+    digest = run_cli("status", "--digest", "--vllm", str(site)).stdout.strip()
+    proc = run_init(site, digest)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"k3patch: digest {digest} as expected" in proc.stdout
+    other = run_init(site, "0" * 16)
+    assert other.returncode == 1
+    assert "is not the one the other pods carry" in other.stderr
+    pending = make_tree("0.31.0")  # an image built without k3patch apply
+    assert run_init(pending, digest).returncode == 1
