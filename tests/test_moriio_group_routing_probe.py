@@ -218,3 +218,31 @@ def test_verify_passes_on_upstream(make_tree, verify_python, version):
         "K3: _split_kv_cache_group_kinds -> attention [3], mamba [0, 1, 2]"
         in check["probe"]["checks"]
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Shipped: the probe is a sibling module that the installed patch module loads by its path.
+
+
+def test_an_installed_k3patch_ships_and_loads_the_probe(tmp_path, make_tree, verify_python):
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    target = tmp_path / "k3patch-install"
+    pip = [verify_python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile"]
+    subprocess.run([*pip, "--target", str(target), str(root)], check=True)
+    installed = target / "k3patch" / "patches"
+    assert (installed / "moriio_group_routing_probe.py").is_file()
+    result = verify_mod._run_child(
+        verify_python,
+        locate(make_tree("0.33.0", full=True)),
+        {
+            "model": str(target / "k3patch" / "model.py"),
+            "patches": {gr.PATCH.id: str(installed / "moriio_group_routing.py")},
+            "modules": list(gr.PATCH.modules),
+            "probes": [gr.PATCH.id],
+        },
+    )
+    probe = result["probes"][gr.PATCH.id]
+    assert probe["ok"] is True, probe
+    assert any(c.startswith("K3 upstream plan: model.layers.6.mla") for c in probe["checks"])
