@@ -96,11 +96,14 @@ def main() -> int:
         except BaseException as exc:  # a module may raise anything, SystemExit included
             out["imports"][name] = {"ok": False, **_failure(exc)}
     if args.get("probes"):
+        # k3patch and its patches as namespaces over their directories, without running
+        # k3patch/__init__.py: a patch (a module or a folder) and the standard-library modules
+        # of k3patch it uses import as they do in k3patch's own interpreter.
         package = types.ModuleType("k3patch")
-        package.__path__ = []
+        package.__path__ = [args["package_dir"]] if args.get("package_dir") else []
         sys.modules.setdefault("k3patch", package)
         patches_pkg = types.ModuleType("k3patch.patches")
-        patches_pkg.__path__ = []
+        patches_pkg.__path__ = [args["patches_dir"]] if args.get("patches_dir") else []
         sys.modules.setdefault("k3patch.patches", patches_pkg)
         _load_file("k3patch.model", args["model"])
         needs = args.get("probe_modules", {})
@@ -109,9 +112,13 @@ def main() -> int:
             if failed:
                 continue  # the parent reports "not run: its module did not import"
             try:
-                module = _load_file(
-                    f"k3patch.patches._probe_{len(out['probes'])}", args["patches"][patch_id]
-                )
+                dotted = args.get("patch_modules", {}).get(patch_id)
+                if dotted:
+                    module = importlib.import_module(dotted)
+                else:
+                    module = _load_file(
+                        f"k3patch.patches._probe_{len(out['probes'])}", args["patches"][patch_id]
+                    )
                 outcome = module.PATCH.probe()
                 if outcome is None:
                     continue

@@ -100,12 +100,22 @@ def _declared_files(text: str) -> list[str] | None:
     return [consts[n] for n in names]
 
 
+def _patch_sources(patches_dir: str) -> list[str]:
+    """Every .py file of the patch set (a patch is a module or a folder), relative, sorted."""
+    found = []
+    for folder, dirs, files in os.walk(patches_dir):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        rel = os.path.relpath(folder, patches_dir)
+        found += [n if rel == "." else f"{rel}/{n}" for n in files if n.endswith(".py")]
+    return sorted(found)
+
+
 def _patch_set(patches_dir: str) -> tuple[str, frozenset[str] | None]:
     """The patch-set digest and the registered target files, from one read of the modules."""
     digest = hashlib.sha256()
     targets: set[str] | None = set()
-    for name in sorted(os.listdir(patches_dir)):
-        if name.endswith(".py") and name != "__init__.py":
+    for name in _patch_sources(patches_dir):
+        if name != "__init__.py":
             digest.update(name.encode() + b"\0")
             with open(os.path.join(patches_dir, name), "rb") as handle:
                 data = handle.read()

@@ -67,6 +67,13 @@ def select(only: list[str] | None = None, skip: list[str] | None = None) -> tupl
     return tuple(p for p in chosen if not skip or p.id not in skip)
 
 
+def patches_dir() -> Path:
+    """The directory the patches are loaded from (the repository's `patches/`, installed as
+    `k3patch/patches/`)."""
+    package = importlib.import_module("k3patch.patches")
+    return Path(os.path.dirname(package.__file__ or ""))
+
+
 def patch_module_file(patch: Patch) -> Path:
     import sys
 

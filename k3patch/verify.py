@@ -27,7 +27,7 @@ from typing import Any
 from k3patch import _verify_child
 from k3patch.engine import Report, scan
 from k3patch.model import Patch, Verdict
-from k3patch.registry import all_patches, patch_module_file
+from k3patch.registry import all_patches, patch_module_file, patches_dir
 from k3patch.state import load_or_none
 from k3patch.transaction import Transaction
 from k3patch.tree import VllmTree
@@ -186,6 +186,11 @@ def verify(
 
     args = {
         "model": model.__file__,
+        # The child imports k3patch's standard-library modules and the patch packages from
+        # these directories (k3patch itself is not installed in the tree's interpreter).
+        "package_dir": os.path.dirname(model.__file__),
+        "patches_dir": str(patches_dir()),
+        "patch_modules": {p.id: type(p).__module__ for p in patches},
         "patches": {p.id: str(patch_module_file(p)) for p in patches},
         "modules": modules,
         "probes": [p.id for p in live],
