@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import ast
 import enum
+import functools
 import itertools
 import re
 from collections.abc import Callable, Iterator
@@ -66,8 +67,8 @@ from k3patch.model import (
     mentioned_names,
     module_binds,
     site_fingerprint,
-    source_fingerprint,
 )
+from k3patch.model import source_fingerprint as _source_fingerprint
 
 PACKAGE = "distributed/kv_transfer/kv_connector/v1/moriio"
 COMMON = f"{PACKAGE}/moriio_common.py"
@@ -323,10 +324,18 @@ def _fingerprint(stmts: list[ast.stmt]) -> str:
     return site_fingerprint(stmts[0] if len(stmts) == 1 else stmts)
 
 
+@functools.cache
+def source_fingerprint(source: str) -> str:
+    # The shapes are constants: parse each once, not once per site look.
+    return _source_fingerprint(source)
+
+
+@functools.cache
 def _expr_fingerprint(source: str) -> str:
     return site_fingerprint(ast.parse(source.strip(), mode="eval").body)
 
 
+@functools.cache
 def _count_statements(source: str) -> int:
     return len(ast.parse(_dedent(source)).body)
 
@@ -569,7 +578,10 @@ class _Field(_Part):
                 mine.lineno,
             )
         want = source_fingerprint(self.fork)
-        fork = [s for s in fields.values() if site_fingerprint(s) == want]
+        name = ast.parse(self.fork).body[0]
+        assert isinstance(name, ast.AnnAssign) and isinstance(name.target, ast.Name)
+        candidate = fields.get(name.target.id)
+        fork = [candidate] if candidate and site_fingerprint(candidate) == want else []
         if fork:
             return _Look(_State.FORK, fork[0].lineno)
         return _drift(
@@ -638,7 +650,7 @@ class _After(_Part):
         for j in range(i + 1, len(body) - count + 1):
             if _head(body[j]) == head and _fingerprint(body[j : j + count]) == fingerprint:
                 return _Look(_State.APPLIED, body[j].lineno)
-        if self.marker in _names(fn):
+        if self.marker in src.text and self.marker in _names(fn):
             return _drift(
                 f"{where}: `{self.marker}` is used, but not in k3patch's shape",
                 _short(src.segment(fn)),
@@ -675,7 +687,7 @@ class _BeforeReturn(_Part):
         before = fn.body[-1 - count : -1]
         if len(before) == count and _fingerprint(before) == source_fingerprint(self.added):
             return _Look(_State.APPLIED, before[0].lineno)
-        if self.marker in _names(fn):
+        if self.marker in src.text and self.marker in _names(fn):
             return _drift(
                 f"{where}: `{self.marker}` is used, but not in k3patch's shape",
                 _short(src.segment(fn)),
@@ -1043,6 +1055,12 @@ class _Plan(_Part):
         return [_replace(text, region.stmts, K3PATCH_PLAN)]
 
 
+def _grows_allgrp_head(node: ast.Try) -> bool:
+    """A cheap look at a `try:` before its fingerprint: does it open with the companion's test?"""
+    first = node.body[0] if node.body else None
+    return isinstance(first, ast.If) and "_reqs_save_allgrp" in ast.unparse(first.test)
+
+
 @dataclass(frozen=True)
 class _LegacyGrowth(_Part):
     """No opinion on the site's state; names the older fix's first-chunk defect where its
@@ -1062,7 +1080,8 @@ class _LegacyGrowth(_Part):
         ):
             return _Look(None)
         grows = source_fingerprint(CHUNKED_ALLGRP)
-        if any(isinstance(s, ast.Try) and site_fingerprint(s) == grows for s in ast.walk(bcm)):
+        tries = [s for s in ast.walk(bcm) if isinstance(s, ast.Try) and _grows_allgrp_head(s)]
+        if any(site_fingerprint(s) == grows for s in tries):
             return _Look(
                 None,
                 why="the older fix's chunked companion grows its all-group lists per chunk",
