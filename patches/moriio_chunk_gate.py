@@ -30,8 +30,9 @@ Check: `k3patch verify` drives the real `build_connector_meta` of the tree with 
 scheduler steps (a 2,611-token prompt in one 5,760-token block, chunks of 2,048 and 563, must
 send once, with the second chunk; so must a 3-chunk prompt at its third chunk, and a prompt
 whose last chunk is 2 tokens), then vLLM's own `Scheduler.schedule()` of the tree with the
-MoRIIO scheduler side on CPU through the same prompts (about 5 s beside the imports). It also
-shows that `req.num_computed_tokens` inside bCM is the count before the step's chunk, not stale.
+MoRIIO scheduler side on CPU through the same prompts (about a second beside the imports). It
+also shows that `req.num_computed_tokens` inside bCM is the count before the step's chunk, not
+stale (the older script's docstring says it is).
 """
 
 from __future__ import annotations
@@ -1964,12 +1965,17 @@ def judge_scheduler(case: SchedulerCase, run: SchedulerRun) -> list[tuple[str, b
 
 
 def probe_scheduler() -> list[tuple[str, bool]]:
+    import importlib
     import json
     import logging
     import os
     import tempfile
 
     results: list[tuple[str, bool]] = []
+    # The connector's scheduler side sets the process-wide MoRIIO role; later probes in this
+    # process get back the role they had.
+    mc = importlib.import_module(MODULE)
+    role = mc.get_role()
     offline = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     os.environ.update({k: "1" for k in offline})
     logging.disable(logging.WARNING)
@@ -1981,6 +1987,7 @@ def probe_scheduler() -> list[tuple[str, bool]]:
             for case in SCHEDULER_CASES:
                 results.extend(judge_scheduler(case, drive_scheduler(scheduler, case)))
     finally:
+        mc.set_role(role)
         logging.disable(logging.NOTSET)
         for key, value in offline.items():
             if value is None:
