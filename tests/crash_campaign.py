@@ -44,11 +44,18 @@ class CampaignResult:
 
 
 def campaign(
-    pristine: Path, work: Path, runs: int, op: str, seed: int = 0, window: float | None = None
+    pristine: Path,
+    work: Path,
+    runs: int,
+    op: str,
+    seed: int = 0,
+    window: float | None = None,
+    sig: int = signal.SIGKILL,
 ) -> CampaignResult:
     """`runs` times: copy the pristine tree (for op == "revert": an applied copy), start
-    `k3patch <op>`, SIGKILL it after a random delay, then run the recovering command
-    (apply for "apply", revert for "revert") and compare with the uninterrupted result."""
+    `k3patch <op>`, send `sig` (SIGKILL, or SIGTERM as `docker stop` does, or SIGINT) after a
+    random delay, then run the recovering command (apply for "apply", revert for "revert") and
+    compare with the uninterrupted result."""
     rng = random.Random(seed)
     result = CampaignResult()
     reference_patched = work / "reference-patched"
@@ -75,7 +82,7 @@ def campaign(
         )
         time.sleep(rng.uniform(0, window))
         if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
+            proc.send_signal(sig)
             result.killed_mid_run += 1
         proc.wait()
         result.runs += 1
@@ -94,3 +101,20 @@ def campaign(
             result.failures.append(f"run {i}: temp files left")
         shutil.rmtree(site)
     return result
+
+
+def upgrade(site: Path, new_root: Path, targets: list[str]) -> None:
+    """What `pip install --upgrade` (or `--force-reinstall`) does to the files k3patch reads:
+    every wheel file is replaced or removed; `vllm/.k3patch/` is not in the wheel's RECORD, so
+    it stays."""
+    for dist_info in site.glob("vllm-*.dist-info"):
+        shutil.rmtree(dist_info)
+    for dist_info in new_root.glob("vllm-*.dist-info"):
+        shutil.copytree(dist_info, site / dist_info.name)
+    for rel in ["__init__.py", "envs.py", *targets]:
+        dst, src = site / "vllm" / rel, new_root / "vllm" / rel
+        if src.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+        elif dst.exists():
+            dst.unlink()
