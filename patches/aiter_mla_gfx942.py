@@ -17,10 +17,6 @@ Not covered: `--attention-backend ROCM_AITER_MLA` selects the backend without as
 
 from __future__ import annotations
 
-import os
-import sys
-import types
-
 from k3patch.model import (
     Patch,
     ProbeOutcome,
@@ -163,46 +159,22 @@ TRUTH_TABLE: tuple[tuple[str | None, bool, bool, bool, bool], ...] = (
 def probe_truth_table() -> ProbeOutcome:
     from vllm._aiter_ops import rocm_aiter_ops  # type: ignore[import-not-found]
 
+    from k3patch.probekit import Checks, Swap
+
     # `if_aiter_supported` returns None off ROCm; the probe calls the function it wraps.
     raw = rocm_aiter_ops.__dict__[METHOD].__func__
     func = getattr(raw, "__wrapped__", raw)
-
-    saved_modules = {name: sys.modules.get(name) for name in ("vllm.platforms.rocm",)}
-    saved_env = os.environ.get(_ENV)
-    saved_flags = (rocm_aiter_ops._AITER_ENABLED, rocm_aiter_ops._MLA_ENABLED)
-    fake_rocm = types.ModuleType("vllm.platforms.rocm")
-    checks: list[str] = []
-    failures: list[str] = []
-    try:
-        sys.modules["vllm.platforms.rocm"] = fake_rocm
+    checks = Checks("truth table")
+    with Swap() as swap:
+        fake_rocm = swap.module("vllm.platforms.rocm")
         for env, gfx942, aiter, mla, expected in TRUTH_TABLE:
             fake_rocm.on_gfx942 = lambda gfx942=gfx942: gfx942  # type: ignore[attr-defined]
-            if env is None:
-                os.environ.pop(_ENV, None)
-            else:
-                os.environ[_ENV] = env
-            rocm_aiter_ops._AITER_ENABLED = aiter
-            rocm_aiter_ops._MLA_ENABLED = mla
-            got = bool(func(rocm_aiter_ops))
+            swap.env(_ENV, env)
+            swap.attr(rocm_aiter_ops, "_AITER_ENABLED", aiter)
+            swap.attr(rocm_aiter_ops, "_MLA_ENABLED", mla)
             case = (
                 f"{_ENV}={'unset' if env is None else env} "
                 f"{'gfx942' if gfx942 else 'gfx950'} aiter={int(aiter)} mla={int(mla)}"
-                f" -> {got}"
             )
-            checks.append(case)
-            if got != expected:
-                failures.append(f"{case}, expected {expected}")
-    finally:
-        for name, module in saved_modules.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-        if saved_env is None:
-            os.environ.pop(_ENV, None)
-        else:
-            os.environ[_ENV] = saved_env
-        rocm_aiter_ops._AITER_ENABLED, rocm_aiter_ops._MLA_ENABLED = saved_flags
-    if failures:
-        return ProbeOutcome(False, "truth table broken: " + "; ".join(failures), tuple(checks))
-    return ProbeOutcome(True, f"truth table holds ({len(checks)} cases)", tuple(checks))
+            checks.expect(case, got=bool(func(rocm_aiter_ops)), want=expected)
+    return checks.outcome()

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import run_cli
 from k3patch import verify as verify_mod
-from k3patch.registry import all_patches, patch_module_file
+from k3patch.registry import all_patches, patch_module_file, patches_dir
 from k3patch.tree import locate
 
 pytestmark = [pytest.mark.wheel, pytest.mark.verify]
@@ -70,6 +70,9 @@ def test_probe_fails_on_unpatched_code(make_tree, verify_python):
         tree,
         {
             "model": model.__file__,
+            "package_dir": str(Path(model.__file__).parent),
+            "patches_dir": str(patches_dir()),
+            "patch_modules": {AITER: type(patch).__module__},
             "patches": {AITER: str(patch_module_file(patch))},
             "modules": ["vllm._aiter_ops"],
             "probes": [AITER],
