@@ -1251,19 +1251,6 @@ def _repair_chains(text: str, chains: list[_Chain]) -> str:
     return apply_edits(text, edits)
 
 
-def _free_names(func: ast.FunctionDef) -> set[str]:
-    args = func.args
-    bound = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]}
-    bound |= {a.arg for a in (args.vararg, args.kwarg) if a is not None}
-    bound |= _stores(list(func.body))
-    for node in ast.walk(func):
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
-        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            bound.add(node.name)
-    return _loads(list(func.body)) - bound
-
-
 def _module_names(module: ast.Module) -> set[str]:
     """Names bound at run time at module level (TYPE_CHECKING imports excluded)."""
     names: set[str] = set()
@@ -1731,10 +1718,6 @@ def _outcome(results: list[tuple[str, bool]], passed: str) -> ProbeOutcome:
     return ProbeOutcome(True, f"{passed} ({len(results)} checks)", checks)
 
 
-def probe_build_connector_meta() -> ProbeOutcome:
-    return _outcome(direct_results(), "the save is emitted once, with the final prefill chunk")
-
-
 # --------------------------------------------------------------------------------------------
 # The second probe: vLLM's own `Scheduler.schedule()` of the tree drives the MoRIIO connector's
 # scheduler side through chunked prefills, built on CPU the way vLLM's unit tests build one
@@ -1871,7 +1854,8 @@ class SchedulerRun:
     chunks: int = 0
     saves: list[int] = field(default_factory=list)
     seen: list[tuple[int, int | None]] = field(default_factory=list)
-    error: str = ""
+    # The prompt length the connector compares with (a fork's mamba_n1 truncates it by one).
+    prompt: int = 0
 
 
 def _seen_in_output(output: Any, req_id: str) -> int | None:
@@ -1908,8 +1892,11 @@ def drive_scheduler(scheduler: Any, case: SchedulerCase) -> SchedulerRun:
 
     def watched(scheduler_output: Any) -> Any:
         if case.req_id in scheduler_output.num_scheduled_tokens:
-            live = scheduler.requests[case.req_id].num_computed_tokens
-            run.seen.append((int(live), _seen_in_output(scheduler_output, case.req_id)))
+            live = scheduler.requests[case.req_id]
+            run.seen.append(
+                (int(live.num_computed_tokens), _seen_in_output(scheduler_output, case.req_id))
+            )
+            run.prompt = int(live.num_prompt_tokens)
         return build(scheduler_output)
 
     connector.build_connector_meta = watched
@@ -1924,7 +1911,11 @@ def drive_scheduler(scheduler: Any, case: SchedulerCase) -> SchedulerRun:
             if case.req_id in getattr(meta, "reqs_to_save", {}):
                 run.saves.append(run.chunks)
             ids = list(output.num_scheduled_tokens)
-            done = {r: scheduler.requests[r].num_computed_tokens >= case.prompt for r in ids}
+            done = {
+                r: scheduler.requests[r].num_computed_tokens
+                >= scheduler.requests[r].num_prompt_tokens
+                for r in ids
+            }
             fields = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
             values: dict[str, Any] = {
                 "req_ids": ids,
@@ -1955,6 +1946,7 @@ def judge_scheduler(case: SchedulerCase, run: SchedulerRun) -> list[tuple[str, b
     out.append(
         (
             f"Scheduler.schedule() [{case.req_id}]: inside build_connector_meta "
+            f"(num_prompt_tokens {run.prompt}) "
             f"req.num_computed_tokens = {', '.join(live)} at chunks 1-{len(run.seen)}; "
             f"scheduler_output says {', '.join(told)}"
             + (" (the count before this step's chunk, not stale)" if fresh else " (STALE)"),

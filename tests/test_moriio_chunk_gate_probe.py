@@ -168,7 +168,10 @@ def test_scheduler_probe_on_unpatched_and_patched_0_28_0(make_tree, verify_pytho
     # build_connector_meta; vLLM's own scheduler shows it is the count before the chunk.
     stale = [c for c in before["checks"] if "inside build_connector_meta" in c]
     assert len(stale) == 3 and all(NOT_STALE in c for c in stale), stale
-    assert any("req.num_computed_tokens = 0, 2048 at chunks 1-2" in c for c in stale)
+    assert any(
+        "(num_prompt_tokens 2611) req.num_computed_tokens = 0, 2048 at chunks 1-2" in c
+        for c in stale
+    )
     assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
     _assert_fixed(run_probe(verify_python, site))
 
@@ -203,3 +206,23 @@ def test_with_group_routing_on_the_fork(fork_tree, verify_python):
     verdicts = {p["id"]: p["verdict"] for p in json.loads(proc.stdout)["patches"]}
     assert verdicts == {PATCH_ID: "applied", "moriio-group-routing": "applied"}
     _assert_fixed(run_probe(verify_python, site))
+
+
+@pytest.mark.wheel
+@pytest.mark.verify
+def test_mamba_n1_truncation_needs_no_slack(fork_tree, verify_python, monkeypatch):
+    # The older chunk-gate script says its slack absorbs mamba_n1's P-side truncation
+    # (`request.num_prompt_tokens -= 1`). With the truncation on, the scheduler computes N-1
+    # tokens and the gate compares with the truncated count: k3patch's gate still sends once,
+    # at the final chunk, and the older form still sends a 2-token last chunk early.
+    monkeypatch.setenv("K3_MAMBA_N1_FORCE", "1")
+    truncated = "[sched-2050]: inside build_connector_meta (num_prompt_tokens 2049)"
+    legacy = fork_tree("d", full=True)
+    probe = run_probe(verify_python, legacy)
+    assert any(truncated in c for c in probe["checks"]), probe["checks"]
+    assert SCHED_SLACK in probe["summary"]
+    patched = fork_tree("a", full=True)
+    assert run_cli("apply", "--vllm", str(patched), *ONLY).returncode == 0
+    probe = run_probe(verify_python, patched)
+    assert any(truncated in c for c in probe["checks"]), probe["checks"]
+    _assert_fixed(probe)
