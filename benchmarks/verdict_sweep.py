@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from conftest import pristine_tree  # noqa: E402
 
+
 def k3patch_env(src: str | None, scratch: Path) -> dict[str, str]:
     env = {**os.environ, "NO_COLOR": "1", "K3PATCH_NO_FASTPATH": "1"}
     if src:
