@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from conftest import pristine_tree  # noqa: E402
+from conftest import pristine_tree
 
 
 def k3patch_env(src: str | None, scratch: Path) -> dict[str, str]:
