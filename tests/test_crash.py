@@ -4,6 +4,8 @@ and `status` agrees. The long campaign for the README is benchmarks/reliability.
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 from crash_campaign import campaign
 
@@ -26,4 +28,14 @@ def test_random_kills_during_apply(pristine, tmp_path):
 def test_random_kills_during_revert(pristine, tmp_path):
     result = campaign(pristine, tmp_path, runs=20, op="revert", seed=2)
     assert result.killed_mid_run >= 10
+    assert result.failures == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("op", ["apply", "revert"])
+def test_sigterm_and_sigint_at_random_moments(pristine, tmp_path, sig, op):
+    """`docker stop` sends SIGTERM; a terminal sends SIGINT (KeyboardInterrupt, which rolls
+    back in-process): either way the next run finds a whole tree."""
+    result = campaign(pristine, tmp_path, runs=8, op=op, seed=3, sig=sig)
+    assert result.killed_mid_run >= 4
     assert result.failures == []
