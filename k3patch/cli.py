@@ -184,7 +184,8 @@ def status(
         from k3patch.registry import select
 
         tree = _tree(vllm)
-        report = engine.scan(tree, select(only, skip))
+        # A journal of a live run is not an interrupted one: wait for that run, then look.
+        report = engine.scan(tree, select(only, skip), wait_for_live=engine.DEFAULT_LOCK_TIMEOUT)
         code = int(exitcodes.for_status(report))
         changes = None
         if diff:

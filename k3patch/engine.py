@@ -196,15 +196,20 @@ def _hashes(sources: Sources, files: Iterable[str]) -> dict[str, str | None]:
 
 
 def scan(
-    tree: VllmTree, patches: tuple[Patch, ...] | None = None, *, use_record: bool = True
+    tree: VllmTree,
+    patches: tuple[Patch, ...] | None = None,
+    *,
+    use_record: bool = True,
+    wait_for_live: float = 0.0,
 ) -> Report:
     """Classify every site of `patches` (default: all). With a state record whose file hashes
-    all match, its classification is reused without parsing anything."""
+    all match, its classification is reused without parsing anything. `wait_for_live`: seconds
+    to wait for a live run whose journal is there (status), instead of reporting it interrupted."""
     patches = all_patches() if patches is None else patches
     sources = Sources(tree.read)
     files = target_files(all_patches())
     hashes = _hashes(sources, files)
-    interrupted = _interrupted(tree)
+    interrupted = _interrupted(tree, wait_for_live)
     if use_record and interrupted is None and not os.environ.get("K3PATCH_NO_FASTPATH"):
         record = load_or_none(tree.state_dir)
         if (
@@ -220,7 +225,7 @@ def scan(
     return Report(tree, patches, results, hashes, interrupted=interrupted, sources=sources)
 
 
-def _interrupted(tree: VllmTree) -> str | None:
+def _interrupted(tree: VllmTree, wait: float) -> str | None:
     """The op of an interrupted commit's journal, or None. A journal that a live run holding
     the lock is writing right now is not an interrupted one: wait for that run to finish."""
     from k3patch import lock
@@ -228,7 +233,7 @@ def _interrupted(tree: VllmTree) -> str | None:
     txn = Transaction(tree.package_dir)
     try:
         journal = txn.pending_journal()
-        if journal is not None and lock.wait_if_busy(tree.state, DEFAULT_LOCK_TIMEOUT):
+        if journal is not None and wait > 0 and lock.wait_if_busy(tree.state, wait):
             journal = txn.pending_journal()
     except RecordProblem:
         return "unknown (damaged journal)"
@@ -565,9 +570,7 @@ def _refresh_record(tree: VllmTree, lock_timeout: float) -> None:
             old = load(tree.state_dir)
             record = _record(tree, full.results, full.hashes, _carried_files(old, full.hashes))
             # One file replaced atomically: no journal needed.
-            write_atomically(
-                tree.state_dir / STATE_FILE, record.to_bytes(), root=tree.package_dir
-            )
+            write_atomically(tree.state_dir / STATE_FILE, record.to_bytes(), root=tree.package_dir)
     except EnvironmentProblem:
         # A damaged record is never overwritten; an empty state dir this run created is
         # removed by the lock's release, which knows whether another run holds it.

@@ -182,6 +182,7 @@ def release(state_dir: Path | str) -> None:
     refusal, an error) is removed first, so a run that wrote nothing leaves no trace."""
     key = os.path.abspath(state_dir)
     held = _held.pop(key, None)
+    _deadlines.pop(key, None)
     if held is None:
         return
     try:
