@@ -526,12 +526,14 @@ def revert(
             return RevertOutcome(nothing_recorded=True, recovered=recovered)
         conflicts = []
         edits = []
+        already = []  # put back by a reinstall: original now, nothing to write
         sources = Sources(tree.read)
         for rel, fs in sorted(changed.items()):
             data = sources[rel].data
             current = None if data is None else sha256(data)
             if current == fs.original:
-                continue  # already the original (a reinstall put it back): nothing to do
+                already.append(rel)
+                continue
             if current != fs.applied:
                 conflicts.append(
                     f"vllm/{rel} changed since k3patch applied it and is not the recorded "
@@ -552,7 +554,9 @@ def revert(
             raise
         _remove_state_dir(tree, txn)
         return RevertOutcome(
-            restored=[e.rel for e in edits[:-1]], recovered=recovered, pycache=pycache
+            restored=sorted([e.rel for e in edits[:-1]] + already),
+            recovered=recovered,
+            pycache=pycache,
         )
 
 

@@ -88,9 +88,10 @@ def test_1_force_reinstall_then_revert_is_clean(make_tree):
     site = make_tree("0.31.0")
     before = sources(site)
     engine.apply(locate(site))
+    written = list(record(site)["files"])
     upgrade(site, "0.31.0")  # --force-reinstall: the originals are back
     outcome = engine.revert(locate(site))
-    assert not outcome.conflicts
+    assert not outcome.conflicts and outcome.restored == sorted(written)
     assert sources(site) == before
     assert not (site / "vllm/.k3patch").exists()
 
