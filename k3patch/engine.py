@@ -242,14 +242,23 @@ def _interrupted(tree: VllmTree, wait: float) -> str | None:
     return str(journal["op"]) if journal else None
 
 
-def _carried_files(
-    record: StateRecord | None, hashes: dict[str, str | None]
-) -> dict[str, FileState]:
-    """The record's files that still hold what k3patch wrote. After an upgrade or a reinstall a
-    file holds other bytes: the recorded original is then not this file's, and is dropped."""
+def _carried_files(record: StateRecord | None, report: Report) -> dict[str, FileState]:
+    """The record's files whose recorded original is still this file's. After an upgrade (another
+    vLLM version) or a reinstall (the original is back, or no site of the file reads applied any
+    more) the file holds other bytes and k3patch's edit is gone: that original would put an old
+    version's file into the new install, so it is dropped. A file edited by hand on top of
+    k3patch's edit (same version, a site still applied) keeps it: revert then refuses, naming
+    both hashes, instead of silently forgetting the file."""
     if record is None:
         return {}
-    return {rel: fs for rel, fs in record.files.items() if hashes.get(rel) == fs.applied}
+    carried = {}
+    for rel, fs in record.files.items():
+        now = report.hashes.get(rel)
+        ours = any(r.file == rel and r.verdict is Verdict.APPLIED for r in report.results)
+        same_install = record.vllm_version == report.tree.version and now != fs.original
+        if now == fs.applied or (same_install and ours):
+            carried[rel] = fs
+    return carried
 
 
 def _state_bytes(tree: VllmTree) -> bytes | None:
@@ -422,7 +431,7 @@ def apply(
         sources = report.sources or Sources(tree.read)
         # Damaged or of another schema: stop (exit 3) before its saved originals are pruned.
         old = load(tree.state_dir)
-        files = _carried_files(old, full.hashes)
+        files = _carried_files(old, full)
         edits = []
         for rel, text in the_plan.new_texts.items():
             before = sources[rel].data
@@ -572,7 +581,7 @@ def _refresh_record(tree: VllmTree, lock_timeout: float) -> None:
             if full.from_record or full.pending or full.drifted or full.interrupted:
                 return
             old = load(tree.state_dir)
-            record = _record(tree, full.results, full.hashes, _carried_files(old, full.hashes))
+            record = _record(tree, full.results, full.hashes, _carried_files(old, full))
             # One file replaced atomically: no journal needed.
             write_atomically(tree.state_dir / STATE_FILE, record.to_bytes(), root=tree.package_dir)
     except EnvironmentProblem:

@@ -96,6 +96,21 @@ def test_1_force_reinstall_then_revert_is_clean(make_tree):
     assert not (site / "vllm/.k3patch").exists()
 
 
+def test_1_a_hand_edit_on_top_of_the_patch_keeps_the_original(make_tree):
+    """Not an upgrade: the same install, k3patch's edit still there. The original stays
+    recorded, so revert refuses (both hashes named) instead of forgetting the file."""
+    site = make_tree("0.31.0")
+    engine.apply(locate(site))
+    target = site / "vllm" / AITER
+    target.write_bytes(target.read_bytes() + b"# a local note\n")
+    engine.apply(locate(site))  # nothing pending: records the classification again
+    assert AITER in record(site)["files"]
+    edited = target.read_bytes()
+    outcome = engine.revert(locate(site))
+    assert any(AITER in c and "original" in c for c in outcome.conflicts), outcome
+    assert target.read_bytes() == edited
+
+
 def test_1_orphan_state_dir_after_uninstall_is_exit_3(make_tree):
     site = make_tree("0.31.0")
     engine.apply(locate(site))
