@@ -15,11 +15,16 @@ in the engine, classification never needs this module, but it must stay importab
 from __future__ import annotations
 
 import ast
+import io
 import itertools
 import re
+import sys
 import textwrap
+import tokenize
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from k3patch.model import bindings
 
 _LINE_END = re.compile(r"\r\n|\r|\n")
 
@@ -141,15 +146,39 @@ def replace(src: SourceText, stmts: Sequence[ast.stmt], source: str) -> Edit:
 
 def nest_under(src: SourceText, stmts: Sequence[ast.stmt], header: str) -> Edit:
     """Put the consecutive statements `stmts` under `header` (e.g. `if cond:`), one level
-    deeper (a tab in a tab-indented file, else four spaces); each of their lines is kept byte
-    for byte after the added indentation, continuation lines and strings included."""
+    deeper (the step the first statement's own body uses, else a tab in a tab-indented file,
+    else four spaces); each of their lines is kept byte for byte after the added indentation.
+    A line that begins inside a multi-line string is string content, not indentation: it is
+    left exactly as it was, so the string's value does not change."""
     indent = src.indent_of(stmts[0])
-    unit = "\t" if "\t" in indent else "    "
+    try:
+        unit = src.indent_unit(stmts[0])
+    except EditError:  # a one-line body (`if x: y`) tells no step
+        unit = "\t" if "\t" in indent else "    "
     start = src.starts[stmts[0].lineno - 1]
     end = src.after_line(_last_line_of(src, stmts[-1]))
     lines = _split_keep(src.text[start:end])
-    deeper = "".join(unit + ln if ln.strip(" \t\f\r\n") else ln for ln in lines)
+    in_string = _rows_inside_strings(src.text[start:end])
+    deeper = "".join(
+        unit + ln if ln.strip(" \t\f\r\n") and row not in in_string else ln
+        for row, ln in enumerate(lines)
+    )
     return Edit(start, end, f"{indent}{header.strip()}{src.newline}{deeper}")
+
+
+def _rows_inside_strings(segment: str) -> set[int]:
+    """0-based rows of `segment` (whole statements) that begin inside a string token."""
+    # newline=None: the reader ends lines where the tokenizer does (\n, \r\n, \r), no others.
+    readline = io.StringIO(segment, newline=None).readline
+    try:
+        return {
+            row - 1
+            for token in tokenize.generate_tokens(readline)
+            if token.type != tokenize.NEWLINE and token.type != tokenize.NL
+            for row in range(token.start[0] + 1, token.end[0] + 1)
+        }
+    except (tokenize.TokenError, SyntaxError) as exc:
+        raise EditError(f"the statements do not tokenize on their own: {exc}") from None
 
 
 def _split_keep(text: str) -> list[str]:
@@ -177,37 +206,59 @@ def append_item(src: SourceText, opener: Located, first: Located, last: Located,
 
 def binds(module: ast.Module, name: str) -> bool:
     """Whether the module binds `name` at top level (import, def, class or assignment)."""
-    for stmt in module.body:
-        if isinstance(stmt, ast.Import | ast.ImportFrom):
-            if any((a.asname or a.name.split(".")[0]) == name for a in stmt.names):
-                return True
-        elif isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            if stmt.name == name:
-                return True
-        elif isinstance(stmt, ast.Assign | ast.AnnAssign):
-            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-            if any(isinstance(n, ast.Name) and n.id == name for t in targets for n in ast.walk(t)):
-                return True
-    return False
+    return bool(bindings(module.body, name))
+
+
+def _is_stdlib_import(stmt: ast.stmt) -> bool:
+    return isinstance(stmt, ast.Import) and all(
+        a.name.split(".")[0] in sys.stdlib_module_names for a in stmt.names
+    )
 
 
 def ensure_import(src: SourceText, module: ast.Module, name: str) -> Edit | None:
-    """`import name` after the module's last top-level import (or its docstring, or at the
-    top), unless the module already binds `name`. None when nothing is needed."""
+    """`import name` unless the module already binds `name` (None: nothing to do).
+
+    A standard-library module goes where isort puts it: first in the import block, right
+    after the docstring and `from __future__` imports, with a blank line before the next
+    statement unless that is a standard-library import too. Any other module goes after the
+    module's last top-level import (or its docstring, or at the top)."""
     if binds(module, name):
         return None
+    body = module.body
+    if name.split(".")[0] in sys.stdlib_module_names:
+        head = 1 if body and _is_docstring(body[0]) else 0
+        while (
+            head < len(body)
+            and isinstance(body[head], ast.ImportFrom)
+            and body[head].module == "__future__"  # type: ignore[attr-defined]
+        ):
+            head += 1
+        if head == len(body):
+            return _append(src, f"import {name}")
+        edit = insert_before(src, body[head], f"import {name}")
+        gap = "" if _is_stdlib_import(body[head]) else src.newline
+        return Edit(edit.start, edit.end, edit.text + gap)
     imports = [s for s in module.body if isinstance(s, ast.Import | ast.ImportFrom)]
     if imports:
         return insert_after(src, imports[-1], f"import {name}")
-    body = module.body
-    if (
-        body
-        and isinstance(body[0], ast.Expr)
-        and isinstance(body[0].value, ast.Constant)
-        and isinstance(body[0].value.value, str)
-    ):
+    if body and _is_docstring(body[0]):
         return insert_after(src, body[0], f"import {name}")
     return Edit(0, 0, f"import {name}{src.newline}")
+
+
+def _is_docstring(stmt: ast.stmt) -> bool:
+    return (
+        isinstance(stmt, ast.Expr)
+        and isinstance(stmt.value, ast.Constant)
+        and isinstance(stmt.value.value, str)
+    )
+
+
+def _append(src: SourceText, line: str) -> Edit:
+    """`line` at the very end of the file (a missing final newline added first)."""
+    end = len(src.text)
+    lead = "" if not src.text or src.text.endswith(("\n", "\r")) else src.newline
+    return Edit(end, end, f"{lead}{line}{src.newline}")
 
 
 def apply_edits(text: str, edits: Iterable[Edit]) -> str:

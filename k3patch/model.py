@@ -9,9 +9,11 @@ from __future__ import annotations
 import ast
 import enum
 import hashlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from k3patch.shapes import Bindings, VersionRange, match
 
 
 class Verdict(str, enum.Enum):
@@ -54,17 +56,24 @@ class Shape:
     """One known shape of a site: the code as it appears in some tree, declared as source text.
 
     `source` is compared by `site_fingerprint`, so formatting, comments, quote style and
-    docstrings do not matter; names, operators and structure do.
+    docstrings do not matter; names, operators and structure do. A source with holes
+    (`HOLE_x`, `...`; see k3patch.shapes) is compared with `match` instead. `versions` are the
+    vLLM versions the shape was seen in, as data (`shapes.outside_range` words a report).
     """
 
     name: str
     verdict: Verdict
     source: str
     origin: str = ""
+    versions: VersionRange | None = None
 
     @property
     def fingerprint(self) -> str:
         return source_fingerprint(self.source)
+
+    def match(self, target: ast.AST | Sequence[ast.stmt]) -> Bindings | None:
+        """What each hole of this shape matched in `target`; None when `target` is not in it."""
+        return match(self.source, target)
 
 
 @dataclass(frozen=True)
@@ -280,8 +289,36 @@ def _binds(stmt: ast.stmt, name: str) -> bool:
         return any((a.asname or a.name.split(".")[0]) == name for a in stmt.names)
     if isinstance(stmt, ast.Assign | ast.AnnAssign | ast.AugAssign):
         targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-        return any(isinstance(n, ast.Name) and n.id == name for t in targets for n in ast.walk(t))
+        # Only a stored name binds: `name.attr = x` and `table[name] = x` read `name`.
+        return any(
+            isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)
+            for t in targets
+            for n in ast.walk(t)
+        )
     return False
+
+
+def bindings(body: Iterable[ast.stmt], name: str) -> list[ast.stmt]:
+    """The statements of a scope's body that bind `name` in that scope (an import, a def, a
+    class, an assignment to the bare name), in source order. The one rule for "what binds"."""
+    return [stmt for stmt in body if _binds(stmt, name)]
+
+
+def walk_scope(nodes: Iterable[ast.AST]) -> Iterator[ast.AST]:
+    """`nodes` (a scope's statements) and every node under them that belongs to that scope: a
+    nested function or class is yielded but not entered (its code runs when it is called, or
+    never)."""
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def parent_map(root: ast.AST) -> dict[int, ast.AST]:
+    """id(node) -> its parent, for every node under `root` (ast nodes do not know theirs)."""
+    return {id(child): node for node in ast.walk(root) for child in ast.iter_child_nodes(node)}
 
 
 def _bound_once(
@@ -289,11 +326,11 @@ def _bound_once(
 ) -> Any:
     """The one statement of `body` that defines `name` as a `kind`; None when there is none.
     Raises AmbiguousDefinition when `name` is bound more than once there."""
-    bindings = [stmt for stmt in body if _binds(stmt, name)]
-    if len(bindings) > 1:
-        raise AmbiguousDefinition(scope, name, [stmt.lineno for stmt in bindings])
-    if bindings and isinstance(bindings[0], kind):
-        return bindings[0]
+    found = bindings(body, name)
+    if len(found) > 1:
+        raise AmbiguousDefinition(scope, name, [stmt.lineno for stmt in found])
+    if found and isinstance(found[0], kind):
+        return found[0]
     return None
 
 
@@ -355,20 +392,7 @@ def mentioned_names(node: ast.AST, *, everything: bool = False) -> set[str]:
 
 def module_binds(module: ast.Module, name: str) -> bool:
     """Whether the module binds `name` at top level (an import, a def, a class or an assignment)."""
-    for node in module.body:
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            for alias in node.names:
-                bound = alias.asname or alias.name.split(".")[0]
-                if bound == name:
-                    return True
-        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            if node.name == name:
-                return True
-        elif isinstance(node, ast.Assign):
-            for target in node.targets:
-                if isinstance(target, ast.Name) and target.id == name:
-                    return True
-    return False
+    return bool(bindings(module.body, name))
 
 
 def match_shapes(

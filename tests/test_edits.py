@@ -95,11 +95,67 @@ def test_ensure_import_only_when_unbound():
     module = ast.parse(text)
     edit = edits.ensure_import(SourceText(text), module, "os")
     assert edit is not None
-    assert apply_edits(text, [edit]) == '"""doc"""\nimport sys\nimport os\n\nx = 1\n'
+    # A standard-library module heads the import block, as isort puts it.
+    assert apply_edits(text, [edit]) == '"""doc"""\nimport os\nimport sys\n\nx = 1\n'
+    third = edits.ensure_import(SourceText(text), module, "torch")
+    assert third is not None
+    assert apply_edits(text, [third]) == '"""doc"""\nimport sys\nimport torch\n\nx = 1\n'
     bound = "import os as os\n"
     assert edits.ensure_import(SourceText(bound), ast.parse(bound), "os") is None
     assert edits.binds(ast.parse("os = None\n"), "os")
     assert not edits.binds(ast.parse("def f():\n    import os\n"), "os")
+
+
+IMPORT_OS = {
+    "third-party first": ("import torch\n", "import os\n\nimport torch\n"),
+    "stdlib first": ("import logging\nimport torch\n", "import os\nimport logging\nimport torch\n"),
+    "after docstring and __future__": (
+        '"""Doc."""\nfrom __future__ import annotations\n\nimport torch\n',
+        '"""Doc."""\nfrom __future__ import annotations\n\nimport os\n\nimport torch\n',
+    ),
+    "before a decorated def": ("@d\ndef f():\n    pass\n", "import os\n\n@d\ndef f():\n    pass\n"),
+    "only a docstring, no final newline": ('"""Doc."""', '"""Doc."""\nimport os\n'),
+    "CRLF": ("import torch\r\n", "import os\r\n\r\nimport torch\r\n"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IMPORT_OS))
+def test_ensure_import_puts_a_stdlib_module_first(case):
+    before, after = IMPORT_OS[case]
+    edit = edits.ensure_import(SourceText(before), ast.parse(before), "os")
+    assert edit is not None
+    assert apply_edits(before, [edit]) == after
+
+
+@pytest.mark.parametrize("bound", ["import os.path\n", "from x import os\n", "os: int = 1\n"])
+def test_ensure_import_leaves_a_bound_name(bound):
+    assert edits.ensure_import(SourceText(bound), ast.parse(bound), "os") is None
+
+
+def test_binding_means_storing_the_bare_name():
+    # `os.environ[...] = ...` and `table[os] = ...` read `os`; only a stored name binds it.
+    assert not edits.binds(ast.parse('os.environ["A"] = "1"\ntable[os] = 1\n'), "os")
+    assert edits.binds(ast.parse("a, os = 1, 2\n"), "os")
+
+
+def test_nest_under_leaves_multiline_string_content_alone():
+    text = 'def f(x):\n    if x:\n        log("""bad\nindices""", x)\n    return x\n'
+    func = ast.parse(text).body[0]
+    assert isinstance(func, ast.FunctionDef)
+    src = SourceText(text)
+    new = apply_edits(text, [edits.nest_under(src, [func.body[0]], "if True:")])
+    assert new == (
+        'def f(x):\n    if True:\n        if x:\n            log("""bad\nindices""", x)\n'
+        "    return x\n"
+    )
+
+
+def test_nest_under_uses_the_statements_own_step():
+    text = "def f(x):\n  if x:\n    x = 2\n  return x\n"
+    func = ast.parse(text).body[0]
+    assert isinstance(func, ast.FunctionDef)
+    new = apply_edits(text, [edits.nest_under(SourceText(text), [func.body[0]], "if True:")])
+    assert new == "def f(x):\n  if True:\n    if x:\n      x = 2\n  return x\n"
 
 
 def test_append_item_keeps_one_item_per_line():

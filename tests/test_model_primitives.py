@@ -1,0 +1,55 @@
+"""model's scope primitives: what binds a name, the scope walker, parent maps, shapes with holes."""
+
+from __future__ import annotations
+
+import ast
+
+from k3patch.model import Shape, Verdict, bindings, find_class, parent_map, walk_scope
+from k3patch.shapes import VersionRange
+
+
+def test_an_attribute_store_does_not_rebind_the_class():
+    # `Cls.flag = ...` after the class reads the name; only a second def or `Cls = ...` would
+    # make the lookup ambiguous.
+    module = ast.parse("class Cls:\n    pass\n\nCls.flag = True\nregistry[Cls] = 1\n")
+    found = find_class(module, "Cls")
+    assert found is not None and found.lineno == 1
+    assert [s.lineno for s in bindings(module.body, "Cls")] == [1]
+    rebound = ast.parse("class Cls:\n    pass\n\nCls, other = 1, 2\n")
+    assert [s.lineno for s in bindings(rebound.body, "Cls")] == [1, 4]
+
+
+def test_walk_scope_stays_out_of_nested_definitions():
+    func = ast.parse(
+        "def f():\n    a = 1\n    def g():\n        b = 2\n    class C:\n        c = 3\n"
+    ).body[0]
+    assert isinstance(func, ast.FunctionDef)
+    names = {n.id for n in walk_scope(func.body) if isinstance(n, ast.Name)}
+    assert names == {"a"}
+
+
+def test_parent_map_leads_back_to_the_root():
+    module = ast.parse("if x:\n    y = z.w\n")
+    parents = parent_map(module)
+    leaf = next(n for n in ast.walk(module) if isinstance(n, ast.Name) and n.id == "z")
+    chain = []
+    node: ast.AST | None = leaf
+    while node is not None:
+        chain.append(type(node).__name__)
+        node = parents.get(id(node))
+    assert chain == ["Name", "Attribute", "Assign", "If", "Module"]
+
+
+def test_a_shape_with_holes_matches_and_carries_its_versions():
+    shape = Shape(
+        "guard",
+        Verdict.PENDING,
+        "n = int(HOLE_pool.shape[0])\n...\nreturn n",
+        versions=VersionRange("0.27.1", "0.28.0"),
+    )
+    body = ast.parse("def f(s):\n    n = int(s.shape[0])\n    x = 1\n    return n\n").body[0]
+    assert isinstance(body, ast.FunctionDef)
+    found = shape.match(body.body)
+    assert found is not None and ast.unparse(found["HOLE_pool"]) == "s"
+    assert shape.match(body.body[:1]) is None
+    assert shape.versions is not None and shape.versions.contains("0.31.0") is False
