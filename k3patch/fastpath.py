@@ -62,42 +62,60 @@ def patch_set_digest(patches_dir: str) -> str:
     return _patch_set(patches_dir)[0]
 
 
-_CONST = re.compile(
-    r'^([A-Z][A-Z0-9_]*) = (f?)"([^"\n{}]*(?:\{[A-Z][A-Z0-9_]*\}[^"\n{}]*)*)"$', re.M
-)
-_TUPLE = re.compile(r"^([A-Z][A-Z0-9_]*) = \(([A-Z0-9_, ]*)\)$", re.M)
-_FILES = re.compile(r"^    files = (\([A-Z0-9_, ]*\)|[A-Z][A-Z0-9_]*)$", re.M)
+_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
+_TUPLE = re.compile(r"\(\s*([A-Z][A-Z0-9_]*\s*(?:,\s*[A-Z][A-Z0-9_]*\s*)*),?\s*\)")
+_STRING = re.compile(r'(f?)"([^"\\{}]*(?:\{[A-Z][A-Z0-9_]*\}[^"\\{}]*)*)"')
 _REF = re.compile(r"\{([A-Z][A-Z0-9_]*)\}")
+
+
+def _assigned(text: str, name: str, indent: str = "") -> str | None:
+    """The right-hand side of the one line `name = ...` at this indent, found with str.find
+    (a regex over 200 kB of patch source would cost the no-op path milliseconds)."""
+    key = f"\n{indent}{name} = "
+    start = text.find(key)
+    if start < 0 or text.find(key, start + 1) >= 0:
+        return None
+    end = text.find("\n", start + len(key))
+    return text[start + len(key) : end if end >= 0 else len(text)].split("  #")[0].strip()
+
+
+def _resolve(text: str, expr: str, depth: int = 0) -> list[str] | None:
+    """A constant expression of plain string constants (f-strings of constants too) and
+    tuples of them, resolved to its strings; None for anything else."""
+    if depth > 4:
+        return None
+    string = _STRING.fullmatch(expr)
+    if string:
+        value = string.group(2)
+        if string.group(1):
+            parts = {}
+            for ref in set(_REF.findall(value)):
+                got = _resolve(text, _assigned(text, ref) or "", depth + 1)
+                if got is None or len(got) != 1:
+                    return None
+                parts[ref] = got[0]
+            value = _REF.sub(lambda m: parts[m.group(1)], value)
+        return [value]
+    names = _TUPLE.fullmatch(expr)
+    if names:
+        out: list[str] = []
+        for name in names.group(1).split(","):
+            got = _resolve(text, name.strip(), depth + 1)
+            if got is None:
+                return None
+            out += got
+        return out
+    if _NAME.fullmatch(expr):
+        return _resolve(text, _assigned(text, expr) or "", depth + 1)
+    return None
 
 
 def _declared_files(text: str) -> list[str] | None:
     """The `files` a patch module declares, read from its text without importing it (the no-op
     path must stay cheap). None when they are not written as plain module constants: then the
     fast path declines and the full path, which imports the registry, decides."""
-    consts: dict[str, str] = {}
-    for name, is_f, value in _CONST.findall(text):
-        if is_f:
-            refs = _REF.findall(value)
-            if any(ref not in consts for ref in refs):
-                return None
-            value = _REF.sub(lambda m: consts[m.group(1)], value)
-        consts[name] = value
-    tuples = {
-        name: [n.strip() for n in body.split(",") if n.strip()]
-        for name, body in _TUPLE.findall(text)
-    }
-    found = _FILES.findall(text)
-    if len(found) != 1:
-        return None
-    spec = found[0]
-    names = (
-        [n.strip() for n in spec.strip("()").split(",") if n.strip()]
-        if spec.startswith("(")
-        else tuples.get(spec, [spec])
-    )
-    if any(n not in consts for n in names):
-        return None
-    return [consts[n] for n in names]
+    spec = _assigned(text, "files", "    ")
+    return None if spec is None else _resolve(text, spec)
 
 
 def _patch_sources(patches_dir: str) -> list[str]:
@@ -120,9 +138,8 @@ def _patch_set(patches_dir: str) -> tuple[str, frozenset[str] | None]:
             with open(os.path.join(patches_dir, name), "rb") as handle:
                 data = handle.read()
             digest.update(data)
-            text = data.decode("utf-8", "replace")
-            if targets is not None and re.search(r"^PATCH = ", text, re.M):
-                files = _declared_files(text)
+            if targets is not None and b"\nPATCH = " in data:
+                files = _declared_files(data.decode("utf-8", "replace"))
                 targets = None if files is None else targets | set(files)
     return digest.hexdigest()[:16], None if targets is None else frozenset(targets)
 
