@@ -8,6 +8,7 @@ Prints a table of medians and writes benchmarks/RESULTS.md. k3patch is installed
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -15,6 +16,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +48,19 @@ def median_of(runs: int, make_cmd, env, setup=None, expect: int | None = 0) -> f
     return statistics.median(samples)
 
 
+def bench_python(where: Path) -> str:
+    """A fresh venv that sees this interpreter's packages (libcst, typer, rich) but not its
+    editable install of k3patch: a dev venv's editable finder maps `k3patch.patches` to the
+    checkout and would win over the installed copy, so the numbers would be of whatever the
+    checkout holds at that moment. A `.pth` line adds a directory without running the `.pth`
+    files inside it."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
+    purelib = sysconfig.get_paths()["purelib"]
+    site = next((where / "lib").glob("python*/site-packages"))
+    (site / "bench-deps.pth").write_text(purelib + "\n")
+    return str(where / "bin" / "python")
+
+
 def machine() -> str:
     cpu = "unknown CPU"
     try:
@@ -63,6 +78,13 @@ def main() -> None:
     parser.add_argument("--version", default="0.31.0")
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of concurrent applies")
+    parser.add_argument(
+        "--source",
+        default=str(ROOT),
+        help="the k3patch source to install and measure (default: this checkout; e.g. a "
+        "`git archive HEAD` export, to leave uncommitted work out)",
+    )
     parser.add_argument("--no-verify", action="store_true")
     parser.add_argument("--verify-python", default=os.environ.get("K3PATCH_TEST_VLLM_PYTHON"))
     args = parser.parse_args()
@@ -80,14 +102,17 @@ def main() -> None:
             "--no-compile",
             "--target",
             str(install),
-            str(ROOT),
+            args.source,
         ],
         check=True,
     )
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(install)], check=True)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE",)}
     env.update(PYTHONPATH=str(install), NO_COLOR="1")
-    py = sys.executable
+    py = bench_python(work / "venv")
+    # `python -m` puts the working directory first on sys.path: from the checkout it would
+    # import the checkout's k3patch instead of the installed copy.
+    os.chdir(work)
     k3 = [py, "-m", "k3patch"]
 
     src = pristine_tree(args.version)
@@ -141,42 +166,71 @@ def main() -> None:
         ("k3patch status, full path forced", full_status, "hash floor", full_status / floor_hash)
     )
 
-    cold_runs = max(3, n // 3)
-    cold = median_of(
-        cold_runs, lambda: [*k3, "apply", "--quiet", "--vllm", str(fresh)], env, setup=reset_fresh
-    )
-    rows.append(("k3patch apply, fresh tree (cold)", cold, "import libcst", cold / floor_libcst))
-
-    # 32 concurrent applies on one fresh tree.
-    conc_samples = []
-    writers_seen = []
-    for _ in range(3):
-        reset_fresh()
-        cmd = [*k3, "apply", "--json", "--vllm", str(fresh)]
-
-        def one_apply(_: int, cmd: list[str] = cmd) -> subprocess.CompletedProcess[str]:
-            return subprocess.run(cmd, env=env, capture_output=True, text=True)
-
-        start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
-            results = list(pool.map(one_apply, range(args.concurrency)))
-        conc_samples.append(time.perf_counter() - start)
-        codes = [r.returncode for r in results]
-        if any(codes):
-            raise SystemExit(f"concurrent apply exit codes: {codes}")
-        writers_seen.append(sum(1 for r in results if json.loads(r.stdout)["written"]))
-        litter = [p for p in fresh.rglob("*") if ".k3patch-tmp." in p.name]
-        if litter:
-            raise SystemExit(f"temp litter left: {litter}")
-    conc = statistics.median(conc_samples)
-    rows.append(
-        (
-            f"{args.concurrency} concurrent apply, one fresh tree (wall)",
-            conc,
-            "one cold apply",
-            conc / cold,
+    # Cold apply and 32 concurrent applies, in every output mode an entrypoint or a person
+    # may use (stdout is a pipe here, as in `docker logs`). Each mode against the same floors.
+    cold_runs = max(5, n)
+    rounds = args.rounds
+    writers_seen: list[int] = []
+    reference_tree: dict[str, str] | None = None
+    for label, mode in (("human", []), ("--quiet", ["--quiet"]), ("--json", ["--json"])):
+        # On a shared machine the load drifts within a run: each cold apply is paired with an
+        # `import libcst` taken right after it, and the ratio is the median of the pairs.
+        colds, ratios = [], []
+        for _ in range(cold_runs):
+            reset_fresh()
+            elapsed, code, out = timed([*k3, "apply", *mode, "--vllm", str(fresh)], env)
+            if code != 0:
+                raise SystemExit(f"cold apply {label} exited {code}: {out[-500:]}")
+            floor, _, _ = timed([py, "-c", "import libcst"], env)
+            colds.append(elapsed)
+            ratios.append(elapsed / floor)
+        rows.append(
+            (
+                f"k3patch apply {label}, fresh tree (cold)",
+                statistics.median(colds),
+                "import libcst (paired)",
+                statistics.median(ratios),
+            )
         )
-    )
+        cold = statistics.median(colds)
+        conc_samples = []
+        for _ in range(rounds):
+            reset_fresh()
+            cmd = [*k3, "apply", *mode, "--vllm", str(fresh)]
+
+            def one_apply(_: int, cmd: list[str] = cmd) -> subprocess.CompletedProcess[str]:
+                return subprocess.run(cmd, env=env, capture_output=True, text=True)
+
+            start = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
+                results = list(pool.map(one_apply, range(args.concurrency)))
+            conc_samples.append(time.perf_counter() - start)
+            codes = [r.returncode for r in results]
+            if any(codes):
+                raise SystemExit(f"concurrent apply {label} exit codes: {codes}")
+            if mode == ["--json"]:
+                writers_seen.append(sum(1 for r in results if json.loads(r.stdout)["written"]))
+            litter = [p for p in fresh.rglob("*") if ".k3patch-tmp." in p.name]
+            if litter:
+                raise SystemExit(f"temp litter left: {litter}")
+            # Every mode must leave the same bytes (the state record aside: it is per run).
+            tree = {
+                str(p.relative_to(fresh)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(fresh.rglob("*.py"))
+            }
+            if reference_tree is None:
+                reference_tree = tree
+            elif tree != reference_tree:
+                raise SystemExit(f"concurrent apply {label} left other bytes than the first run")
+        conc = statistics.median(conc_samples)
+        rows.append(
+            (
+                f"{args.concurrency} concurrent apply {label}, one fresh tree (wall)",
+                conc,
+                "one cold apply, same mode",
+                conc / cold,
+            )
+        )
 
     legacy = sorted(LEGACY_DIR.glob("*.py"))
     legacy_samples = []
@@ -208,9 +262,13 @@ def main() -> None:
         f"Tree: real vLLM {args.version} wheel (.py files + METADATA). Patch verdicts after apply: "
         + ", ".join(f"{k} {v}" for k, v in verdicts.items())
         + ".",
-        f"Command: `.venv/bin/python benchmarks/bench.py --version {args.version} --runs {n}` "
-        f"(medians of {n} runs; cold apply {cold_runs} runs; concurrency 3 rounds; writers per "
-        f"round: {writers_seen}).",
+        f"Command: `.venv/bin/python benchmarks/bench.py --version {args.version} --runs {n} "
+        f"--rounds {rounds}" + ("" if args.source == str(ROOT) else " --source EXPORT") + "` "
+        f"(medians of {n} runs; cold apply {cold_runs} runs per mode, each paired with an "
+        f"`import libcst` right after it; concurrency {rounds} rounds per mode; writers per "
+        f"--json round: {writers_seen}). Source measured: "
+        + ("this checkout" if args.source == str(ROOT) else f"{args.source}")
+        + ". Every k3patch run's stdout is a pipe, as in `docker logs`.",
         "",
         "| what | median | ratio to | ratio |",
         "|---|---:|---|---:|",
