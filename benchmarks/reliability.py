@@ -280,8 +280,11 @@ def planted_temp_links(pristine: Path, work: Path, runs: int, seed: int) -> tupl
 # -- races -------------------------------------------------------------------------------
 
 
-def racing(pristine: Path, work: Path, rounds: int, each: int) -> tuple[int, dict[str, int]]:
+def racing(
+    pristine: Path, work: Path, rounds: int, each: int
+) -> tuple[int, dict[str, int], list[str]]:
     """`rounds` times, `each` applies and `each` reverts started together on one tree."""
+    messages: dict[str, None] = {}
     site = fresh(pristine, work, "racing")
     original = source_hashes(site)
     ref = fresh(pristine, work, "racing-ref")
@@ -307,7 +310,10 @@ def racing(pristine: Path, work: Path, rounds: int, each: int) -> tuple[int, dic
             for op in ["apply", "revert"] * each
         ]
         for proc in procs:
-            proc.communicate()
+            out, err = proc.communicate()
+            if proc.returncode != 0:
+                text = (err or out).decode(errors="replace").strip().splitlines()
+                messages.setdefault(f"rc {proc.returncode}: {text[-1] if text else ''}")
             if proc.returncode == 2:
                 seen["internal errors"] += 1
             elif proc.returncode == 1:
@@ -319,7 +325,7 @@ def racing(pristine: Path, work: Path, rounds: int, each: int) -> tuple[int, dic
         if now not in (original, patched) or status != (0 if now == patched else 1):
             seen["mixed"] += 1
     shutil.rmtree(site)
-    return rounds, seen
+    return rounds, seen, list(messages)[:10]
 
 
 def concurrent_writer(pristine: Path, work: Path, runs: int, seed: int) -> tuple[int, int, int]:
@@ -529,7 +535,8 @@ def main() -> None:
             )
         )
     if "racing" in args.only:
-        rounds, seen = racing(pristine, work, args.rounds, args.racers)
+        rounds, seen, found = racing(pristine, work, args.rounds, args.racers)
+        failures += found
         bad = sum(seen.values())
         rows.append(
             (
