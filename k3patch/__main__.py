@@ -11,6 +11,12 @@ import sys
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--version"]:
+        # Entrypoints log it on every start: not worth importing typer (150-200 ms) for.
+        from k3patch import __version__
+
+        print(f"k3patch {__version__}")
+        sys.exit(0)
     # K3PATCH_NO_FASTPATH=1 always runs the full path (to compare the two, or to rule it out).
     if not os.environ.get("K3PATCH_NO_FASTPATH"):
         from k3patch.fastpath import try_fast

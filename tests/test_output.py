@@ -242,3 +242,21 @@ def test_verify_says_what_it_runs_and_to_apply_first(make_tree, verify_python):
     record = proc.stdout.replace("\n  ", " ")
     assert "aiter-mla-gfx942, moriio-chunk-gate pending: run `k3patch apply` first" in record
     assert long_lines(proc.stdout, LOG_WIDTH) == []
+
+
+def test_version_is_printed_without_the_cli_stack():
+    """The entrypoint logs `k3patch --version` on every start: it must cost an interpreter, not
+    typer's import."""
+    from k3patch import __version__
+
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "k3patch", "--version"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0 and proc.stdout == f"k3patch {__version__}\n"
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()}
+    assert "typer" not in imported and "rich" not in imported
+    # With another option beside it, the CLI decides (and prints the same line).
+    full = run_cli("--version", "--help")
+    assert full.returncode == 0 and full.stdout == f"k3patch {__version__}\n"
