@@ -221,3 +221,46 @@ def verify_python() -> str:
             "with torch==2.13.0 and shared/cpu-import-deps.txt installed"
         )
     return python
+
+
+# --------------------------------------------------------------------------------------------
+# Patch tables in the spirit of LibCST's CodemodTest: a patch run in memory over a few files
+# (paths relative to the `vllm` package), no tree, no CLI.
+
+
+def patch_named(patch_id: str):
+    from k3patch.registry import all_patches
+
+    return next(p for p in all_patches() if p.id == patch_id)
+
+
+def classify_files(patch_id: str, files: dict[str, str]) -> dict[str, object]:
+    """The patch's site results on `files` (absent paths read as absent files), by site name."""
+    from k3patch.model import Sources
+
+    sources = Sources(lambda rel: files[rel].encode() if rel in files else None)
+    return {r.site: r for r in patch_named(patch_id).classify(sources)}
+
+
+def assert_rewrites(patch_id: str, before: dict[str, str], after: dict[str, str]) -> None:
+    """`before` reads pending; the rewrite gives exactly `after` (the changed files only); and
+    `after` reads good with nothing left to do, so a second apply is a no-op."""
+    from k3patch.model import Sources, Verdict
+
+    patch = patch_named(patch_id)
+    sources = Sources(lambda rel: before[rel].encode() if rel in before else None)
+    pending = [r for r in patch.classify(sources) if r.verdict is Verdict.PENDING]
+    assert pending, "the before-image is not pending: the test proves nothing"
+    assert patch.rewrite(sources, pending) == after
+    again = classify_files(patch_id, {**before, **after})
+    assert all(r.verdict.is_good for r in again.values()), again
+
+
+def assert_untouched(patch_id: str, files: dict[str, str]) -> dict[str, object]:
+    """Nothing to write: no site is pending, or a drifted site makes the engine refuse the patch.
+    Returns the site results for the caller's own assertions."""
+    from k3patch.model import Verdict, summarise
+
+    found = classify_files(patch_id, files)
+    assert summarise(r.verdict for r in found.values()) is not Verdict.PENDING, found
+    return found

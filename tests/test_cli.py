@@ -190,7 +190,9 @@ def test_installed_wheel_carries_patches(tmp_path):
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", str(root)]
     subprocess.run(pip, check=True, cwd=tmp_path)
     site = next((venv / "lib").glob("python*/site-packages"))
-    assert (site / "k3patch" / "patches" / "aiter_mla_gfx942.py").is_file()
+    for folder_patch in ("aiter_mla_gfx942", "kda_gather_diagnostic"):
+        for name in ("__init__.py", "probe.py"):
+            assert (site / "k3patch" / "patches" / folder_patch / name).is_file()
     assert not (site / "patches").exists(), "a top-level `patches` package was installed"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run(

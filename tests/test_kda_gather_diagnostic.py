@@ -1,13 +1,15 @@
-"""kda-gather-diagnostic on the hand-written fork fixtures and the real 0.29/0.31/0.33 wheels:
-verdicts, the pending -> applied -> revert cycle, the clamp left exactly as it was, one
-`import os`, formatting insensitivity, marker comments, drift refusal, and the probe (which must
-pass on patched code and fail on the fork's own)."""
+"""kda-gather-diagnostic as tables: (tree or snippet, expected verdicts), (before, after) and
+must-not-touch, through conftest's shared helpers; then the CLI cycle on the fork trees (the
+real 0.28.0 wheel + the older scripts), what counts as a sync and as the gate, and the probe,
+which must pass on patched code and fail on the fork's own.
+
+Snippets hold only the site statements SITES.md section 3 describes, inside functions of our
+own (not vLLM source)."""
 
 from __future__ import annotations
 
 import ast
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -15,107 +17,373 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, run_cli, tree_hashes
-from conftest import sites_of as _sites_of
-from conftest import status_json as _status_json
+from conftest import (
+    FIXTURES,
+    assert_rewrites,
+    assert_untouched,
+    built_fork_tree,
+    classify_files,
+    run_cli,
+    sites_of,
+    status_json,
+    tree_hashes,
+)
 from k3patch.patches import kda_gather_diagnostic as kda
+from k3patch.patches.kda_gather_diagnostic import syncs
 
 from k3patch import model
-from k3patch.registry import patch_module_file
+from k3patch import verify as verify_mod
+from k3patch.registry import patches_dir
+from k3patch.tree import locate
 
-ONLY = ["--only", "kda-gather-diagnostic"]
-OPS = "vllm/" + kda.OPS_FILE
-PREFILL = "vllm/" + kda.PREFILL_FILE
-LAYER = "vllm/" + kda.KDA_FILE
-SITE_NAMES = [s.name for s in kda.SITES]
+PATCH = "kda-gather-diagnostic"
+ONLY = ["--only", PATCH]
+OPS, PREFILL, LAYER = kda.OPS_FILE, kda.PREFILL_FILE, kda.KDA_FILE
+GATE_LINE = 'if os.environ.get("K3_KDA_GATHER_LOG", "0") == "1":'
+COMMENT = (
+    "# k3patch kda-gather-diagnostic: each bool() below waits for the GPU stream to drain, once\n"
+    "# per KDA layer per prefill chunk; the diagnostic runs only with K3_KDA_GATHER_LOG=1.\n"
+)
+
+# --------------------------------------------------------------------------------------------
+# Snippets. The diagnostic and the guard as SITES.md gives them; the functions around are ours.
+
+DIAG = """\
+if bool((indices >= _n_state_blocks).any()) or bool((indices < 0).any()):
+    import logging as _lg
+    _bad = indices[(indices >= _n_state_blocks) | (indices < 0)]
+    _lg.getLogger(__name__).warning(
+        "k3-kda guard: %d out of range [0, %d): %s",
+        int(_bad.numel()), _n_state_blocks, _bad[:8].tolist(),
+    )
+"""
+LEGACY = "import os as _k3os\nif _k3os.environ.get('K3_KDA_GATHER_LOG', '0') == '1':\n"
 
 
-def copy_fixture(name: str, tmp_path: Path) -> Path:
-    dst = tmp_path / name
-    shutil.copytree(FIXTURES / name, dst)
-    return dst
+def pad(text: str, by: str = "    ") -> str:
+    return textwrap.indent(text, by, lambda line: bool(line.strip()))
 
 
-def status_json(tree: Path) -> dict:
-    return _status_json(tree, *ONLY)
+def gated(diag: str, by: str = "    ") -> str:
+    """What k3patch leaves: its comment, its gate, the diagnostic one level in (test's own
+    spelling of the post-image, not the patch's code)."""
+    return pad(COMMENT + GATE_LINE + "\n" + pad(diag), by)
 
 
-def sites_of(tree: Path) -> dict[str, dict]:
-    return _sites_of(tree, *ONLY)
+def ops(diag: str = DIAG, clamp: str = "clamp_", head: str = "import torch\n") -> str:
+    return (
+        f"{head}\n\ndef gather_initial_states(state, indices, has_initial_state):\n"
+        "    row_size = state[0].numel()\n"
+        "    assert state[0].is_contiguous()\n"
+        "    # k3-kda guard: indices stay inside the pool, on device.\n"
+        "    _n_state_blocks = int(state.shape[0])\n"
+        "    _safe_idx = torch.where(\n"
+        "        has_initial_state,\n"
+        f"        indices.to(torch.int64).{clamp}(0, _n_state_blocks - 1),\n"
+        "        torch.zeros_like(indices, dtype=torch.int64),\n"
+        "    )\n"
+        f"{diag}"
+        "    indices = _safe_idx\n"
+        "    return torch.empty((indices.shape[0], row_size), dtype=state.dtype)\n"
+    )
 
 
-def source_hashes(tree: Path) -> dict[str, str]:
-    """Hashes of the tree's own files; k3patch's state record beside them does not count."""
-    return {rel: h for rel, h in tree_hashes(tree).items() if not rel.startswith("vllm/.k3patch")}
+UPSTREAM_OPS = (
+    "import torch\n\n\ndef gather_initial_states(state, indices, has_initial_state):\n"
+    "    out = torch.empty((indices.shape[0], state[0].numel()), dtype=state.dtype)\n"
+    "    return out\n"
+)
+CALLER_DIAG = DIAG.replace("indices", "state_indices").replace("_n_state_blocks", "pool.shape[0]")
+
+
+def prefill(diag: str = pad(CALLER_DIAG), head: str = "import torch\n") -> str:
+    return (
+        f"{head}\n\ndef chunk_kda_prefill(q, pool, state_indices):\n"
+        f"{diag}"
+        "    return q + pool[state_indices.clamp(0, pool.shape[0] - 1)]\n"
+    )
+
+
+def layer(diag: str = pad(CALLER_DIAG, " " * 8)) -> str:
+    return (
+        "import torch\n\n\nclass KimiK3DeltaAttention:\n"
+        "    def _forward(self, q, pool, state_indices):\n"
+        f"{diag}"
+        "        return q\n"
+    )
 
 
 # --------------------------------------------------------------------------------------------
-# Verdicts of every fixture and of the real wheels.
+# Table 1: (tree or snippet, expected verdict and shape per site).
 
-FIXTURE_VERDICTS = {
-    "kda-fork-folded": {
-        "gather_initial_states": ("pending", "fork, folded guard (clamp_); fork diagnostic"),
-        "chunk_kda_prefill": ("not applicable", ""),
-        "KimiK3DeltaAttention._forward": ("not applicable", ""),
+NA = ("not applicable", "")
+FORK = ("pending", "fork, guard script (clamp); fork diagnostic")
+TREE_VERDICTS = {
+    "fork:a": {"gather_initial_states": FORK},
+    "fork:a-comments": {"gather_initial_states": FORK},
+    "fork:a-nodebug": {"gather_initial_states": FORK},
+    "fork:c": {"gather_initial_states": FORK},
+    "fork:b": {
+        "gather_initial_states": ("pending", "fork, folded guard (clamp_); fork diagnostic")
     },
-    "kda-fork-guard-script": {
-        "gather_initial_states": ("pending", "fork, guard script (clamp); fork diagnostic"),
-        "chunk_kda_prefill": ("not applicable", ""),
-        "KimiK3DeltaAttention._forward": ("not applicable", ""),
-    },
-    "kda-legacy-nosync": {
+    "fork:d": {
         "gather_initial_states": (
             "satisfied",
-            "fork, folded guard (clamp_); older anchor script (k3-kda-nosync)",
-        ),
-        "chunk_kda_prefill": ("not applicable", ""),
-        "KimiK3DeltaAttention._forward": ("not applicable", ""),
+            "fork, guard script (clamp); older anchor script (k3-kda-nosync)",
+        )
     },
-    "kda-inlined-caller": {
-        "gather_initial_states": ("not applicable", ""),
+    "wheel:0.29.0": {"gather_initial_states": NA},
+    "wheel:0.31.0": {"gather_initial_states": NA},
+    "wheel:0.33.0": {"gather_initial_states": NA},
+    "fixture:kda-inlined-caller": {
+        "gather_initial_states": NA,
         "chunk_kda_prefill": ("pending", "fork diagnostic"),
         "KimiK3DeltaAttention._forward": ("pending", "fork diagnostic"),
     },
 }
 
 
-@pytest.mark.parametrize("fixture", sorted(FIXTURE_VERDICTS))
-def test_fixture_verdicts(fixture, tmp_path):
-    tree = copy_fixture(fixture, tmp_path)
-    found = sites_of(tree)
-    assert sorted(found) == sorted(SITE_NAMES)
-    for name, (verdict, shape) in FIXTURE_VERDICTS[fixture].items():
-        assert (found[name]["verdict"], found[name]["shape"]) == (verdict, shape), name
-        if verdict == "not applicable":
-            assert found[name]["detail"], "not applicable needs a reason"
+@pytest.fixture
+def tree_of(make_tree, fork_tree, tmp_path):
+    def make(spec: str) -> Path:
+        kind, name = spec.split(":")
+        if kind == "fork":
+            return fork_tree(name)
+        if kind == "wheel":
+            return make_tree(name)
+        shutil.copytree(FIXTURES / name, tmp_path / name)
+        return tmp_path / name
+
+    return make
 
 
 @pytest.mark.wheel
-@pytest.mark.parametrize("version", ["0.29.0", "0.31.0", "0.33.0"])
-def test_upstream_wheels_are_not_applicable(make_tree, version):
-    site = make_tree(version)
-    assert (site / OPS).is_file(), "the upstream file exists: this is not 'file absent'"
-    before = source_hashes(site)
-    found = sites_of(site)
-    ops = found["gather_initial_states"]
-    assert ops["verdict"] == "not applicable"
-    assert "upstream" in ops["detail"] and "masks on device" in ops["detail"]
-    for name in ("chunk_kda_prefill", "KimiK3DeltaAttention._forward"):
-        assert found[name]["verdict"] == "not applicable", name
-        assert found[name]["detail"]
-    proc = run_cli("apply", "--vllm", str(site), *ONLY)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert source_hashes(site) == before, "nothing to do must write nothing"
+@pytest.mark.parametrize("spec", sorted(TREE_VERDICTS))
+def test_tree_verdicts(tree_of, spec):
+    found = sites_of(tree_of(spec), *ONLY)
+    assert sorted(found) == sorted(s.name for s in kda.SITES)
+    for name in found:
+        verdict, shape = TREE_VERDICTS[spec].get(name, NA)
+        assert (found[name]["verdict"], found[name]["shape"]) == (verdict, shape), name
+        if verdict == "not applicable":
+            assert found[name]["detail"], "not applicable needs a reason"
+    if spec.startswith("wheel:"):
+        ops_site = found["gather_initial_states"]
+        assert "upstream" in ops_site["detail"] and "masks on device" in ops_site["detail"]
+
+
+SNIPPET_VERDICTS = {
+    "fork's folded guard": (
+        {OPS: ops(pad(DIAG))},
+        {"gather_initial_states": "pending"},
+    ),
+    "another log text, other quotes": (
+        {OPS: ops(pad(DIAG.replace('"k3-kda guard: %d out of range [0, %d): %s"', "'bad'")))},
+        {"gather_initial_states": "pending"},
+    ),
+    "k3patch's gate": (
+        {OPS: ops(gated(DIAG), head="import os\n\nimport torch\n")},
+        {"gather_initial_states": "applied"},
+    ),
+    "the older script's gate, its import in the function": (
+        {OPS: ops(pad(LEGACY + pad(DIAG)))},
+        {"gather_initial_states": "satisfied"},
+    ),
+    "the older script's gate, its import at module level": (
+        {OPS: ops(pad(LEGACY.split("\n", 1)[1] + pad(DIAG)), head="import os as _k3os\n")},
+        {"gather_initial_states": "satisfied"},
+    ),
+    "a marker comment on unpatched code": (
+        {OPS: ops(pad("# k3-kda-nosync\n# K3_KDA_GATHER_LOG\n" + DIAG))},
+        {"gather_initial_states": "pending"},
+    ),
+    "upstream's function": ({OPS: UPSTREAM_OPS}, {"gather_initial_states": "not applicable"}),
+    "callers with the inlined diagnostic": (
+        {OPS: UPSTREAM_OPS, PREFILL: prefill(), LAYER: layer()},
+        {"chunk_kda_prefill": "pending", "KimiK3DeltaAttention._forward": "pending"},
+    ),
+    "a caller without it": (
+        {PREFILL: prefill(diag="")},
+        {"chunk_kda_prefill": "not applicable"},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SNIPPET_VERDICTS))
+def test_snippet_verdicts(case):
+    files, expected = SNIPPET_VERDICTS[case]
+    found = classify_files(PATCH, files)
+    for name in found:
+        assert found[name].verdict.value == expected.get(name, "not applicable"), name
 
 
 # --------------------------------------------------------------------------------------------
-# The full cycle on the fork fixtures.
+# Table 2: (before, after). Only the files that change are in `after`.
 
-CHANGED = {
-    "kda-fork-folded": [OPS],
-    "kda-fork-guard-script": [OPS],
-    "kda-inlined-caller": [PREFILL, LAYER],
+
+def multiline_message(text: str) -> str:
+    """The log text as a triple-quoted string whose second line starts at column 0."""
+    return text.replace('"k3-kda guard: %d out of range [0, %d): %s",', '"""bad\nindices: %d""",')
+
+
+TAB_DIAG = DIAG.replace("    ", "\t")
+FUTURE = '"""Doc."""\nfrom __future__ import annotations\n\n'
+BEFORE_AFTER = {
+    "fork's folded file": (
+        {OPS: ops(pad(DIAG))},
+        {OPS: ops(gated(DIAG), head="import os\n\nimport torch\n")},
+    ),
+    "guard script's clamp": (
+        {OPS: ops(pad(DIAG), clamp="clamp")},
+        {OPS: ops(gated(DIAG), clamp="clamp", head="import os\n\nimport torch\n")},
+    ),
+    "existing `import os` is reused": (
+        {OPS: ops(pad(DIAG), head="import os\nimport torch\n")},
+        {OPS: ops(gated(DIAG), head="import os\nimport torch\n")},
+    ),
+    "stdlib block first, docstring and __future__ kept": (
+        {OPS: ops(pad(DIAG), head=FUTURE + "import torch\n")},
+        {OPS: ops(gated(DIAG), head=FUTURE + "import os\n\nimport torch\n")},
+    ),
+    "multi-line log text keeps its value": (
+        {OPS: multiline_message(ops(pad(DIAG)))},
+        {OPS: multiline_message(ops(gated(DIAG), head="import os\n\nimport torch\n"))},
+    ),
+    "both callers, one `import os` each": (
+        {OPS: UPSTREAM_OPS, PREFILL: prefill(), LAYER: layer()},
+        {
+            PREFILL: prefill(gated(CALLER_DIAG), head="import os\n\nimport torch\n"),
+            LAYER: "import os\n\n" + layer(gated(CALLER_DIAG, " " * 8)),
+        },
+    ),
+    "a CRLF file stays CRLF": (
+        {OPS: ops(pad(DIAG)).replace("\n", "\r\n")},
+        {OPS: ops(gated(DIAG), head="import os\n\nimport torch\n").replace("\n", "\r\n")},
+    ),
+    "a tab-indented caller stays tab-indented": (
+        {
+            PREFILL: prefill(pad(TAB_DIAG.replace("indices", "state_indices"), "\t")).replace(
+                "    return", "\treturn"
+            )
+        },
+        {
+            PREFILL: prefill(
+                "\t"
+                + COMMENT.replace("\n#", "\n\t#")
+                + "\t"
+                + GATE_LINE
+                + "\n"
+                + pad(TAB_DIAG.replace("indices", "state_indices"), "\t\t"),
+                head="import os\n\nimport torch\n",
+            ).replace("    return", "\treturn")
+        },
+    ),
 }
+
+
+@pytest.mark.parametrize("case", sorted(BEFORE_AFTER))
+def test_before_after(case):
+    before, after = BEFORE_AFTER[case]
+    assert_rewrites(PATCH, before, after)
+
+
+# --------------------------------------------------------------------------------------------
+# Table 3: must not touch. Drift (a person must look; k3patch does not guess) and good states.
+
+MUST_NOT_TOUCH = {
+    "diagnostic through .item()": (
+        {OPS: ops(pad(DIAG.replace("bool((indices < 0).any())", "(indices < 0).any().item()")))},
+        "the diagnostic is in no known shape",
+    ),
+    "diagnostic logs 16 indices": (
+        {OPS: ops(pad(DIAG.replace("[:8]", "[:16]")))},
+        "no known shape",
+    ),
+    "error, not warning": ({OPS: ops(pad(DIAG.replace(".warning(", ".error(")))}, "no known shape"),
+    "f-string log text": (
+        {OPS: ops(pad(DIAG.replace('"k3-kda guard: %d out of range [0, %d): %s"', 'f"{x}"')))},
+        "no known shape",
+    ),
+    "only the upper bound": (
+        {OPS: ops(pad(DIAG.replace(" or bool((indices < 0).any())", "")))},
+        "no known shape",
+    ),
+    "clamp bound changed": (
+        {OPS: ops(pad(DIAG)).replace("_n_state_blocks - 1)", "_n_state_blocks)")},
+        "guard is in no known shape",
+    ),
+    "diagnostic test replaced": (
+        {OPS: ops(pad("if False:\n" + DIAG.split("\n", 1)[1]))},
+        "no known shape",
+    ),
+    "diagnostic deleted": ({OPS: ops("")}, "guard is in no known shape"),
+    "`os` bound to something else": (
+        {OPS: ops(pad(DIAG), head="import torch\nfrom torch import os\n")},
+        "binds `os` to something else",
+    ),
+    "gate without `import os`": ({OPS: ops(gated(DIAG))}, "NameError"),
+    "legacy gate without its import": (
+        {OPS: ops(pad(LEGACY.split("\n", 1)[1] + pad(DIAG)))},
+        "_k3os",
+    ),
+    "gate on another variable": (
+        {OPS: ops(gated(DIAG).replace("K3_KDA_GATHER_LOG", "K3_OTHER"), head="import os\n")},
+        "no known shape",
+    ),
+    "gate defaulting on": (
+        {OPS: ops(gated(DIAG).replace('"0") == "1"', '"1") == "1"'), head="import os\n")},
+        "no known shape",
+    ),
+    "gate with more in it": (
+        {OPS: ops(gated(DIAG) + "        print(indices)\n", head="import os\n")},
+        "no known shape",
+    ),
+    "a syncing test without the guard": (
+        {
+            OPS: UPSTREAM_OPS.replace(
+                "    out =",
+                "    if bool((indices < 0).any()):\n        indices = indices.abs()\n    out =",
+            )
+        },
+        "fork traces",
+    ),
+    "one drifted caller blocks the other": (
+        {PREFILL: prefill(), LAYER: layer(pad(CALLER_DIAG.replace("[:8]", ""), " " * 8))},
+        "no known shape",
+    ),
+    "the older script's fix": ({OPS: ops(pad(LEGACY + pad(DIAG)))}, ""),
+    "already applied": ({OPS: ops(gated(DIAG), head="import os\n")}, ""),
+    "upstream": ({OPS: UPSTREAM_OPS}, ""),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MUST_NOT_TOUCH))
+def test_must_not_touch(case):
+    files, why = MUST_NOT_TOUCH[case]
+    for text in files.values():
+        compile(text, "snippet", "exec")
+    found = assert_untouched(PATCH, files)
+    if why:
+        (drift,) = [r for r in found.values() if r.verdict.value == "drifted"]
+        assert why in drift.detail, drift.detail
+        assert drift.found and drift.expected, "a drift report shows what it found and wanted"
+
+
+def test_guard_names_are_fixed_inside_gather_initial_states():
+    # A caller may name the indices anything; inside the guard they are the guard's own names.
+    caller = ast.parse(CALLER_DIAG).body[0]
+    assert kda.match_diagnostic(caller) is kda.FORK_DIAGNOSTIC
+    assert kda.match_diagnostic(caller, kda.GUARD_NAMES) is None
+
+
+def test_known_shapes_carry_versions_as_data():
+    assert kda.GUARD_FOLDED.versions == kda.GUARD_SCRIPT.versions == kda.FORK_BUILDS
+    assert kda.FORK_BUILDS.contains("0.28.0") and not kda.FORK_BUILDS.contains("0.29.0")
+    assert kda.APPLIED_DIAGNOSTIC.versions is None, "k3patch's own shape holds on any version"
+
+
+# --------------------------------------------------------------------------------------------
+# The CLI cycle on real trees: check, apply, applied, idempotent, revert byte-identical.
 
 
 def guard_statements(path: Path) -> list[str]:
@@ -130,93 +398,67 @@ def guard_statements(path: Path) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("fixture", sorted(CHANGED))
-def test_full_cycle(fixture, tmp_path):
-    tree = copy_fixture(fixture, tmp_path)
+CYCLE = {"fork:b": [OPS], "fork:a": [OPS], "fixture:kda-inlined-caller": [PREFILL, LAYER]}
+
+
+@pytest.mark.wheel
+@pytest.mark.parametrize("spec", sorted(CYCLE))
+def test_full_cycle(tree_of, spec):
+    tree = tree_of(spec)
+    rels = ["vllm/" + rel for rel in CYCLE[spec]]
     original = tree_hashes(tree)
-    guards = {rel: guard_statements(tree / rel) for rel in CHANGED[fixture]}
-
-    before = status_json(tree)
-    assert before["_rc"] == 1
-    assert before["patches"][0]["verdict"] == "pending"
-
-    check = run_cli("apply", "--vllm", str(tree), "--check", *ONLY)
-    assert check.returncode == 1
+    guards = {rel: guard_statements(tree / rel) for rel in rels}
+    assert status_json(tree, *ONLY)["_rc"] == 1
+    assert run_cli("apply", "--vllm", str(tree), "--check", *ONLY).returncode == 1
     assert tree_hashes(tree) == original, "--check wrote something"
 
     first = run_cli("apply", "--vllm", str(tree), *ONLY)
     assert first.returncode == 0, first.stdout + first.stderr
-    after = status_json(tree)
-    assert after["_rc"] == 0
-    assert after["patches"][0]["verdict"] == "applied"
+    after = status_json(tree, *ONLY)
+    assert (after["_rc"], after["patches"][0]["verdict"]) == (0, "applied")
     changed = {rel for rel, digest in tree_hashes(tree).items() if original.get(rel) != digest}
-    assert {c for c in changed if not c.startswith("vllm/.k3patch")} == set(CHANGED[fixture])
-
-    for rel in CHANGED[fixture]:
+    assert {c for c in changed if not c.startswith("vllm/.k3patch")} == set(rels)
+    for rel in rels:
         text = (tree / rel).read_text()
-        # The clamp and the reassignment are byte-for-byte what they were.
-        assert guard_statements(tree / rel) == guards[rel]
-        module = ast.parse(text)
-        top_imports = [
-            a.name
-            for n in module.body
-            if isinstance(n, ast.Import)
-            for a in n.names
-            if a.name == "os"
-        ]
-        assert top_imports == ["os"], "exactly one module-level `import os`"
-        assert text.count('os.environ.get("K3_KDA_GATHER_LOG", "0") == "1"') == 1
+        assert guard_statements(tree / rel) == guards[rel], "the clamp must stay byte for byte"
+        top = [a.name for n in ast.parse(text).body if isinstance(n, ast.Import) for a in n.names]
+        assert top.count("os") == 1, "exactly one module-level `import os`"
+        assert text.count(GATE_LINE) == 1
 
     once = tree_hashes(tree)
-    second = run_cli("apply", "--vllm", str(tree), *ONLY)
-    assert second.returncode == 0
+    assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 0
     assert tree_hashes(tree) == once, "a second apply changed bytes"
-
     back = run_cli("revert", "--vllm", str(tree))
     assert back.returncode == 0, back.stdout + back.stderr
     assert tree_hashes(tree) == original, "revert is not byte-identical"
 
 
-def test_gate_sits_where_the_diagnostic_was(tmp_path):
-    tree = copy_fixture("kda-fork-folded", tmp_path)
-    assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 0
-    module = ast.parse((tree / OPS).read_text())
-    func = kda.find_site_function(module, kda.SITES[0])
-    body = [ast.unparse(s) for s in func.body]
-    start = body.index("_n_state_blocks = int(state.shape[0])")
-    gate = func.body[start + 2]
-    assert isinstance(gate, ast.If) and kda.is_gate(gate.test)
-    assert len(gate.body) == 1 and not gate.orelse
-    assert kda.match_diagnostic(gate.body[0], kda.GUARD_NAMES) is kda.FORK_DIAGNOSTIC
-    assert body[start + 3] == "indices = _safe_idx"
-
-
-def test_legacy_fixed_form_is_left_alone(tmp_path):
-    tree = copy_fixture("kda-legacy-nosync", tmp_path)
-    before = source_hashes(tree)
+@pytest.mark.wheel
+def test_drift_on_a_real_tree_is_refused(fork_tree):
+    tree = fork_tree("b")
+    path = tree / "vllm" / OPS
+    path.write_text(path.read_text().replace("_bad[:8].tolist()", "_bad[:16].tolist()"))
+    before = tree_hashes(tree)
     proc = run_cli("apply", "--vllm", str(tree), *ONLY)
-    assert proc.returncode == 0
-    assert source_hashes(tree) == before
+    assert proc.returncode == 1 and "drifted" in proc.stdout
+    assert tree_hashes(tree) == before
 
 
-def test_existing_import_os_is_reused(tmp_path):
-    tree = copy_fixture("kda-fork-folded", tmp_path)
-    path = tree / OPS
-    path.write_text(path.read_text().replace("import torch\n", "import os\nimport torch\n", 1))
+@pytest.mark.wheel
+def test_older_fix_on_tree_d_is_left_alone(fork_tree):
+    tree = fork_tree("d")
+    before = (tree / "vllm" / OPS).read_bytes()
     assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 0
-    assert path.read_text().count("import os\n") == 1
-
-
-# --------------------------------------------------------------------------------------------
-# Fingerprints, not markers: formatting never matters, comments never count.
+    assert (tree / "vllm" / OPS).read_bytes() == before
 
 
 def test_reformatted_post_image_still_applied(tmp_path):
-    tree = copy_fixture("kda-inlined-caller", tmp_path)
+    tree = tmp_path / "t"
+    shutil.copytree(FIXTURES / "kda-inlined-caller", tree)
     assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 0
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     for rel in (PREFILL, LAYER):
-        path = tree / rel
+        path = tree / "vllm" / rel
         text = path.read_text()
         subprocess.run([ruff, "format", "--line-length", "79", "--no-cache", str(path)], check=True)
         new = path.read_text()
@@ -225,240 +467,9 @@ def test_reformatted_post_image_still_applied(tmp_path):
             "# k3patch kda-gather-diagnostic:", "# reworded by hand:"
         )
         path.write_text(new)
-    found = sites_of(tree)
+    found = sites_of(tree, *ONLY)
     assert found["chunk_kda_prefill"]["verdict"] == "applied"
     assert found["KimiK3DeltaAttention._forward"]["verdict"] == "applied"
-
-
-@pytest.mark.parametrize(
-    "comment",
-    ["# k3-kda-nosync", "# k3patch kda-gather-diagnostic: applied", "# K3_KDA_GATHER_LOG"],
-)
-def test_marker_comment_on_unpatched_code_is_pending(tmp_path, comment):
-    tree = copy_fixture("kda-fork-folded", tmp_path)
-    path = tree / OPS
-    text = path.read_text()
-    anchor = "    if bool((indices >= _n_state_blocks).any())"
-    path.write_text(text.replace(anchor, f"    {comment}\n{anchor}"))
-    assert sites_of(tree)["gather_initial_states"]["verdict"] == "pending"
-
-
-# --------------------------------------------------------------------------------------------
-# Drift: the site is there, in a shape k3patch does not know. Nothing is written.
-
-OPS_DRIFTS = {
-    "diagnostic through .item()": (
-        "bool((indices < 0).any())",
-        "(indices < 0).any().item()",
-        "the diagnostic is in no known shape",
-    ),
-    "diagnostic logs 16 indices": ("_bad[:8].tolist()", "_bad[:16].tolist()", "no known shape"),
-    "clamp bound changed": (
-        ".clamp_(0, _n_state_blocks - 1)",
-        ".clamp_(0, _n_state_blocks)",
-        "guard is in no known shape",
-    ),
-    "diagnostic test replaced": (
-        "    if bool((indices >= _n_state_blocks).any()) or bool((indices < 0).any()):\n",
-        "    if False:\n",
-        "no known shape",
-    ),
-    "`os` bound to something else": (
-        "import torch\n",
-        "import torch\nfrom torch import os\n",
-        "binds `os` to something else",
-    ),
-}
-
-
-@pytest.mark.parametrize("case", sorted(OPS_DRIFTS))
-def test_drift_in_gather_initial_states_is_refused(tmp_path, case):
-    old, new, why = OPS_DRIFTS[case]
-    tree = copy_fixture("kda-fork-folded", tmp_path)
-    path = tree / OPS
-    text = path.read_text()
-    assert old in text
-    text = text.replace(old, new, 1)
-    compile(text, str(path), "exec")
-    path.write_text(text)
-    assert_refused(tree, why)
-
-
-def assert_refused(tree: Path, why: str) -> None:
-    before = tree_hashes(tree)
-    data = status_json(tree)
-    assert data["_rc"] == 1
-    site = next(s for s in data["patches"][0]["sites"] if s["site"] == "gather_initial_states")
-    assert site["verdict"] == "drifted", site
-    assert why in site["detail"]
-    assert site["found"], "a drift report must show what was found"
-    assert site["expected"], "a drift report must say what was expected"
-    proc = run_cli("apply", "--vllm", str(tree), *ONLY)
-    assert proc.returncode == 1
-    assert "drifted" in proc.stdout
-    assert tree_hashes(tree) == before
-
-
-def test_deleted_diagnostic_is_drift(tmp_path):
-    # Sync-free, but not a shape anyone described: a person has to look, k3patch does not guess.
-    tree = copy_fixture("kda-fork-folded", tmp_path)
-    path = tree / OPS
-    text = path.read_text()
-    start = text.index("    if bool((indices >= _n_state_blocks).any())")
-    path.write_text(text[:start] + text[text.index("    indices = _safe_idx") :])
-    assert_refused(tree, "guard is in no known shape")
-
-
-def test_gate_without_import_os_is_drift(tmp_path):
-    tree = copy_fixture("kda-fork-folded", tmp_path)
-    assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 0
-    assert run_cli("revert", "--vllm", str(tree)).returncode == 0
-    assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 0
-    path = tree / OPS
-    path.write_text(path.read_text().replace("import os\n\n", "", 1))
-    assert_refused(tree, "NameError")
-
-
-def test_syncing_test_without_the_guard_is_drift_not_upstream(tmp_path):
-    # Upstream-shaped function plus an ad-hoc syncing check: not upstream, not the fork either.
-    tree = copy_fixture("kda-inlined-caller", tmp_path)
-    path = tree / OPS
-    text = path.read_text()
-    anchor = "    output = torch.empty("
-    path.write_text(
-        text.replace(
-            anchor, "    if bool((indices < 0).any()):\n        indices = indices.abs()\n" + anchor
-        )
-    )
-    before = tree_hashes(tree)
-    site = sites_of(tree)["gather_initial_states"]
-    assert site["verdict"] == "drifted"
-    assert "indices.abs()" in site["found"]
-    assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 1
-    assert tree_hashes(tree) == before
-
-
-def test_legacy_gate_without_its_import_is_drift(tmp_path):
-    tree = copy_fixture("kda-legacy-nosync", tmp_path)
-    path = tree / OPS
-    path.write_text(path.read_text().replace("    import os as _k3os\n", ""))
-    site = sites_of(tree)["gather_initial_states"]
-    assert site["verdict"] == "drifted"
-    assert "_k3os" in site["detail"]
-
-
-def test_legacy_import_at_module_level_is_satisfied(tmp_path):
-    tree = copy_fixture("kda-legacy-nosync", tmp_path)
-    path = tree / OPS
-    text = path.read_text().replace("    import os as _k3os\n", "")
-    path.write_text(text.replace("import torch\n", "import os as _k3os\nimport torch\n", 1))
-    assert sites_of(tree)["gather_initial_states"]["verdict"] == "satisfied"
-
-
-def test_one_drifted_caller_blocks_the_other(tmp_path):
-    tree = copy_fixture("kda-inlined-caller", tmp_path)
-    path = tree / LAYER
-    path.write_text(path.read_text().replace("_bad[:8].tolist()", "_bad.tolist()"))
-    before = tree_hashes(tree)
-    found = sites_of(tree)
-    assert found["KimiK3DeltaAttention._forward"]["verdict"] == "drifted"
-    assert found["chunk_kda_prefill"]["verdict"] == "pending"
-    assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 1
-    assert tree_hashes(tree) == before
-
-
-# --------------------------------------------------------------------------------------------
-# The shape table: what must match, what must not.
-
-DIAG = textwrap.dedent(
-    """
-    if bool((indices >= _n_state_blocks).any()) or bool((indices < 0).any()):
-        import logging as _lg
-
-        _bad = indices[(indices >= _n_state_blocks) | (indices < 0)]
-        _lg.getLogger(__name__).warning(
-            "k3-kda guard: %d out of range [0, %d): %s",
-            int(_bad.numel()),
-            _n_state_blocks,
-            _bad[:8].tolist(),
-        )
-    """
-)
-
-
-def first_if(source: str) -> ast.If:
-    node = ast.parse(textwrap.dedent(source)).body[0]
-    assert isinstance(node, ast.If)
-    return node
-
-
-MUST_MATCH = {
-    "as the fork writes it": (DIAG, kda.FORK_DIAGNOSTIC),
-    "another log text, other quotes": (
-        DIAG.replace('"k3-kda guard: %d out of range [0, %d): %s"', "'bad: %d / %d: %s'"),
-        kda.FORK_DIAGNOSTIC,
-    ),
-    "a caller's names": (
-        DIAG.replace("indices", "state_indices").replace("_n_state_blocks", "pool.shape[0]"),
-        kda.FORK_DIAGNOSTIC,
-    ),
-    "k3patch's gate": (
-        'if os.environ.get("K3_KDA_GATHER_LOG", "0") == "1":\n' + textwrap.indent(DIAG, "    "),
-        kda.APPLIED_DIAGNOSTIC,
-    ),
-    "the older script's gate": (
-        "if _k3os.environ.get('K3_KDA_GATHER_LOG', '0') == '1':\n" + textwrap.indent(DIAG, "    "),
-        kda.LEGACY_DIAGNOSTIC,
-    ),
-}
-
-MUST_NOT_MATCH = {
-    ".item() instead of bool()": DIAG.replace(
-        "bool((indices < 0).any())", "(indices < 0).any().item()"
-    ),
-    "> instead of >=": DIAG.replace(
-        "(indices >= _n_state_blocks).any()", "(indices > _n_state_blocks).any()"
-    ),
-    "only the upper bound": DIAG.replace(" or bool((indices < 0).any())", ""),
-    "logs 16": DIAG.replace("[:8]", "[:16]"),
-    "error, not warning": DIAG.replace(".warning(", ".error("),
-    "f-string log": DIAG.replace(
-        '"k3-kda guard: %d out of range [0, %d): %s",', 'f"{_n_state_blocks}",'
-    ),
-    "gate on another variable": (
-        'if os.environ.get("K3_OTHER", "0") == "1":\n' + textwrap.indent(DIAG, "    ")
-    ),
-    "gate defaulting on": (
-        'if os.environ.get("K3_KDA_GATHER_LOG", "1") == "1":\n' + textwrap.indent(DIAG, "    ")
-    ),
-    "gate with more in it": (
-        'if os.environ.get("K3_KDA_GATHER_LOG", "0") == "1":\n'
-        + textwrap.indent(DIAG, "    ")
-        + "    print(indices)\n"
-    ),
-}
-
-
-@pytest.mark.parametrize("case", sorted(MUST_MATCH))
-def test_shapes_that_match(case):
-    source, shape = MUST_MATCH[case]
-    assert kda.match_diagnostic(first_if(source)) is shape
-
-
-@pytest.mark.parametrize("case", sorted(MUST_NOT_MATCH))
-def test_near_misses_match_nothing(case):
-    assert kda.match_diagnostic(first_if(MUST_NOT_MATCH[case])) is None
-
-
-def test_guard_names_are_fixed_inside_gather_initial_states():
-    caller = DIAG.replace("indices", "state_indices")
-    assert kda.match_diagnostic(first_if(caller)) is kda.FORK_DIAGNOSTIC
-    assert kda.match_diagnostic(first_if(caller), kda.GUARD_NAMES) is None
-
-
-def test_guard_shapes_differ_only_in_the_clamp():
-    assert kda.GUARD_FOLDED.fingerprint != kda.GUARD_SCRIPT.fingerprint
-    assert kda.GUARD_FOLDED.source.replace(".clamp_(", ".clamp(") == kda.GUARD_SCRIPT.source
 
 
 # --------------------------------------------------------------------------------------------
@@ -487,7 +498,7 @@ SYNCS = {
 
 @pytest.mark.parametrize("snippet", sorted(SYNCS))
 def test_sync_points(snippet):
-    found = sorted(kind for _, kind in kda.sync_points(ast.parse(snippet)))
+    found = sorted(kind for _, kind in syncs.sync_points(ast.parse(snippet)))
     assert found == sorted(SYNCS[snippet])
 
 
@@ -506,7 +517,7 @@ GATES = {
 
 @pytest.mark.parametrize("test", sorted(GATES))
 def test_gate_recognition(test):
-    assert kda.is_gate(ast.parse(test, mode="eval").body) is GATES[test]
+    assert syncs.is_gate(ast.parse(test, mode="eval").body) is GATES[test]
 
 
 def test_ungated_points_are_reported_with_lines():
@@ -523,158 +534,108 @@ def test_ungated_points_are_reported_with_lines():
             """
         )
     ).body[0]
-    gated, ungated = kda.ungated_sync_points(func)
-    assert gated == ["bool() of a tensor at line 4"]
+    gated_points, ungated = syncs.ungated_sync_points(func)
+    assert gated_points == ["bool() of a tensor at line 4"]
     assert sorted(ungated) == [".item() at line 7", ".tolist() at line 8"]
 
 
 # --------------------------------------------------------------------------------------------
-# `import os`: once, where isort would put it, never over an existing one.
-
-IMPORTS = {
-    "third-party first": ("import torch\n", "import os\n\nimport torch\n"),
-    "stdlib first": ("import logging\nimport torch\n", "import os\nimport logging\nimport torch\n"),
-    "after docstring and __future__": (
-        '"""Doc."""\nfrom __future__ import annotations\n\nimport torch\n',
-        '"""Doc."""\nfrom __future__ import annotations\n\nimport os\n\nimport torch\n',
-    ),
-    "already there": ("import os\nimport torch\n", "import os\nimport torch\n"),
-    "os.path counts": ("import os.path\nimport torch\n", "import os.path\nimport torch\n"),
-}
+# The probe, in the verify child (the tree's own interpreter: torch on CPU, no GPU).
 
 
-@pytest.mark.parametrize("case", sorted(IMPORTS))
-def test_import_os_placement(case):
-    before, after = IMPORTS[case]
-    assert kda.gate_diagnostics(before, ast.parse(before), []) == after
-
-
-def test_gating_keeps_multiline_string_content():
-    source = textwrap.dedent(
-        '''
-        def f(indices, _n_state_blocks):
-            if bool((indices >= _n_state_blocks).any()) or bool((indices < 0).any()):
-                import logging as _lg
-
-                _bad = indices[(indices >= _n_state_blocks) | (indices < 0)]
-                _lg.getLogger(__name__).warning(
-                    """bad
-        indices: %d %d %s""",
-                    int(_bad.numel()),
-                    _n_state_blocks,
-                    _bad[:8].tolist(),
-                )
-        '''
-    ).lstrip()
-    tree = ast.parse(source)
-    diag = tree.body[0].body[0]
-    new = kda.gate_diagnostics(source, tree, [diag])
-    message = [n.value for n in ast.walk(ast.parse(new)) if isinstance(n, ast.Constant)]
-    assert "bad\nindices: %d %d %s" in message
-    gated = ast.parse(new).body[1].body[0]
-    assert kda.match_diagnostic(gated) is kda.APPLIED_DIAGNOSTIC
-
-
-# --------------------------------------------------------------------------------------------
-# The probe, in the tree's own interpreter (torch on CPU, no GPU).
-
-PROBE_RUNNER = r"""
-import importlib.util, json, sys, types
-def load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-for name in ("k3patch", "k3patch.patches"):
-    package = types.ModuleType(name)
-    package.__path__ = []
-    sys.modules[name] = package
-load("k3patch.model", sys.argv[1])
-outcome = load("k3patch.patches._kda_probe", sys.argv[2]).PATCH.probe()
-print(json.dumps({"ok": outcome.ok, "summary": outcome.summary, "checks": list(outcome.checks)}))
-"""
-
-
-def run_probe(python: str, tree: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
-    env.pop("K3_KDA_GATHER_LOG", None)
-    proc = subprocess.run(
-        [python, "-c", PROBE_RUNNER, model.__file__, str(patch_module_file(kda.PATCH))],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tree,
+def run_probe(python: str, root: Path) -> dict:
+    """The probe alone, as verify runs it, on whatever code the tree holds."""
+    result = verify_mod._run_child(
+        python,
+        locate(root),
+        {
+            "model": model.__file__,
+            "package_dir": str(Path(model.__file__).parent),
+            "patches_dir": str(patches_dir()),
+            "patch_modules": {PATCH: "k3patch.patches.kda_gather_diagnostic"},
+            "patches": {PATCH: str(Path(kda.__file__))},
+            "modules": [kda.OPS_MODULE],
+            "probes": [PATCH],
+        },
     )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    probe: dict = result["probes"][PATCH]
+    return probe
 
 
-@pytest.mark.verify
-@pytest.mark.parametrize(
-    "fixture", ["kda-fork-folded", "kda-fork-guard-script", "kda-inlined-caller"]
-)
-def test_verify_passes_once_applied(tmp_path, verify_python, fixture):
-    tree = copy_fixture(fixture, tmp_path)
-    assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 0
-    proc = run_cli("verify", "--vllm", str(tree), "--python", verify_python, "--json", *ONLY)
+def verify_json(tree: Path, python: str) -> dict:
+    proc = run_cli("verify", "--vllm", str(tree), "--python", python, "--json", *ONLY)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    check = json.loads(proc.stdout)["verify"]["patches"][0]
+    check: dict = json.loads(proc.stdout)["verify"]["patches"][0]
+    return check
+
+
+@pytest.mark.wheel
+@pytest.mark.verify
+@pytest.mark.parametrize("spec", ["fork:b", "fork:a", "fixture:kda-inlined-caller"])
+def test_verify_passes_once_applied(tree_of, fork_tree, verify_python, spec):
+    kind, name = spec.split(":")
+    tree = fork_tree(name, full=True) if kind == "fork" else tree_of(spec)
+    assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 0
+    check = verify_json(tree, verify_python)
     assert check["modules"][0]["status"] == "ok"
     probe = check["probe"]
     assert probe["ok"] is True, probe
-    assert "AST of every site and a traced CPU run" in probe["summary"]
+    assert probe["summary"] == (
+        "no sync reachable with K3_KDA_GATHER_LOG unset (decided by the AST of every site and "
+        "a traced CPU run of gather_initial_states)"
+    )
     unset = [c for c in probe["checks"] if "K3_KDA_GATHER_LOG=unset" in c]
     assert unset and all("sync-capable ops: none" in c for c in unset)
-    if fixture != "kda-inlined-caller":
+    if kind == "fork":
         (on,) = [c for c in probe["checks"] if "K3_KDA_GATHER_LOG=1" in c]
         assert "__bool__" in on and "1 warning(s)" in on and "rows right" in on
 
 
+@pytest.mark.wheel
 @pytest.mark.verify
-def test_verify_passes_on_the_legacy_form(tmp_path, verify_python):
-    tree = copy_fixture("kda-legacy-nosync", tmp_path)
-    proc = run_cli("verify", "--vllm", str(tree), "--python", verify_python, "--json", *ONLY)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert json.loads(proc.stdout)["verify"]["patches"][0]["probe"]["ok"] is True
+def test_verify_passes_on_the_older_fix(fork_tree, verify_python):
+    assert verify_json(fork_tree("d", full=True), verify_python)["probe"]["ok"] is True
 
 
+@pytest.mark.wheel
 @pytest.mark.verify
-@pytest.mark.parametrize("fixture", ["kda-fork-folded", "kda-inlined-caller"])
-def test_probe_fails_on_the_fork_code(tmp_path, verify_python, fixture):
-    tree = copy_fixture(fixture, tmp_path)
-    out = run_probe(verify_python, tree)
+@pytest.mark.parametrize("spec", ["fork:b", "fixture:kda-inlined-caller"])
+def test_probe_fails_on_the_fork_code(verify_python, spec):
+    kind, name = spec.split(":")
+    out = run_probe(verify_python, built_fork_tree(name) if kind == "fork" else FIXTURES / name)
     assert out["ok"] is False
     assert "reachable with K3_KDA_GATHER_LOG unset" in out["summary"]
     assert "bool() of a tensor" in out["summary"]
-    if fixture == "kda-fork-folded":
+    if kind == "fork":
         (traced,) = [c for c in out["checks"] if "unset, indices in range" in c]
-        assert "__bool__" in traced
+        assert "__bool__" in traced and "FAILED" in traced
 
 
+@pytest.mark.wheel
 @pytest.mark.verify
-def test_probe_sees_a_lost_clamp(tmp_path, verify_python):
+def test_probe_sees_a_lost_clamp(fork_tree, verify_python):
     # Gated, but the clamp no longer bounds the index: the stubbed kernel sees index 9 of 6.
-    tree = copy_fixture("kda-fork-folded", tmp_path)
+    tree = fork_tree("b", full=True)
     assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 0
-    path = tree / OPS
+    path = tree / "vllm" / OPS
     path.write_text(path.read_text().replace("_n_state_blocks - 1)", "_n_state_blocks + 9)"))
     out = run_probe(verify_python, tree)
     assert out["ok"] is False
     assert "out-of-range index reached the kernel" in out["summary"]
 
 
-def test_patch_module_imports_only_stdlib_and_model():
-    # The verify child loads this file by path with nothing but the stdlib and k3patch.model.
-    tree = ast.parse(Path(patch_module_file(kda.PATCH)).read_text())
-    top = set()
-    for node in tree.body:
-        if isinstance(node, ast.Import):
-            top |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            top.add(node.module or "")
-    outside = {m for m in top if m.split(".")[0] not in sys.stdlib_module_names}
-    assert outside == {"k3patch.model"}
+def test_patch_imports_only_stdlib_and_k3patch_stdlib_modules():
+    # The verify child imports the patch with nothing but the stdlib and these k3patch modules.
+    allowed = {"k3patch.model", "k3patch.shapes", "k3patch.edits", "k3patch.probekit"}
+    for path in sorted(Path(kda.__file__).parent.glob("*.py")):
+        top = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                top |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                top.add(node.module or "")
+        outside = {m for m in top if m.split(".")[0] not in sys.stdlib_module_names}
+        assert outside <= allowed, (path.name, outside)
 
 
 def test_fixture_headers_name_the_sites_paragraph():

@@ -9,14 +9,21 @@ call time) says yes on any gfx9 when the two AITER flags are on, which they are 
 Fix: `is_mla_enabled` keeps both flags and also requires that the GPU is not gfx942, unless the
 user set `VLLM_ROCM_USE_AITER_MLA` explicitly (then their choice stands). The arch helper is
 imported inside the method because `vllm.platforms.rocm` cannot be imported without a GPU.
-Check: `k3patch verify` runs the truth table against the patched module: unset on gfx942 -> off,
-`=1` on gfx942 -> on, `=0` -> off, unset on gfx950 -> on, either AITER flag off -> off.
+Check: `k3patch verify` runs the truth table against the patched module (probe.py): unset on
+gfx942 -> off, `=1` on gfx942 -> on, `=0` -> off, unset on gfx950 -> on, either AITER flag off
+-> off.
+Real trees: the upstream wheels 0.15.0-0.33.0 and the fork trees (0.28.0) read pending and are
+patched; 0.14.1 reads drifted (it lacks what the fixed method calls) and is left alone.
 Not covered: `--attention-backend ROCM_AITER_MLA` selects the backend without asking
 `is_mla_enabled`; this patch cannot stop an explicit backend choice.
 """
 
 from __future__ import annotations
 
+import ast
+from dataclasses import replace as with_fields
+
+from k3patch.edits import SourceText, apply_edits, replace
 from k3patch.model import (
     Patch,
     ProbeOutcome,
@@ -24,18 +31,16 @@ from k3patch.model import (
     SiteResult,
     Sources,
     Verdict,
-    find_class,
     find_function,
-    find_method,
+    find_scope,
     match_shapes,
     module_binds,
 )
+from k3patch.shapes import VersionRange
 
 FILE = "_aiter_ops.py"
 ROCM_FILE = "platforms/rocm.py"
-CLASS = "rocm_aiter_ops"
-METHOD = "is_mla_enabled"
-SITE = f"{CLASS}.{METHOD}"
+SITE = "rocm_aiter_ops.is_mla_enabled"
 
 # Every upstream vLLM from 0.12.0 to 0.33.0 (0.12.0-0.13.0 add a docstring, which the
 # fingerprint ignores).
@@ -49,6 +54,7 @@ UPSTREAM_BUGGY = Shape(
         return cls._AITER_ENABLED and cls._MLA_ENABLED
     """,
     origin="both AITER flags only; gfx942 is not excluded",
+    versions=VersionRange("0.12.0", "0.33.0"),
 )
 
 POST_IMAGE = """
@@ -72,6 +78,11 @@ APPLIED = Shape("k3patch", Verdict.APPLIED, POST_IMAGE, origin="gfx942 excluded 
 SHAPES = (UPSTREAM_BUGGY, APPLIED)
 
 
+def find_site(module: ast.Module) -> ast.FunctionDef | None:
+    found = find_scope(module, SITE)
+    return found if isinstance(found, ast.FunctionDef) else None
+
+
 class AiterMlaGfx942(Patch):
     id = "aiter-mla-gfx942"
     title = "AITER MLA off on gfx942 unless VLLM_ROCM_USE_AITER_MLA is set explicitly"
@@ -85,29 +96,15 @@ class AiterMlaGfx942(Patch):
         src = sources[FILE]
         if not src.exists:
             return [self.result(SITE, FILE, Verdict.NOT_APPLICABLE, "vllm/_aiter_ops.py is absent")]
-        cls = find_class(src.tree, CLASS)
-        method = find_method(cls, METHOD) if cls else None
+        method = find_site(src.tree)
         if method is None:
-            return [
-                self.result(
-                    SITE, FILE, Verdict.NOT_APPLICABLE, f"{SITE} is absent: no AITER MLA switch"
-                )
-            ]
+            why = f"{SITE} is absent: no AITER MLA switch"
+            return [self.result(SITE, FILE, Verdict.NOT_APPLICABLE, why)]
         result = match_shapes(self.id, SITE, src, method, SHAPES)
-        if result.verdict is Verdict.PENDING:
-            missing = self._missing_preconditions(sources)
-            if missing:
-                return [
-                    SiteResult(
-                        patch_id=self.id,
-                        site=SITE,
-                        file=FILE,
-                        verdict=Verdict.DRIFTED,
-                        shape=result.shape,
-                        line=result.line,
-                        detail="known buggy shape, but the fix needs " + "; ".join(missing),
-                    )
-                ]
+        missing = self._missing_preconditions(sources) if result.verdict is Verdict.PENDING else []
+        if missing:
+            detail = "known buggy shape, but the fix needs " + "; ".join(missing)
+            return [with_fields(result, verdict=Verdict.DRIFTED, detail=detail)]
         return [result]
 
     def _missing_preconditions(self, sources: Sources) -> list[str]:
@@ -121,60 +118,16 @@ class AiterMlaGfx942(Patch):
         return missing
 
     def rewrite(self, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
-        from k3patch.codemod import replace_statement
-
         src = sources[FILE]
-        cls = find_class(src.tree, CLASS)
-        method = find_method(cls, METHOD) if cls else None
+        method = find_site(src.tree)
         if method is None:
             raise ValueError(f"{SITE} vanished between classification and rewrite")
-        return {FILE: replace_statement(src.text, method, POST_IMAGE)}
+        return {FILE: apply_edits(src.text, [replace(SourceText(src.text), [method], POST_IMAGE)])}
 
     def probe(self) -> ProbeOutcome:
+        from .probe import probe_truth_table
+
         return probe_truth_table()
 
 
 PATCH = AiterMlaGfx942()
-
-
-# --------------------------------------------------------------------------------------------
-# The behaviour probe. It runs in the verify child against the real, imported module; it needs
-# no GPU because it stands in `vllm.platforms.rocm` with a module whose `on_gfx942` it controls.
-
-_ENV = "VLLM_ROCM_USE_AITER_MLA"
-
-# (env value or None for unset, on gfx942, AITER flag, MLA flag) -> expected is_mla_enabled
-TRUTH_TABLE: tuple[tuple[str | None, bool, bool, bool, bool], ...] = (
-    (None, True, True, True, False),
-    ("1", True, True, True, True),
-    ("0", True, True, False, False),
-    ("0", False, True, False, False),
-    (None, False, True, True, True),
-    (None, False, False, True, False),
-    (None, False, True, False, False),
-    ("1", True, False, True, False),
-)
-
-
-def probe_truth_table() -> ProbeOutcome:
-    from vllm._aiter_ops import rocm_aiter_ops  # type: ignore[import-not-found]
-
-    from k3patch.probekit import Checks, Swap
-
-    # `if_aiter_supported` returns None off ROCm; the probe calls the function it wraps.
-    raw = rocm_aiter_ops.__dict__[METHOD].__func__
-    func = getattr(raw, "__wrapped__", raw)
-    checks = Checks("truth table")
-    with Swap() as swap:
-        fake_rocm = swap.module("vllm.platforms.rocm")
-        for env, gfx942, aiter, mla, expected in TRUTH_TABLE:
-            fake_rocm.on_gfx942 = lambda gfx942=gfx942: gfx942  # type: ignore[attr-defined]
-            swap.env(_ENV, env)
-            swap.attr(rocm_aiter_ops, "_AITER_ENABLED", aiter)
-            swap.attr(rocm_aiter_ops, "_MLA_ENABLED", mla)
-            case = (
-                f"{_ENV}={'unset' if env is None else env} "
-                f"{'gfx942' if gfx942 else 'gfx950'} aiter={int(aiter)} mla={int(mla)}"
-            )
-            checks.expect(case, got=bool(func(rocm_aiter_ops)), want=expected)
-    return checks.outcome()

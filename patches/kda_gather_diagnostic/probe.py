@@ -1,0 +1,253 @@
+"""The behaviour probe of kda-gather-diagnostic. It runs in the verify child (the tree's own
+interpreter, torch, no GPU) and decides, on the code the tree really runs, that nothing syncs
+with K3_KDA_GATHER_LOG unset.
+
+Static: every sync-capable call in each site's function (the imported gather_initial_states,
+the callers read from their files, since kimi_k3 does not import without its GPU stack) must sit
+under the gate. Dynamic: gather_initial_states runs on CPU tensors, Triton launch stubbed, under
+a torch function and dispatch trace; unset must run no sync-capable op, =1 must log an
+out-of-range index, and the gathered rows must be the clamped ones either way.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import logging
+import textwrap
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from k3patch.model import ProbeOutcome, find_function
+from k3patch.probekit import Checks, Swap
+
+from . import OPS_FILE, OPS_MODULE, SITES, find_site_function
+from .syncs import ENV, ungated_sync_points
+
+
+def probe_no_sync_unless_asked() -> ProbeOutcome:
+    checks = Checks(f"no sync reachable with {ENV} unset")
+    package = _vllm_package_dir()
+    ops_func: Callable[..., Any] | None = None
+    ops_ast: ast.FunctionDef | None = None
+    try:
+        module = importlib.import_module(OPS_MODULE)
+        ops_func = inspect.unwrap(module.gather_initial_states)
+        parsed = ast.parse(textwrap.dedent(inspect.getsource(ops_func)))
+        ops_ast = find_function(parsed, "gather_initial_states")
+    except Exception as exc:  # verify judges the import itself; fall back to the file
+        checks.lines.append(f"gather_initial_states did not import ({type(exc).__name__}: {exc})")
+        ops_func = None
+    for site in SITES:
+        func: ast.FunctionDef | None = None
+        how = "absent"
+        if site.file == OPS_FILE and ops_ast is not None:
+            func, how = ops_ast, "source of the imported function"
+        elif package is not None and (package / site.file).is_file():
+            tree = ast.parse((package / site.file).read_text(encoding="utf-8"))
+            func, how = find_site_function(tree, site), "read from its file"
+        if func is None:
+            checks.lines.append(f"{site.name}: absent, nothing to check")
+            continue
+        gated, ungated = ungated_sync_points(func)
+        counts = f"{len(gated)} sync-capable call(s) under the {ENV} gate, {len(ungated)} outside"
+        reachable = f"; reachable with {ENV} unset: " + ", ".join(ungated) if ungated else ""
+        checks.check(f"{site.name} (static, {how})", not ungated, counts + reachable)
+    if ops_func is not None and ops_ast is not None:
+        _run_gather(ops_func, ops_ast, checks)
+        how = "decided by the AST of every site and a traced CPU run of gather_initial_states"
+    else:
+        how = "decided by the AST of every site only: gather_initial_states did not import"
+    checks.what += f" ({how})"
+    if checks.failures:
+        return checks.outcome()
+    return ProbeOutcome(True, checks.what, tuple(checks.lines))
+
+
+def _vllm_package_dir() -> Path | None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _kernel_names(func: ast.FunctionDef) -> set[str]:
+    """Globals launched Triton-style, `kernel[grid](...)`."""
+    return {
+        node.func.value.id
+        for node in ast.walk(func)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Subscript)
+        and isinstance(node.func.value, ast.Name)
+    }
+
+
+_SYNC_OPS = frozenset(
+    {
+        "__bool__",
+        "__int__",
+        "__float__",
+        "__index__",
+        "item",
+        "tolist",
+        "cpu",
+        "numpy",
+        "nonzero",
+        "masked_select",
+        "unique",
+        "unique_consecutive",
+        "argwhere",
+        "equal",
+        "allclose",
+        "is_nonzero",
+        "__repr__",
+        "__format__",
+    }
+)
+# aten ops that read device memory on the host (seen below the Python layer).
+_SYNC_ATEN = ("_local_scalar_dense", "nonzero", "masked_select")
+
+
+def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Checks) -> None:
+    """Run the real function on CPU tensors posing as device tensors, with the Triton launch
+    replaced by a host gather, and record every torch op that would sync on a GPU."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    paused = [False]  # the stubbed kernel's own host work is not the function's
+    python_ops: list[str] = []
+    aten_ops: list[str] = []
+    launches: list[str] = []
+
+    class DeviceLooking(torch.Tensor):
+        # gather_initial_states asserts a device tensor; these are CPU tensors that say so.
+        @property
+        def is_cuda(self) -> bool:  # type: ignore[override]
+            return True
+
+    class PythonTrace(TorchFunctionMode):
+        def __torch_function__(
+            self, fn: Any, types_: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            if not paused[0]:
+                name = getattr(fn, "__name__", str(fn))
+                if name in _SYNC_OPS:
+                    python_ops.append(name)
+                elif name in ("__getitem__", "index") and len(args) > 1:
+                    index = args[1]
+                    items = index if isinstance(index, tuple) else (index,)
+                    if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items):
+                        python_ops.append("boolean-mask indexing")
+            return fn(*args, **(kwargs or {}))
+
+    class AtenTrace(TorchDispatchMode):
+        def __torch_dispatch__(
+            self, fn: Any, types_: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            if not paused[0] and any(s in str(fn) for s in _SYNC_ATEN):
+                aten_ops.append(str(fn))
+            return fn(*args, **(kwargs or {}))
+
+    class KernelStub:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid: Any) -> Callable[..., None]:
+            def launch(*args: Any, **kwargs: Any) -> None:
+                paused[0] = True
+                try:
+                    src, slots, valid, out = (t.as_subclass(torch.Tensor) for t in args[:4])
+                    rows = slots.to(torch.int64)
+                    n = src.shape[0]
+                    if bool(((rows < 0) | (rows >= n))[valid].any()):
+                        launches.append("an out-of-range index reached the kernel")
+                    picked = src.reshape(n, -1)[rows.clamp(0, n - 1)].reshape(out.shape)
+                    mask = valid.reshape(-1, *([1] * (out.ndim - 1)))
+                    out.copy_(torch.where(mask, picked, torch.zeros_like(picked)))
+                    launches.append(f"{self.name}[{grid}]")
+                finally:
+                    paused[0] = False
+
+            return launch
+
+    scope = dict(func.__globals__)  # type: ignore[attr-defined]
+    for name in _kernel_names(func_ast):
+        scope[name] = KernelStub(name)
+    triton_module = scope.get("triton")
+    if not all(hasattr(triton_module, a) for a in ("next_power_of_2", "cdiv")):
+        # vLLM's Triton placeholder (no Triton on this machine) lacks these host helpers.
+        scope["triton"] = types.SimpleNamespace(
+            next_power_of_2=lambda n: 1 << max(int(n) - 1, 0).bit_length(),
+            cdiv=lambda a, b: -(a // -b),
+        )
+    runnable = types.FunctionType(
+        func.__code__,  # type: ignore[attr-defined]
+        scope,
+        func.__name__,
+        func.__defaults__,  # type: ignore[attr-defined]
+        func.__closure__,  # type: ignore[attr-defined]
+    )
+    logger = logging.getLogger(str(scope.get("__name__", "")))
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    pool = 6
+    state = torch.arange(pool * 2 * 3, dtype=torch.float32).reshape(pool, 2, 3)
+    has = torch.tensor([True, True, False, True])
+    cases: list[tuple[str, list[int], str | None]] = [("indices in range", [0, 5, 3, 2], None)]
+    if "_safe_idx" in {n.id for n in ast.walk(func_ast) if isinstance(n, ast.Name)}:
+        # Only the fork's guard clamps; upstream's kernel must never see a bad index.
+        cases.append(("index 9 of a pool of 6", [0, 9, 3, 2], None))
+        cases.append(("index 9 of a pool of 6", [0, 9, 3, 2], "1"))
+    saved_level = logger.level
+    handler = Keep(logging.WARNING)
+    logger.addHandler(handler)
+    # verify runs with VLLM_LOGGING_LEVEL=ERROR; the diagnostic logs at WARNING.
+    logger.setLevel(logging.WARNING)
+    try:
+        with Swap() as swap:
+            for label, slots, env in cases:
+                swap.env(ENV, env)
+                for log in (python_ops, aten_ops, launches, records):
+                    log.clear()
+                indices = torch.tensor(slots, dtype=torch.int32)
+                with PythonTrace(), AtenTrace():
+                    out = runnable(
+                        state.as_subclass(DeviceLooking),
+                        indices.as_subclass(DeviceLooking),
+                        has.as_subclass(DeviceLooking),
+                    )
+                out = out.as_subclass(torch.Tensor)
+                rows = torch.tensor(slots).clamp(0, pool - 1)
+                expected = torch.where(has[:, None, None], state[rows], torch.zeros(2, 3))
+                right = torch.equal(out, expected)
+                env_text = f"{ENV}={'unset' if env is None else env}"
+                logged = [r for r in records if r.levelno >= logging.WARNING]
+                ops = ", ".join(python_ops + aten_ops) or "none"
+                seen = f"sync-capable ops: {ops}; {len(logged)} warning(s); rows "
+                seen += "right" if right else "WRONG"
+                problems = []
+                if not right:
+                    problems.append("the gathered rows are wrong")
+                if "an out-of-range index reached the kernel" in launches:
+                    problems.append("an out-of-range index reached the kernel")
+                if env is None and (python_ops or aten_ops):
+                    problems.append(f"sync-capable ops ran: {ops}")
+                if env == "1" and not any("9" in r.getMessage() for r in logged):
+                    problems.append("the diagnostic did not log the out-of-range index")
+                checks.check(
+                    f"gather_initial_states (traced CPU run, {env_text}, {label})",
+                    not problems,
+                    "; ".join([seen, *problems]),
+                )
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved_level)
