@@ -26,7 +26,7 @@ from k3patch.model import ProbeOutcome, find_function
 from k3patch.probekit import Checks, Swap
 
 from . import OPS_FILE, OPS_MODULE, SITES, find_site_function
-from .syncs import ENV, ungated_sync_points
+from .syncs import ENV, SYNC_TORCH_FUNCTIONS, ungated_sync_points
 
 
 def probe_no_sync_unless_asked() -> ProbeOutcome:
@@ -86,28 +86,10 @@ def _kernel_names(func: ast.FunctionDef) -> set[str]:
     }
 
 
-_SYNC_OPS = frozenset(
-    {
-        "__bool__",
-        "__int__",
-        "__float__",
-        "__index__",
-        "item",
-        "tolist",
-        "cpu",
-        "numpy",
-        "nonzero",
-        "masked_select",
-        "unique",
-        "unique_consecutive",
-        "argwhere",
-        "equal",
-        "allclose",
-        "is_nonzero",
-        "__repr__",
-        "__format__",
-    }
-)
+# Python-level torch calls that read device memory on the host: the AST's list, and the casts
+# and formatting that `bool()`, `int()`, `f"{t}"` turn into.
+_CASTS = {"__bool__", "__int__", "__float__", "__index__", "__repr__", "__format__"}
+_SYNC_OPS = SYNC_TORCH_FUNCTIONS | _CASTS
 # aten ops that read device memory on the host (seen below the Python layer).
 _SYNC_ATEN = ("_local_scalar_dense", "nonzero", "masked_select")
 

@@ -12,17 +12,8 @@ from k3patch.model import parent_map
 ENV = "K3_KDA_GATHER_LOG"
 
 SYNC_METHODS = frozenset(
-    {
-        "item",
-        "tolist",
-        "cpu",
-        "numpy",
-        "nonzero",
-        "masked_select",
-        "unique",
-        "unique_consecutive",
-        "argwhere",
-    }
+    {"item", "tolist", "cpu", "numpy", "nonzero", "masked_select", "unique", "argwhere"}
+    | {"unique_consecutive"}
 )
 SYNC_TORCH_FUNCTIONS = SYNC_METHODS | {"equal", "allclose", "is_nonzero"}
 SCALAR_CASTS = frozenset({"bool", "int", "float"})
