@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import pristine_tree, run_cli
 
-from k3patch import model
 from k3patch import verify as verify_mod
-from k3patch.registry import all_patches, patch_module_file
+from k3patch.registry import all_patches
 from k3patch.tree import locate
 
 PATCH_ID = "moriio-chunk-gate"
@@ -28,17 +27,11 @@ THREE_CHUNKS_FIXED = "[k3-3chunk]: save at chunk 3 of 3, expected chunk 3 only"
 
 def run_probe(python: str, root: Path) -> dict:
     """The probe alone, in the verify child, on whatever code the tree holds."""
+    from probe_child import child_args
+
     patch = next(p for p in all_patches() if p.id == PATCH_ID)
-    result = verify_mod._run_child(
-        python,
-        locate(root),
-        {
-            "model": model.__file__,
-            "patches": {PATCH_ID: str(patch_module_file(patch))},
-            "modules": [MODULE],
-            "probes": [PATCH_ID],
-        },
-    )
+    args = {**child_args(patch), "modules": [MODULE]}
+    result = verify_mod._run_child(python, locate(root), args)
     assert result["imports"][MODULE]["ok"], result["imports"][MODULE]
     assert result["imports"][MODULE]["file"].startswith(str(root))
     probe: dict = result["probes"][PATCH_ID]
