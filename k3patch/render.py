@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Sequence
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from k3patch import fastpath, plaintext
 from k3patch.engine import ApplyOutcome, Report, RevertOutcome, patch_meta
 from k3patch.model import Patch
 from k3patch.verify import BLOCKED, BROKEN, IMPORT_OK, ModuleCheck, VerifyReport
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from k3patch.plaintext import Line
 
