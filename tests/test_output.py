@@ -3,6 +3,7 @@ and `status --diff`, the change k3patch made and nothing else."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -194,6 +195,8 @@ def test_status_diff_shows_k3patchs_change_and_nothing_else(make_tree):
     proc = run_cli("status", "--diff", "--vllm", str(site))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == planned  # exactly the edit apply made, hunk for hunk
+    data = json.loads(run_cli("status", "--diff", "--json", "--vllm", str(site)).stdout)
+    assert data["diff"] == planned and data["exit_code"] == 0
     assert run_cli("revert", "--vllm", str(site)).returncode == 0
     after = run_cli("status", "--diff", "--vllm", str(site)).stdout
     assert "k3patch has changed nothing in this tree" in after
