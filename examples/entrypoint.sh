@@ -19,7 +19,8 @@
 # Exit codes:
 #   0-255 once vLLM runs: vLLM's own (the script execs it).
 #   1     a patch drifted and K3PATCH_ON_DRIFT=fail: vLLM was not started.
-#   2     k3patch usage or internal error (bad K3PATCH_ARGS, not a vLLM tree, a k3patch bug).
+#   2     k3patch usage or internal error (bad K3PATCH_ARGS, not a vLLM tree, a k3patch bug), or
+#         K3PATCH_ON_DRIFT is neither fail nor warn.
 #   3     environment: no vLLM found, tree not writable, disk full, lock timeout.
 #   127   k3patch or vllm is not installed (not on PATH): nothing was changed or started.
 set -uo pipefail

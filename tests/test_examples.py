@@ -365,3 +365,12 @@ def test_kubernetes_init_check(make_tree):
     assert "is not the one the other pods carry" in other.stderr
     pending = make_tree("0.31.0")  # an image built without k3patch apply
     assert run_init(pending, digest).returncode == 1
+
+
+def test_entrypoint_refuses_an_unknown_drift_mode(make_tree, fake_vllm):
+    site = make_tree("0.31.0")
+    before = tree_hashes(site)
+    proc = entrypoint(site, fake_vllm, K3PATCH_ON_DRIFT="ignore")
+    assert proc.returncode == 2
+    assert "K3PATCH_ON_DRIFT=ignore; use fail or warn" in proc.stderr
+    assert not fake_vllm[1].exists() and tree_hashes(site) == before
