@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from k3patch.model import bindings
 
 _LINE_END = re.compile(r"\r\n|\r|\n")
+# The rest of an item's line when a trailing comma (and perhaps a comment) ends it.
+_COMMA_ENDS_LINE = re.compile(r"[ \t\f]*,[ \t\f]*(?:#[^\r\n]*)?(?:\r\n|\r|\n)")
 
 # The nodes whose positions an edit is computed from (a statement, an expression, a keyword
 # argument, a parameter). ast.AST itself carries no position.
@@ -194,12 +196,17 @@ def _split_keep(text: str) -> list[str]:
 
 def append_item(src: SourceText, opener: Located, first: Located, last: Located, item: str) -> Edit:
     """Add `item` after the final argument / parameter / dict entry of `opener`, whose items
-    begin at `first` and end at `last`. One item per line stays one item per line."""
+    begin at `first` and end at `last`. One item per line stays one item per line; after a
+    trailing comma the new item gets the next line, so a comment after that comma (a marker
+    an older script's re-run looks for) stays with the item it was written for."""
     assert last.end_lineno is not None and last.end_col_offset is not None
     at = src.offset(last.end_lineno, last.end_col_offset)
     line = src.line(first.lineno)
     before = line[: len(line.encode("utf-8")[: first.col_offset].decode("utf-8"))]
     if first.lineno > opener.lineno and not before.strip(" \t\f"):
+        below = src.after_line(last.end_lineno)
+        if _COMMA_ENDS_LINE.fullmatch(src.text[at:below]):
+            return Edit(below, below, f"{before}{item},{src.newline}")
         return Edit(at, at, f",{src.newline}{before}{item}")
     return Edit(at, at, f", {item}")
 

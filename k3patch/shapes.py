@@ -162,6 +162,47 @@ def match(
     return bindings if _match_body(list(stmts), list(target), bindings) else None
 
 
+def blocks(node: ast.AST) -> list[list[ast.stmt]]:
+    """Every statement list under `node`: its own body, the bodies of its nested blocks (`if`,
+    loops, `with`, `try` and its handlers, `match` cases), in source order. A nested def or
+    class is not entered: its statements run in another scope, when it is called or never."""
+    found: list[list[ast.stmt]] = []
+
+    def visit(owner: ast.AST) -> None:
+        for field in owner._fields:  # in source order: body, handlers, orelse, finalbody
+            value = getattr(owner, field, None)
+            if not isinstance(value, list) or not value:
+                continue
+            if isinstance(value[0], ast.stmt):
+                found.append(value)
+                for stmt in value:
+                    if not isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                        visit(stmt)
+            elif isinstance(value[0], ast.excepthandler | ast.match_case):
+                for clause in value:
+                    visit(clause)
+
+    visit(node)
+    return found
+
+
+def search(pattern: str, node: ast.AST) -> list[tuple[list[ast.stmt], int, Bindings]]:
+    """Every run of consecutive statements in a block under `node` (see `blocks`) that
+    `pattern` matches, as (block, index of the run's first statement, bindings). The run is as
+    long as the pattern (which therefore has no elision at its top level)."""
+    stmts = parse_pattern(pattern)
+    if any(_is_elision(s) for s in stmts):
+        raise ValueError("search: an elision at the top level of a pattern has no length")
+    n = len(stmts)
+    hits = []
+    for block in blocks(node):
+        for i in range(len(block) - n + 1):
+            bindings: Bindings = {}
+            if _match_body(stmts, block[i : i + n], bindings):
+                hits.append((block, i, bindings))
+    return hits
+
+
 # --------------------------------------------------------------------------------------------
 # Version ranges
 

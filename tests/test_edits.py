@@ -176,6 +176,31 @@ def test_append_item_keeps_one_item_per_line():
 
 
 @pytest.mark.parametrize(
+    "text,want",
+    [
+        # A marker comment after the trailing comma stays with the item it was written for.
+        ("f(\n    a=1,\n    b=2,  # mark\n)\n", "f(\n    a=1,\n    b=2,  # mark\n    c=3,\n)\n"),
+        ("f(\r\n    a=1,\r\n    b=2,  # mark\r\n)\r\n", None),
+        # No trailing comma: the comment follows the new item, as the line's last text.
+        ("f(\n    a=1,\n    b=2  # mark\n)\n", "f(\n    a=1,\n    b=2,\n    c=3  # mark\n)\n"),
+        # The comma and the closing parenthesis share the line: the item goes before them.
+        ("f(\n    a=1,\n    b=2,)\n", "f(\n    a=1,\n    b=2,\n    c=3,)\n"),
+    ],
+)
+def test_append_item_after_a_trailing_comma(text, want):
+    call = ast.parse(text).body[0]
+    assert isinstance(call, ast.Expr) and isinstance(call.value, ast.Call)
+    kws = call.value.keywords
+    new = apply_edits(
+        text, [edits.append_item(SourceText(text), call.value, kws[0], kws[-1].value, "c=3")]
+    )
+    if want is None:  # CRLF: the same as the LF case, line endings kept
+        want = "f(\r\n    a=1,\r\n    b=2,  # mark\r\n    c=3,\r\n)\r\n"
+    assert new == want
+    assert _run(new.replace("f(", "x = dict(", 1)) == {"a": 1, "b": 2, "c": 3}
+
+
+@pytest.mark.parametrize(
     "pair",
     [
         (Edit(0, 5, "a"), Edit(3, 8, "b")),  # overlapping replacements

@@ -22,36 +22,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+import probe_child
 import pytest
 from conftest import run_cli
-from k3patch.patches import moriio_group_routing as gr
-
-from k3patch import model
-from k3patch import verify as verify_mod
-from k3patch.registry import patch_module_file
-from k3patch.tree import locate
+from k3patch.patches.moriio_group_routing import PATCH
 
 pytestmark = pytest.mark.verify
 ONLY = ["--only", "moriio-group-routing"]
 
 
 def run_probe(python: str, site: Path) -> dict[str, Any]:
-    """The probe alone, in the tree's interpreter, whatever the tree's verdict (verify runs
-    probes only for applied or satisfied patches; the unpatched trees are pending)."""
-    result = verify_mod._run_child(
-        python,
-        locate(site),
-        {
-            "model": model.__file__,
-            "patches": {gr.PATCH.id: str(patch_module_file(gr.PATCH))},
-            "modules": list(gr.PATCH.modules),
-            "probes": [gr.PATCH.id],
-        },
-    )
-    assert all(r["ok"] for r in result["imports"].values()), result["imports"]
-    probe: dict[str, Any] = result["probes"][gr.PATCH.id]
-    assert "error" not in probe, probe
-    return probe
+    return probe_child.run_probe(PATCH, python, site)
 
 
 def verify_json(python: str, site: Path) -> tuple[int, dict[str, Any]]:
@@ -221,7 +202,7 @@ def test_verify_passes_on_upstream(make_tree, verify_python, version):
 
 
 # --------------------------------------------------------------------------------------------
-# Shipped: the probe is a sibling module that the installed patch module loads by its path.
+# Shipped: the probe is a module of the patch's package, imported relatively in the child.
 
 
 def test_an_installed_k3patch_ships_and_loads_the_probe(tmp_path, make_tree, verify_python):
@@ -231,18 +212,14 @@ def test_an_installed_k3patch_ships_and_loads_the_probe(tmp_path, make_tree, ver
     target = tmp_path / "k3patch-install"
     pip = [verify_python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile"]
     subprocess.run([*pip, "--target", str(target), str(root)], check=True)
-    installed = target / "k3patch" / "patches"
-    assert (installed / "moriio_group_routing_probe.py").is_file()
-    result = verify_mod._run_child(
+    installed = target / "k3patch" / "patches" / "moriio_group_routing"
+    assert (installed / "probe.py").is_file()
+    probe = probe_child.run_probe(
+        PATCH,
         verify_python,
-        locate(make_tree("0.33.0", full=True)),
-        {
-            "model": str(target / "k3patch" / "model.py"),
-            "patches": {gr.PATCH.id: str(installed / "moriio_group_routing.py")},
-            "modules": list(gr.PATCH.modules),
-            "probes": [gr.PATCH.id],
-        },
+        make_tree("0.33.0", full=True),
+        package_dir=target / "k3patch",
+        patches=target / "k3patch" / "patches",
     )
-    probe = result["probes"][gr.PATCH.id]
     assert probe["ok"] is True, probe
     assert any(c.startswith("K3 upstream plan: model.layers.6.mla") for c in probe["checks"])

@@ -9,14 +9,10 @@ import ast
 import json
 from pathlib import Path
 
+import probe_child
 import pytest
 from conftest import pristine_tree, run_cli, tree_hashes
 from k3patch.patches import moriio_group_routing as gr
-
-from k3patch import model
-from k3patch import verify as verify_mod
-from k3patch.registry import patch_module_file
-from k3patch.tree import locate
 
 pytestmark = pytest.mark.wheel
 ONLY = ["--only", "moriio-group-routing"]
@@ -128,18 +124,7 @@ def test_must_not_touch_cases_stay_byte_identical_after_apply(make_tree, version
 
 
 def run_probe(python: str, site: Path) -> dict:
-    result = verify_mod._run_child(
-        python,
-        locate(site),
-        {
-            "model": model.__file__,
-            "patches": {gr.PATCH.id: str(patch_module_file(gr.PATCH))},
-            "modules": list(gr.PATCH.modules),
-            "probes": [gr.PATCH.id],
-        },
-    )
-    assert all(r["ok"] for r in result["imports"].values()), result["imports"]
-    return result["probes"][gr.PATCH.id]
+    return probe_child.run_probe(gr.PATCH, python, site)
 
 
 @pytest.mark.verify

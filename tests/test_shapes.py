@@ -6,7 +6,15 @@ import ast
 
 import pytest
 
-from k3patch.shapes import VersionRange, holes, match, outside_range, version_key
+from k3patch.shapes import (
+    VersionRange,
+    blocks,
+    holes,
+    match,
+    outside_range,
+    search,
+    version_key,
+)
 
 GATE = """
 if HOLE_cond:
@@ -78,3 +86,43 @@ def test_version_ranges_are_data():
     assert note is not None and "0.28.0-0.29.0" in note and "0.31.0" in note
     assert outside_range(VersionRange("0.32.0"), "0.33.0") is None
     assert version_key("0.28.1.dev3") == (0, 28, 1) and version_key("x") is None
+
+
+NESTED = """
+def f(x):
+    a = 1
+    try:
+        a = 1
+        b = a
+    except ValueError:
+        a = 1
+        b = a
+    else:
+        if x:
+            a = 1
+            b = a
+    def g():
+        a = 1
+        b = a
+    return a
+"""
+
+
+def test_blocks_cover_every_nested_block_but_not_nested_defs():
+    func = body(NESTED)[0]
+    firsts = [ast.unparse(block[0]) for block in blocks(func)]
+    # f's body, the try body, the handler, the else, the if: g's body is another scope.
+    assert firsts == ["a = 1", "a = 1", "a = 1", "if x:\n    a = 1\n    b = a", "a = 1"]
+
+
+def test_search_finds_each_run_with_its_bindings():
+    func = body(NESTED)[0]
+    hits = search("a = 1\nb = HOLE_x", func)
+    assert [(block[i].lineno, holes(found)) for block, i, found in hits] == [
+        (5, {"HOLE_x": "a"}),
+        (8, {"HOLE_x": "a"}),
+        (12, {"HOLE_x": "a"}),
+    ]
+    assert search("a = 2\nb = a", func) == []
+    with pytest.raises(ValueError):
+        search("a = 1\n...", func)

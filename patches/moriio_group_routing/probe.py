@@ -1,8 +1,8 @@
 """moriio-group-routing's behaviour probe: the tree's own MoRIIO WRITE path, driven on CPU.
 
 It runs in the verify child (the tree's interpreter, vLLM importable, no GPU, no MoRIIO library,
-k3patch not installed): moriio_group_routing.py loads this file by path, so it uses the standard
-library and the tree's vLLM only, and k3patch.model (which the child loads by path first).
+k3patch not installed; the patch imports it there, `from . import probe`), so it uses the
+standard library, the tree's vLLM and k3patch's standard-library modules (model, probekit) only.
 
 On a fork tree (the 0.28.0 wheel plus the recipe's scripts, patched by k3patch or not) it drives
 the tree's real code, in the order a request meets it:
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3patch.model import ProbeOutcome
+from k3patch.probekit import Swap
 
 PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
 COMMON = f"{PACKAGE}.moriio_common"
@@ -295,7 +296,7 @@ def drive_write(case: Case) -> Drive:
     try:
         # 1. Prefill scheduler: allocation at chunk 1, then one build_connector_meta per chunk.
         prefill = connector.MoRIIOConnectorScheduler(_vllm_config("kv_producer"), "prefill")
-        request = _request("req-prefill", case.prompt, _decode_side_params())
+        request = _request("req-prefill", case.prompt, _side_params("decode"))
         prefill.update_state_after_alloc(request, _blocks(case.prefill_blocks(1)), 0)
         meta = None
         for chunk, scheduled in enumerate(case.chunks, start=1):
@@ -317,7 +318,7 @@ def drive_write(case: Case) -> Drive:
         decode = connector.MoRIIOConnectorScheduler(_vllm_config("kv_consumer"), "decode")
         socket = _Socket()
         decode.paths = _AnyPath(socket)
-        decode_request = _request("req-decode", case.prompt, _prefill_side_params())
+        decode_request = _request("req-decode", case.prompt, _side_params("prefill"))
         decode.update_state_after_alloc(decode_request, _blocks(case.decode_blocks()), case.prompt)
         drive.messages = len(socket.sent)
         if drive.messages != 1:
@@ -361,7 +362,8 @@ def drive_write(case: Case) -> Drive:
             return local_ids, remote_ids, [1] * len(local_ids)
 
         worker._compute_block_transfer_offsets = offsets
-        with _stand_in_cuda(connector):
+        with Swap() as swap:
+            _stand_in_cuda(swap, connector)
             for name in layers:
                 worker._write_blocks_for_req(request.request_id, meta, name, None)
 
@@ -526,33 +528,22 @@ def _vllm_config(role: str) -> Any:
     )
 
 
-def _decode_side_params() -> dict[str, Any]:
-    """kv_transfer_params of the prefill node's request (its KV goes to a decode node)."""
-    return {
-        "do_remote_decode": True,
+def _side_params(remote: str) -> dict[str, Any]:
+    """kv_transfer_params of a request whose KV goes to (remote "decode") or comes from
+    (remote "prefill") the other node."""
+    params: dict[str, Any] = {
+        "do_remote_decode" if remote == "decode" else "do_remote_prefill": True,
         "transfer_id": TRANSFER_ID,
         "remote_host": "127.0.0.1",
         "remote_handshake_port": 6301,
         "remote_notify_port": 61005,
-        "remote_engine_id": "decode",
-        "remote_block_ids": [],
-        "remote_dp_size": 1,
-        "remote_dp_rank": 0,
-    }
-
-
-def _prefill_side_params() -> dict[str, Any]:
-    """kv_transfer_params of the decode node's request (its KV comes from a prefill node)."""
-    return {
-        "do_remote_prefill": True,
-        "transfer_id": TRANSFER_ID,
-        "remote_host": "127.0.0.1",
-        "remote_handshake_port": 6301,
-        "remote_notify_port": 61005,
-        "remote_engine_id": "prefill",
+        "remote_engine_id": remote,
         "remote_block_ids": [],
         "remote_dp_rank": 0,
     }
+    if remote == "decode":
+        params["remote_dp_size"] = 1
+    return params
 
 
 def _request(request_id: str, prompt: int, params: dict[str, Any]) -> Any:
@@ -621,27 +612,16 @@ class _AnyPath(dict):  # type: ignore[type-arg]
         return self.socket
 
 
-class _stand_in_cuda:  # a context manager, named for how it reads at the call site
+def _stand_in_cuda(swap: Swap, module: Any) -> None:
     """schedule_write_blocks records a CUDA event; without a GPU the connector module's `torch`
-    is replaced, for the duration, by an object that only has that event."""
+    is replaced, for the drive, by an object that only has that event."""
+    import types
 
-    def __init__(self, module: Any) -> None:
-        self.module = module
-        self.saved: Any = None
-
-    def __enter__(self) -> None:
-        import types
-
-        self.saved = self.module.__dict__.get("torch")
-        if self.saved is None:
-            return
-        event = types.SimpleNamespace(record=lambda *a: None, synchronize=lambda: None)
-        cuda = types.SimpleNamespace(current_stream=lambda: None, Event=lambda *a, **k: event)
-        self.module.torch = types.SimpleNamespace(cuda=cuda)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.saved is not None:
-            self.module.torch = self.saved
+    if "torch" not in module.__dict__:
+        return
+    event = types.SimpleNamespace(record=lambda *a: None, synchronize=lambda: None)
+    cuda = types.SimpleNamespace(current_stream=lambda: None, Event=lambda *a, **k: event)
+    swap.attr(module, "torch", types.SimpleNamespace(cuda=cuda))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,101 @@
+"""Upstream's shapes of the MoRIIO package: named predicates over the three files, one verdict
+for all of them (SITES.md section 1, "Upstream")."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from k3patch.model import SourceFile, Verdict, find_class, find_function
+from k3patch.shapes import match, search
+
+from .sites import function, names
+
+
+@dataclass(frozen=True)
+class UpstreamShape:
+    name: str
+    verdict: Verdict
+    holds: Callable[[SourceFile, SourceFile], bool]  # (moriio_connector.py, moriio_engine.py)
+    detail: str
+
+
+def _native_033(connector: SourceFile, engine: SourceFile) -> bool:
+    """0.33.0+: `_prepare_transfer_plan` indexes the per-group lists with
+    `group = self.worker.layer_to_group[task.layer_name]`."""
+    fn = function(engine, "MoRIIOWriter._prepare_transfer_plan")
+    return fn is not None and any(
+        isinstance(node, ast.Subscript)
+        and match("self.worker.layer_to_group[task.layer_name]", node) is not None
+        for node in ast.walk(fn)
+    )
+
+
+def _native_031(connector: SourceFile, engine: SourceFile) -> bool:
+    """0.31.0-0.32.0: groups split by spec (`_split_kv_cache_group_kinds`) and the worker's
+    `layer_to_group = dict(kv_cache_config.transfer_group_index_by_layer)`."""
+    init = function(connector, "MoRIIOConnectorWorker.__init__")
+    wanted = "self.layer_to_group = dict(kv_cache_config.transfer_group_index_by_layer)"
+    return (
+        find_function(connector.tree, "_split_kv_cache_group_kinds") is not None
+        and init is not None
+        and bool(search(wanted, init))
+    )
+
+
+def _hma_sliding_window_030(connector: SourceFile, engine: SourceFile) -> bool:
+    """0.30.0: HMA for sliding-window models only; any other hybrid is refused at init."""
+    init = function(connector, "MoRIIOConnectorScheduler.__init__")
+    return init is not None and "_is_hma_required" in names(init)
+
+
+def _single_group(connector: SourceFile, engine: SourceFile) -> bool:
+    """0.14.1-0.29.0: `MoRIIOConnector` is not SupportsHMA and reads `get_block_ids()[0]`."""
+    cls = find_class(connector.tree, "MoRIIOConnector")
+    if cls is None or "SupportsHMA" in {ast.unparse(b).split(".")[-1] for b in cls.bases}:
+        return False
+    return any(
+        isinstance(node, ast.Subscript) and match("blocks.get_block_ids()[0]", node) is not None
+        for node in ast.walk(connector.tree)
+    )
+
+
+# Positive upstream shapes, tried before the fork's: none of them can hold on a fork tree.
+NATIVE_SHAPES = (
+    UpstreamShape(
+        "upstream 0.33.0+ native per-group WRITE routing",
+        Verdict.SATISFIED,
+        _native_033,
+        "MoRIIOWriter._prepare_transfer_plan takes `group = self.worker.layer_to_group"
+        "[task.layer_name]` and indexes `task.local_block_ids[group]` / "
+        "`request_info.block_ids[group]`; groups are split by spec, not position",
+    ),
+    UpstreamShape(
+        "upstream 0.31.0-0.32.0 native per-group routing",
+        Verdict.SATISFIED,
+        _native_031,
+        "groups are classified by spec (`_split_kv_cache_group_kinds`) and the worker maps "
+        "`layer_to_group = dict(kv_cache_config.transfer_group_index_by_layer)`; READ mode "
+        "routes per group, WRITE with a Mamba group is refused by register_kv_caches, never "
+        "misrouted",
+    ),
+    UpstreamShape(
+        "upstream 0.30.0 sliding-window-only HMA",
+        Verdict.NOT_APPLICABLE,
+        _hma_sliding_window_030,
+        "MoRIIO supports hybrid KV caches for sliding-window models only (READ mode); a Mamba "
+        "group is refused at scheduler init, so Kimi-K3 cannot use MoRIIO on this version",
+    ),
+)
+# The single-group connector holds on the fork too (its READ path keeps `get_block_ids()[0]`),
+# so it is tried only when no fork statement is there.
+SINGLE_GROUP_SHAPE = UpstreamShape(
+    "upstream 0.14.1-0.29.0 single-group connector",
+    Verdict.NOT_APPLICABLE,
+    _single_group,
+    "no hybrid support: MoRIIOConnector does not implement SupportsHMA, so vLLM runs it "
+    "with exactly one KV-cache group (the scheduler asserts it) and it reads block ids "
+    "[0] only; Kimi-K3 (four groups) cannot use MoRIIO on this version",
+)
+UPSTREAM_SHAPES = (*NATIVE_SHAPES, SINGLE_GROUP_SHAPE)

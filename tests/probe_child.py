@@ -1,0 +1,42 @@
+"""Run a patch's probe in a tree's interpreter the way `k3patch verify` runs it (the patch
+imported as `k3patch.patches.<name>`, a folder patch's probe relatively), whatever the tree's
+verdict: verify itself runs probes only for applied or satisfied patches."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from k3patch import model
+from k3patch import verify as verify_mod
+from k3patch.model import Patch
+from k3patch.registry import patches_dir
+from k3patch.tree import locate
+
+
+def child_args(patch: Patch, package_dir: Path | None = None, patches: Path | None = None) -> dict:
+    """The verify child's arguments for `patch`'s probe alone; k3patch's modules and the
+    patches from the given directories (default: this checkout's)."""
+    package_dir = package_dir or Path(model.__file__).parent
+    patches = patches or patches_dir()
+    module = type(patch).__module__
+    file = Path(sys.modules[module].__file__ or "")
+    return {
+        "model": str(package_dir / "model.py"),
+        "package_dir": str(package_dir),
+        "patches_dir": str(patches),
+        "patch_modules": {patch.id: module},
+        "patches": {patch.id: str(patches / file.relative_to(patches_dir()))},
+        "modules": list(patch.modules),
+        "probes": [patch.id],
+    }
+
+
+def run_probe(patch: Patch, python: str, site: Path, **where: Path) -> dict[str, Any]:
+    """The probe's result (ok, summary, checks); every module of the patch must import."""
+    result = verify_mod._run_child(python, locate(site), child_args(patch, **where))
+    assert all(r["ok"] for r in result["imports"].values()), result["imports"]
+    probe: dict[str, Any] = result["probes"][patch.id]
+    assert "error" not in probe, probe
+    return probe
