@@ -96,8 +96,14 @@ class Checks:
         self.what = what
         self.lines: list[str] = []
         self.failures: list[str] = []
+        self.ran = 0
+
+    def note(self, line: str) -> None:
+        """A report line that is no check (what was skipped, and why)."""
+        self.lines.append(line)
 
     def check(self, case: str, ok: bool, why: str = "") -> bool:
+        self.ran += 1
         self.lines.append(f"{case}: {'ok' if ok else 'FAILED'}{f' ({why})' if why else ''}")
         if not ok:
             self.failures.append(f"{case}{f': {why}' if why else ''}")
@@ -107,10 +113,13 @@ class Checks:
         ok = got == want
         return self.check(f"{case} -> {got!r}", ok, "" if ok else f"expected {want!r}")
 
-    def outcome(self) -> ProbeOutcome:
-        if not self.lines:
-            return ProbeOutcome(False, f"{self.what}: no check ran", ())
+    def outcome(self, holds: str | None = None) -> ProbeOutcome:
+        """Failed when a check failed or none ran; `holds` is the summary when all passed
+        (default: "<what> holds (N cases)")."""
+        if not self.ran:
+            return ProbeOutcome(False, f"{self.what}: no check ran", tuple(self.lines))
         if self.failures:
             summary = f"{self.what} broken: " + "; ".join(self.failures)
             return ProbeOutcome(False, summary, tuple(self.lines))
-        return ProbeOutcome(True, f"{self.what} holds ({len(self.lines)} cases)", tuple(self.lines))
+        summary = holds or f"{self.what} holds ({self.ran} cases)"
+        return ProbeOutcome(True, summary, tuple(self.lines))

@@ -55,3 +55,15 @@ def test_checks_become_one_outcome():
 def test_a_probe_that_checked_nothing_fails():
     outcome = Checks("nothing").outcome()
     assert not outcome.ok and "no check ran" in outcome.summary
+
+
+def test_notes_are_reported_but_are_no_checks():
+    checks = Checks("gate")
+    checks.note("caller: absent, nothing to check")
+    assert not checks.outcome().ok, "a note alone must not pass"
+    checks.check("static", True, "0 outside")
+    outcome = checks.outcome(holds="no sync reachable")
+    assert (outcome.ok, outcome.summary) == (True, "no sync reachable")
+    assert outcome.checks == ("caller: absent, nothing to check", "static: ok (0 outside)")
+    checks.check("traced", False, "2 syncs")
+    assert checks.outcome(holds="unused").summary == "gate broken: traced: 2 syncs"

@@ -40,7 +40,7 @@ def probe_no_sync_unless_asked() -> ProbeOutcome:
         parsed = ast.parse(textwrap.dedent(inspect.getsource(ops_func)))
         ops_ast = find_function(parsed, "gather_initial_states")
     except Exception as exc:  # verify judges the import itself; fall back to the file
-        checks.lines.append(f"gather_initial_states did not import ({type(exc).__name__}: {exc})")
+        checks.note(f"gather_initial_states did not import ({type(exc).__name__}: {exc})")
         ops_func = None
     for site in SITES:
         func: ast.FunctionDef | None = None
@@ -51,7 +51,7 @@ def probe_no_sync_unless_asked() -> ProbeOutcome:
             tree = ast.parse((package / site.file).read_text(encoding="utf-8"))
             func, how = find_site_function(tree, site), "read from its file"
         if func is None:
-            checks.lines.append(f"{site.name}: absent, nothing to check")
+            checks.note(f"{site.name}: absent, nothing to check")
             continue
         gated, ungated = ungated_sync_points(func)
         counts = f"{len(gated)} sync-capable call(s) under the {ENV} gate, {len(ungated)} outside"
@@ -63,9 +63,7 @@ def probe_no_sync_unless_asked() -> ProbeOutcome:
     else:
         how = "decided by the AST of every site only: gather_initial_states did not import"
     checks.what += f" ({how})"
-    if checks.failures:
-        return checks.outcome()
-    return ProbeOutcome(True, checks.what, tuple(checks.lines))
+    return checks.outcome(holds=checks.what)
 
 
 def _vllm_package_dir() -> Path | None:
