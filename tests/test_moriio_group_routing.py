@@ -602,6 +602,22 @@ def test_a_plan_in_no_known_shape_is_refused(fork_tree, name, old, new):
     assert tree_hashes(tree) == before, "a drifted package was partly written"
 
 
+@pytest.mark.parametrize("applied_first", [False, True])
+def test_a_second_definition_is_drift_not_a_guess(fork_tree, applied_first):
+    # A later `class MoRIIOWriter` is the live one: patching (or reading) the first would patch
+    # dead code and still say applied.
+    tree = applied(fork_tree, "a")[0] if applied_first else fork_tree("a")
+    path = tree / ENGINE
+    path.write_text(path.read_text() + "\n\nclass MoRIIOWriter:\n    pass\n")
+    before = tree_hashes(tree)
+    patch = patch_of(status_json(tree, *ONLY))
+    assert patch["verdict"] == "drifted"
+    drifted = [s for s in patch["sites"] if s["verdict"] == "drifted"]
+    assert drifted and all("MoRIIOWriter is bound 2 times" in s["detail"] for s in drifted)
+    assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 1
+    assert tree_hashes(tree) == before
+
+
 def test_a_hand_edited_post_image_is_drift_not_applied(fork_tree):
     tree, _before, after = applied(fork_tree, "a")
     old = "        _k3patch_group = self.worker._k3patch_group_of_layer[task.layer_name]\n"

@@ -46,8 +46,8 @@ route per group natively (satisfied): upstream.py.
 
 from __future__ import annotations
 
-import ast
 import re
+from dataclasses import replace
 
 from k3patch.edits import SourceText, apply_edits
 from k3patch.model import (
@@ -59,6 +59,7 @@ from k3patch.model import (
     Verdict,
     module_binds,
 )
+from k3patch.shapes import match
 
 from . import forms
 from .forms import FIELD_NAME, FORK_FIELDS
@@ -102,33 +103,21 @@ REMOTE = "MoRIIOWrapper._handle_remote_blocks_message"
 
 def _returns_meta(src: SourceFile) -> bool:
     fn = function(src, BCM)
-    last = fn.body[-1] if fn is not None else None
-    return (
-        isinstance(last, ast.Return)
-        and isinstance(last.value, ast.Name)
-        and (last.value.id == "meta")
-    )
+    return fn is not None and match("return meta", fn.body[-1]) is not None
 
 
 # The fork's sites, one per hop the block ids take (SITES.md section 1, "The fork").
 FORK_SITES: tuple[Site, ...] = (
-    Site(
-        f"WriteTask.{FIELD_NAME}",
-        COMMON,
-        (Field("WriteTask", FORK_FIELDS["WriteTask"]),),
-        "the write task carries every group's local block ids",
-    ),
-    Site(
-        f"RemoteAllocInfo.{FIELD_NAME}",
-        COMMON,
-        (Field("RemoteAllocInfo", FORK_FIELDS["RemoteAllocInfo"]),),
-        "the decode node's block ids of every group, as the prefill node received them",
-    ),
-    Site(
-        f"ReqMeta.{FIELD_NAME}",
-        COMMON,
-        (Field("ReqMeta", FORK_FIELDS["ReqMeta"]),),
-        "the connector metadata carries every group's block ids",
+    *(
+        Site(f"{cls}.{FIELD_NAME}", COMMON, (Field(cls, FORK_FIELDS[cls]),), what)
+        for cls, what in (
+            ("WriteTask", "the write task carries every group's local block ids"),
+            (
+                "RemoteAllocInfo",
+                "the decode node's block ids of every group, as the prefill node received them",
+            ),
+            ("ReqMeta", "the connector metadata carries every group's block ids"),
+        )
     ),
     Site(
         f"{SCHED}.__init__",
@@ -364,39 +353,17 @@ class MoriioGroupRouting(Patch):
                 shape, detail = "k3patch", site.what
             else:
                 shape, detail = "", look.why
+            where = (look.line, look.found, look.expected)
             results.append(
-                SiteResult(
-                    self.id,
-                    site.name,
-                    site.file,
-                    seen.verdict,
-                    shape,
-                    detail,
-                    look.line,
-                    look.found,
-                    look.expected,
-                )
+                SiteResult(self.id, site.name, site.file, seen.verdict, shape, detail, *where)
             )
         if not any(r.verdict is Verdict.DRIFTED for r in results):
             return results
-        state = _package_state(results)
-        tail = f"; the three files are one change, nothing will be written ({state})"
-        return [
-            SiteResult(
-                r.patch_id,
-                r.site,
-                r.file,
-                r.verdict,
-                r.shape,
-                r.detail + tail,
-                r.line,
-                r.found,
-                r.expected,
-            )
-            if r.verdict is Verdict.DRIFTED
-            else r
-            for r in results
-        ]
+        tail = (
+            f"; the three files are one change, nothing will be written ({_package_state(results)})"
+        )
+        drifted = Verdict.DRIFTED
+        return [replace(r, detail=r.detail + tail) if r.verdict is drifted else r for r in results]
 
     def rewrite(self, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
         changes: dict[str, str] = {}
