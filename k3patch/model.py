@@ -395,6 +395,56 @@ def module_binds(module: ast.Module, name: str) -> bool:
     return bool(bindings(module.body, name))
 
 
+def loaded_names(nodes: Iterable[ast.AST], skip: Iterable[ast.AST] = ()) -> set[str]:
+    """The bare names read under `nodes`, not counting the subtrees in `skip` (by identity)."""
+    skipped = {id(node) for node in skip}
+    found: set[str] = set()
+    stack = [node for node in nodes if id(node) not in skipped]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            found.add(node.id)
+        stack.extend(c for c in ast.iter_child_nodes(node) if id(c) not in skipped)
+    return found
+
+
+def stored_names(nodes: Iterable[ast.AST]) -> set[str]:
+    """The bare names assigned under `nodes` (targets, loop variables, `as` names of `with`)."""
+    return {
+        n.id
+        for node in nodes
+        for n in ast.walk(node)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+    }
+
+
+def runtime_module_names(module: ast.Module) -> set[str]:
+    """The names a module binds when it runs: top-level imports, defs, classes and assignments,
+    also inside top-level `if` and `try` blocks, but not under `if TYPE_CHECKING:` (those
+    imports exist only for the type checker)."""
+    names: set[str] = set()
+
+    def visit(block: list[ast.stmt]) -> None:
+        for node in block:
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+                names.update(stored_names([node]))
+            elif isinstance(node, ast.If):
+                if "TYPE_CHECKING" not in mentioned_names(node.test):
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                for sub in (node.body, *(h.body for h in node.handlers), node.orelse):
+                    visit(sub)
+                visit(node.finalbody)
+
+    visit(module.body)
+    return names
+
+
 def match_shapes(
     patch_id: str,
     site: str,

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import ast
 
-from k3patch.model import Shape, Verdict, bindings, find_class, parent_map, walk_scope
+from k3patch.model import (
+    Shape,
+    Verdict,
+    bindings,
+    find_class,
+    loaded_names,
+    parent_map,
+    runtime_module_names,
+    stored_names,
+    walk_scope,
+)
 from k3patch.shapes import VersionRange
 
 
@@ -53,3 +63,22 @@ def test_a_shape_with_holes_matches_and_carries_its_versions():
     assert found is not None and ast.unparse(found["HOLE_pool"]) == "s"
     assert shape.match(body.body[:1]) is None
     assert shape.versions is not None and shape.versions.contains("0.31.0") is False
+
+
+def test_loaded_and_stored_names_and_the_skipped_subtrees():
+    module = ast.parse("a = b + c\nfor i in d:\n    e = i\n")
+    assert loaded_names(module.body) == {"b", "c", "d", "i"}
+    assert stored_names(module.body) == {"a", "i", "e"}
+    # A name read inside a skipped subtree and nowhere else is not read.
+    assign = module.body[0]
+    assert isinstance(assign, ast.Assign)
+    assert loaded_names(module.body, skip=[assign.value]) == {"d", "i"}
+
+
+def test_runtime_module_names_skip_type_checking_imports():
+    module = ast.parse(
+        "import os.path\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"
+        "else:\n    fallback = 1\ntry:\n    import json as js\nexcept ImportError:\n"
+        "    js = None\nlogger = get()\ndef f():\n    inner = 1\n"
+    )
+    assert runtime_module_names(module) == {"os", "TYPE_CHECKING", "fallback", "js", "logger", "f"}

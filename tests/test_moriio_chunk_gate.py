@@ -19,6 +19,7 @@ from conftest import built_fork_tree, run_cli, sha, tree_hashes
 from conftest import sites_of as _sites_of
 from conftest import status_json as _status_json
 from k3patch.patches import moriio_chunk_gate as gate
+from k3patch.patches.moriio_chunk_gate import gates
 
 from k3patch.model import Sources, Verdict
 
@@ -108,13 +109,10 @@ def test_upstream_fix_is_satisfied_and_nothing_is_written(make_tree, version):
 
 def _gate_lines(text: str) -> set[int]:
     """1-based lines of the two gate headers and their named temporaries in `text`."""
-    module = ast.parse(text)
-    method = gate._method(module)
-    assert method is not None
-    context = gate._Context.of(module, method)
+    context = gates.Context.of(ast.parse(text))
     lines: set[int] = set()
     for site in (gate.G1, gate.G2):
-        found, _ = gate._locate(context, site)
+        found, _ = gates.locate(context, site)
         assert found is not None
         for temp in found.temps:
             lines.update(range(temp.lineno, (temp.end_lineno or temp.lineno) + 1))
@@ -178,7 +176,7 @@ def test_post_image_reads_only_names_the_method_binds(make_tree):
             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
         }
     assert added == {"req", "req_id", "self", "scheduler_output"}
-    method = gate._method(ast.parse(text))
+    method = gates.method_of(ast.parse(text))
     assert method is not None
     assert "scheduler_output" in {a.arg for a in method.args.args}
 
@@ -418,7 +416,7 @@ def test_legacy_repair_is_in_place_and_changes_only_the_decisions(fork_tree):
     assert "self._k3_prog = {}" in after
     assert after.count("K3_CHUNK_GATE_SLACK") == before.count("K3_CHUNK_GATE_SLACK") == 1
     module = ast.parse(after)
-    method = gate._method(module)
+    method = gates.method_of(module)
     assert method is not None
     # Nothing decides through the helper any more: its only caller is gone.
     calls = [
