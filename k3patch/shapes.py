@@ -194,9 +194,14 @@ def search(pattern: str, node: ast.AST) -> list[tuple[list[ast.stmt], int, Bindi
     if any(_is_elision(s) for s in stmts):
         raise ValueError("search: an elision at the top level of a pattern has no length")
     n = len(stmts)
+    # A run can only start where the pattern's first statement has the same kind (a statement
+    # hole excepted): a cheap test that spares most full matches.
+    kind = None if _statement_hole(stmts[0]) else type(stmts[0])
     hits = []
     for block in blocks(node):
         for i in range(len(block) - n + 1):
+            if kind is not None and type(block[i]) is not kind:
+                continue
             bindings: Bindings = {}
             if _match_body(stmts, block[i : i + n], bindings):
                 hits.append((block, i, bindings))
