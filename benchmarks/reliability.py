@@ -254,16 +254,16 @@ def planted_temp_links(pristine: Path, work: Path, runs: int, seed: int) -> tupl
         dirs = {(site / "vllm" / rel).parent for rel in targets()} | {site / "vllm/.k3patch"}
         (site / "vllm/.k3patch/blobs").mkdir(parents=True)
         dirs.add(site / "vllm/.k3patch/blobs")
-        base = os.getpid()
+        # The pid the next k3patch process will most likely get: just after a throwaway one.
+        base = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True)
+        near = [str(int(base.stdout) + d) for d in range(1, 41)]
         for directory in dirs:
             names = [p.name for p in directory.iterdir() if p.is_file()] + [
                 "state.json",
                 "journal.json",
             ]
             for name in names:
-                for suffix in [str(base + d) for d in range(0, 400, 7)] + [
-                    f"{rng.getrandbits(64):016x}" for _ in range(3)
-                ]:
+                for suffix in near + [f"{rng.getrandbits(64):016x}" for _ in range(3)]:
                     link = directory / f".{name}.k3patch-tmp.{suffix}"
                     if not link.exists():
                         link.symlink_to(victim)
@@ -443,6 +443,15 @@ def merge(rows: list[Row], header: str, command: str, add: bool = False) -> str:
         "| case | runs | seen | failures |",
         "|---|---:|---|---:|",
         *old.values(),
+        "",
+        "A failure is: a tree that is neither fully patched nor fully original after the",
+        "recovering run (or `status` disagreeing with it, or temp files left); for tampering, an",
+        "exit code other than the documented one (apply and revert must refuse with 3), an",
+        "internal error, a byte written outside the tree, or a refusal that changed the tree; for",
+        "planted links, the victim's bytes or mode changed; for racing, any internal error,",
+        "conflict, environment error, or a mixed tree after a round; for the other writer, its",
+        "edit missing afterwards or a journal that blocks the next apply; for upgrades, revert",
+        "writing anything but the new version's own files.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -527,8 +536,8 @@ def main() -> None:
         runs, written = planted_temp_links(pristine, work, args.planted_runs, 31 + s)
         rows.append(
             (
-                "symlinks planted at every old-style and some new-style temp names, apply "
-                "then revert",
+                "symlinks planted at the next 40 pids' old-style temp names and at random "
+                "new-style ones, beside every target and in .k3patch/, apply then revert",
                 runs,
                 "victim file's bytes and mode kept, tree whole",
                 written,
