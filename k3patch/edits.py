@@ -114,6 +114,29 @@ class SourceText:
         return "\t" if self.indent_of(parent).startswith("\t") else "    "
 
 
+def header_end(src: SourceText, stmt: ast.If | ast.While | ast.For | ast.With) -> int:
+    """The offset just past the `:` that ends a compound statement's header (after any closing
+    parentheses, line breaks and comments that follow its last header expression)."""
+    if isinstance(stmt, ast.With):
+        item = stmt.items[-1]
+        last: ast.expr = item.optional_vars or item.context_expr
+    else:
+        last = stmt.iter if isinstance(stmt, ast.For) else stmt.test
+    assert last.end_lineno is not None and last.end_col_offset is not None
+    at, text = src.offset(last.end_lineno, last.end_col_offset), src.text
+    while at < len(text) and text[at] != ":":
+        if text[at] == "#":
+            found = _LINE_END.search(text, at)
+            at = found.start() if found else len(text)
+        elif text[at] in " \t\f\r\n\\)":
+            at += 1
+        else:
+            break
+    if at >= len(text) or text[at] != ":":
+        raise EditError(f"line {stmt.lineno}: no `:` ends the header")
+    return at + 1
+
+
 def _last_line_of(src: SourceText, stmt: ast.stmt) -> int:
     if not src.ends_line(stmt):
         raise EditError(f"line {stmt.end_lineno}: another statement follows on the same line")

@@ -9,7 +9,7 @@ import ast
 import pytest
 
 from k3patch import edits
-from k3patch.edits import Edit, EditError, SourceText, apply_edits
+from k3patch.edits import Edit, EditError, SourceText, apply_edits, header_end
 from k3patch.model import SourceFile
 
 ODD_CHARS = ["\f", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
@@ -224,3 +224,21 @@ def test_a_statement_sharing_its_line_is_refused():
     stmt = ast.parse(text).body[0]
     with pytest.raises(EditError):
         edits.insert_after(SourceText(text), stmt, "z = 3")
+
+
+def test_header_end_is_past_the_colon_after_parentheses_and_comments():
+    text = (
+        "if (\n    a  # why\n    and b\n):  # trailing\n    pass\n"
+        "for x in (\n    y\n)  :\r\n    z\n"
+    )
+    module = ast.parse(text)
+    src = SourceText(text)
+    gate, loop = module.body
+    assert isinstance(gate, ast.If) and isinstance(loop, ast.For)
+    assert text[: header_end(src, gate)].endswith("    and b\n):")
+    assert text[: header_end(src, loop)].endswith("    y\n)  :")
+    # A header whose colon is not where the grammar puts it cannot be read: refused.
+    stale = ast.parse("if a + b:\n    pass\n").body[0]
+    assert isinstance(stale, ast.If)
+    with pytest.raises(EditError):
+        header_end(SourceText("if a:\n    pass\n"), stale)

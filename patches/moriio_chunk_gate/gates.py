@@ -8,7 +8,7 @@ import ast
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from k3patch.codemod import SpliceError, cut
+from k3patch.edits import EditError, SourceText, header_end
 from k3patch.model import (
     SiteResult,
     SourceFile,
@@ -533,8 +533,8 @@ def _helper_is_progress(context: Context) -> bool:
 def _preconditions(src: SourceFile, context: Context, gate: Gate, shape: Shape) -> list[str]:
     """Why a gate in a known shape still cannot take (or does not hold) the post-image."""
     problems = []
-    if shape.verdict is Verdict.PENDING and not _loop_lines_ok(src.text, gate.loop):
-        problems.append("its loop shares lines with other code or is not uniformly indented")
+    if shape.verdict is Verdict.PENDING and not _header_editable(src.text, gate):
+        problems.append("its header shares lines with other code")
     if shape.verdict is Verdict.PENDING and "scheduler_output" not in context.params():
         problems.append(f"{METHOD} has no parameter named scheduler_output")
     bound = stored_names([gate.loop.target])
@@ -548,6 +548,9 @@ def _preconditions(src: SourceFile, context: Context, gate: Gate, shape: Shape) 
         if any(s is not temp and s.lineno == temp.lineno for s in gate.block):
             problems.append(f"{name} shares its line with another statement")
     if gate.site == G1:
+        if shape.verdict is Verdict.PENDING and gate.index == len(gate.temps):
+            # The branch keeps the statements before the gate; with none it would be empty.
+            problems.append("it is all that `if new_block_ids is not None:` holds")
         problems.extend(_g1_body_problems(gate, shape))
     return problems
 
@@ -577,10 +580,14 @@ def _g1_body_problems(gate: Gate, shape: Shape) -> list[str]:
     return []
 
 
-def _loop_lines_ok(text: str, loop: ast.For) -> bool:
-    """Whether the loop can be cut out on its own lines and dedented (what the rewrite needs)."""
+def _header_editable(text: str, gate: Gate) -> bool:
+    """Whether the gate (and G1's branch) start their lines and the header's `:` can be found:
+    the rewrite replaces whole header lines and leaves the gate's body as it is."""
+    src = SourceText(text)
     try:
-        cut(text, loop)
-    except SpliceError:
+        for stmt in [gate.node, *gate.temps, *gate.conditions[:1]]:
+            src.indent_of(stmt)
+        header_end(src, gate.node)
+    except EditError:
         return False
     return True

@@ -7,7 +7,7 @@ import ast
 import builtins
 from dataclasses import dataclass
 
-from k3patch.edits import Edit, SourceText, apply_edits, replace
+from k3patch.edits import Edit, SourceText, replace
 from k3patch.model import (
     SiteResult,
     Verdict,
@@ -338,11 +338,10 @@ def _self_attributes(cls: ast.ClassDef) -> set[str]:
     return names
 
 
-def repair_chains(text: str, chains: list[Chain]) -> str:
+def repair_edits(src: SourceText, chains: list[Chain]) -> list[Edit]:
     """The older form's decisions replaced in place by compute progress; each `is None`
     fallback goes. Helper, map and debug lines stay: nothing reads them to decide any more."""
-    src = SourceText(text)
-    edits: list[Edit] = []
+    edits = []
     for chain in chains:
         names = chain.request_names()
         if names is None:
@@ -356,4 +355,4 @@ def repair_chains(text: str, chains: list[Chain]) -> str:
         if chain.fallback is not None:
             stmts.append(chain.fallback)
         edits.append(replace(src, stmts, source))
-    return apply_edits(text, edits)
+    return edits
