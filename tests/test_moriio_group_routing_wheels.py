@@ -12,11 +12,12 @@ from pathlib import Path
 import probe_child
 import pytest
 from conftest import pristine_tree, run_cli, tree_hashes
-from k3patch.patches import moriio_group_routing as gr
+from k3patch.patches.moriio_group_routing import PATCH
 
 pytestmark = pytest.mark.wheel
 ONLY = ["--only", "moriio-group-routing"]
-PACKAGE = "vllm/" + gr.PACKAGE
+MORIIO = "distributed/kv_transfer/kv_connector/v1/moriio"
+PACKAGE = f"vllm/{MORIIO}"
 
 VERDICTS = {
     "0.29.0": ("not applicable", "upstream 0.14.1-0.29.0 single-group connector"),
@@ -41,7 +42,11 @@ def test_upstream_verdicts_and_nothing_written(make_tree, version):
     verdict, shape = VERDICTS[version]
     patch = patch_status(site)
     assert patch["verdict"] == verdict
-    assert [s["file"] for s in patch["sites"]] == [gr.COMMON, gr.CONNECTOR, gr.ENGINE]
+    assert [s["file"] for s in patch["sites"]] == [
+        f"{MORIIO}/moriio_common.py",
+        f"{MORIIO}/moriio_connector.py",
+        f"{MORIIO}/moriio_engine.py",
+    ]
     assert {s["shape"] for s in patch["sites"]} == {shape}
     before = package_hashes(site)
     assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
@@ -124,7 +129,7 @@ def test_must_not_touch_cases_stay_byte_identical_after_apply(make_tree, version
 
 
 def run_probe(python: str, site: Path) -> dict:
-    return probe_child.run_probe(gr.PATCH, python, site)
+    return probe_child.run_probe(PATCH, python, site)
 
 
 @pytest.mark.verify

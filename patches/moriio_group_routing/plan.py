@@ -7,7 +7,7 @@ import ast
 from dataclasses import dataclass
 
 from k3patch.edits import Edit, SourceText, replace
-from k3patch.model import SourceFile
+from k3patch.model import SourceFile, stored_names
 from k3patch.shapes import match, parse_pattern, search
 
 from . import forms
@@ -23,12 +23,11 @@ class Region:
 
 
 def _stores(node: ast.AST) -> set[str]:
-    """Names bound anywhere under `node` (assignment and loop targets, imports)."""
-    out = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    for n in ast.walk(node):
-        if isinstance(n, ast.Import | ast.ImportFrom):
-            out |= {(a.asname or a.name).split(".")[0] for a in n.names}
-    return out
+    """Names bound anywhere under `node`: assignment and loop targets, and imports."""
+    imports = [n for n in ast.walk(node) if isinstance(n, ast.Import | ast.ImportFrom)]
+    return stored_names([node]) | {
+        (a.asname or a.name).split(".")[0] for n in imports for a in n.names
+    }
 
 
 def is_debug_block(imp: ast.stmt, gate: ast.stmt) -> bool:
