@@ -15,11 +15,12 @@ from pathlib import Path
 
 import forktree
 import pytest
-from conftest import built_fork_tree, run_cli, sha, tree_hashes
+from conftest import built_fork_tree, pristine_tree, run_cli, sha, tree_hashes
 from conftest import sites_of as _sites_of
 from conftest import status_json as _status_json
 from k3patch.patches import moriio_chunk_gate as gate
 from k3patch.patches.moriio_chunk_gate import gates
+from patch_table import Change, assert_rewrite, assert_untouched
 
 from k3patch.model import Sources, Verdict
 
@@ -100,7 +101,7 @@ def test_upstream_fix_is_satisfied_and_nothing_is_written(make_tree, version):
     assert data["_rc"] == 0
     assert data["patches"][0]["verdict"] == "satisfied"
     for result in data["patches"][0]["sites"]:
-        assert result["shape"] == gate.SATISFIED_UPSTREAM
+        assert result["shape"] == "upstream fix (_is_final_prefill_chunk, 0.32.0 and later)"
     proc = run_cli("apply", "--vllm", str(site), *ONLY)
     assert proc.returncode == 0
     assert tree_hashes(site) == before
@@ -329,15 +330,22 @@ def test_no_moriio_is_not_applicable_and_no_scheduler_is_drift(make_tree):
 # a, b, c never ran the older chunk-gate script: shape C gates in the fork's surroundings.
 # d ran it (K3_EXTRA_FIXES=1): its real form is pending, with both defects named.
 
+LEGACY_PENDING = "older k3-chunk-gate script (legacy, defective)"
+LEGACY_DEFECTS = (
+    "fires up to K3_CHUNK_GATE_SLACK (default 2) tokens early",
+    "falls back to the block-count gate (the original bug) when its progress map lacks the request",
+)
 FORK_VERDICTS = {
     "a": ("the fork (shape C gates)", ()),
     "b": ("the fork (shape C gates)", ()),
     "c": ("the fork (shape C gates)", ()),
     "a-comments": ("the fork (shape C gates)", ()),
     "a-nodebug": ("the fork (shape C gates)", ()),
-    "d": (gate.LEGACY_PENDING, gate.LEGACY_DEFECTS),
+    "d": (LEGACY_PENDING, LEGACY_DEFECTS),
 }
-APPLIED_SHAPE = {name: "k3patch" for name in FORK_VERDICTS} | {"d": gate.LEGACY_APPLIED}
+APPLIED_SHAPE = {name: "k3patch" for name in FORK_VERDICTS} | {
+    "d": "k3patch (the older k3-chunk-gate form, repaired in place)"
+}
 
 
 @pytest.mark.wheel
@@ -534,7 +542,7 @@ def test_chunk_gate_script_without_the_maps_it_reads_is_drift(make_tree):
     assert sites[gate.G1]["verdict"] == "drifted"
     assert "self._reqs_save_allgrp, self._reqs_save_mamba" in sites[gate.G1]["detail"]
     assert sites[gate.G2]["verdict"] == "pending"
-    assert sites[gate.G2]["shape"] == gate.LEGACY_PENDING
+    assert sites[gate.G2]["shape"] == LEGACY_PENDING
 
 
 @pytest.mark.wheel
@@ -802,3 +810,142 @@ def test_shapes_are_distinct_and_read_like_sites_md():
     prints = [s.fingerprint for shapes in gate.SHAPES.values() for s in shapes]
     assert len(set(prints)) == len(prints)
     assert {s.verdict for s in gate.SHAPES[gate.G1]} == {Verdict.PENDING, Verdict.APPLIED}
+
+
+# --------------------------------------------------------------------------------------------
+# Tables in the spirit of LibCST's CodemodTest (tests/patch_table.py), on the real trees, in
+# memory: every change apply makes, written out as the diff it is; what must stay byte for byte;
+# and the post-image reads applied with nothing left to do.
+
+G1_MARKER = """\
+# k3patch moriio-chunk-gate: the prompt is complete when this step's
+# chunk reaches its end (compute progress, no slack), checked for every
+# pending request, also when the chunk allocated no new block. A block
+# count fires after chunk 1 once a block outgrows a chunk (K3: ~5,760).
+if req_id in self._reqs_need_pending_save:
+    req = self._reqs_need_pending_save[req_id][0]
+    if (
+        req.num_computed_tokens
+        + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+"""
+G2_POST = """\
+# k3patch moriio-chunk-gate: not the final chunk until compute progress
+# reaches the prompt; a block count fires early once a block outgrows a
+# chunk (K3's ~5,760-token blocks).
+if (
+    req.num_computed_tokens
+    + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+    < req.num_prompt_tokens
+):
+"""
+G1_AT = "self._reqs_need_pending_save[req_id] = (req, updated_blocks)"
+G2_AT = "kv_params = self._req_kv_params.get(req_id, req.kv_transfer_params or {})"
+LEGACY_MARKER = """\
+# k3patch moriio-chunk-gate: final when compute progress reaches
+# the prompt; no slack (it sent up to 2 tokens early) and no
+# block-count fallback (the original bug).
+"""
+
+
+def _progress(name: str, req: str = "req", req_id: str = "req_id") -> str:
+    return (
+        f"{LEGACY_MARKER}{name} = (\n    {req}.num_computed_tokens\n"
+        f"    + scheduler_output.num_scheduled_tokens.get({req_id}, 0)\n"
+        f"    >= {req}.num_prompt_tokens\n)\n"
+    )
+
+
+REWRITE_ROWS = {
+    # C: G1's header is rebuilt under the guard (difflib keeps its `if (` line), G2's replaced.
+    "0.29.0": [
+        Change(
+            gate.FILE,
+            G1_AT,
+            "if (\n    len(self._reqs_need_pending_save[req_id][1]) * self.block_size\n",
+            G1_MARKER,
+        ),
+        Change(
+            gate.FILE,
+            G2_AT,
+            "if req.num_prompt_tokens > len(block_ids) * self.block_size:\n",
+            G2_POST,
+        ),
+    ],
+    # D: the named temporaries go with the headers they fed.
+    "0.31.0": [
+        Change(
+            gate.FILE,
+            G1_AT,
+            "saved_tokens = (\n    len(updated_blocks[self._full_attn_group_idx])\n"
+            "    * self._full_attn_block_size\n)\nif saved_tokens >= req.num_prompt_tokens:\n",
+            G1_MARKER + "        >= req.num_prompt_tokens\n    ):\n",
+        ),
+        Change(
+            gate.FILE,
+            G2_AT,
+            "tokens_covered = (\n"
+            "    len(block_ids[self._full_attn_group_idx]) * self._full_attn_block_size\n"
+            ")\nif req.num_prompt_tokens > tokens_covered:\n",
+            G2_POST,
+        ),
+    ],
+    # Fork d: the older script's three decisions replaced in place, its fallbacks gone.
+    "d": [
+        Change(
+            gate.FILE,
+            G1_AT,
+            "_k3done2 = _k3_prefill_done(self, req_id, req)  # k3-chunk-gate\n"
+            "if _k3done2 is None:\n    _k3done2 = (\n"
+            "        len(self._reqs_need_pending_save[req_id][1]) * self.block_size\n"
+            "        >= req.num_prompt_tokens\n    )\n",
+            _progress("_k3done2"),
+        ),
+        Change(
+            gate.FILE,
+            "_k3sw_req, _k3sw_bl = self._reqs_need_pending_save[_k3sw_rid]",
+            "_k3sw_done = _k3_prefill_done(self, _k3sw_rid, _k3sw_req)\n",
+            _progress("_k3sw_done", "_k3sw_req", "_k3sw_rid"),
+        ),
+        Change(
+            gate.FILE,
+            "# k3-chunk-gate: G2 by the progress map, the block count where it has no entry.",
+            "_k3done = _k3_prefill_done(self, req_id, req)\nif _k3done is None:\n"
+            "    _k3done = not (req.num_prompt_tokens > len(block_ids) * self.block_size)\n",
+            _progress("_k3done"),
+        ),
+    ],
+}
+# Statements of the real trees that apply must leave byte for byte: the block accumulation and
+# update_state_after_alloc's block lists, and in d the older script's helper, map and debug line.
+UNTOUCHED_ROWS = {
+    "0.29.0": [G1_AT, "local_block_ids=self._reqs_need_pending_save[req_id][1],"],
+    "0.31.0": [G1_AT, "updated_blocks = ["],
+    "d": [
+        "def _k3_prefill_done(self, req_id, req):",
+        "self._k3_prog = {}",
+        "slack = int(_os.environ.get('K3_CHUNK_GATE_SLACK', '2'))",
+        "if os.environ.get('K3_CHUNK_GATE_DEBUG', '0') == '1':",
+    ],
+}
+
+
+def _connector_text(tree: str) -> str:
+    root = built_fork_tree(tree) if tree in FORK_VERDICTS else pristine_tree(tree)
+    return (root / "vllm" / gate.FILE).read_text()
+
+
+@pytest.mark.wheel
+@pytest.mark.parametrize("tree", sorted(REWRITE_ROWS))
+def test_rewrite_table(tree):
+    before = {gate.FILE: _connector_text(tree)}
+    after = {**before}
+    sources = Sources(lambda rel: before[rel].encode() if rel in before else None)
+    pending = [r for r in gate.PATCH.classify(sources) if r.verdict is Verdict.PENDING]
+    assert [r.site for r in pending] == [gate.G1, gate.G2]
+    after.update(gate.PATCH.rewrite(sources, pending))
+    assert_rewrite(before, after, REWRITE_ROWS[tree])
+    assert_untouched(before, after, UNTOUCHED_ROWS[tree])
+    again = classify_text(after[gate.FILE])
+    assert {r.verdict for r in again.values()} == {Verdict.APPLIED}
+    # after -> after: nothing left to write (the idempotence half of CodemodTest).
+    assert not [r for r in again.values() if r.verdict is Verdict.PENDING]

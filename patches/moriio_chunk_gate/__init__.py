@@ -38,6 +38,7 @@ stale (the older script's docstring says it is).
 from __future__ import annotations
 
 from k3patch.model import Patch, ProbeOutcome, Shape, SiteResult, Sources, Verdict
+from k3patch.shapes import VersionRange
 
 FILE = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
@@ -47,11 +48,11 @@ G1 = f"{METHOD} G1 (cached requests)"
 G2 = f"{METHOD} G2 (_reqs_need_save)"
 
 # --------------------------------------------------------------------------------------------
-# The shapes. A site is a gate `if` in its loop, reduced to a skeleton: the gate's test, the
-# named temporaries that feed it, and the conditions it is nested under between the loop and
-# the gate; `...` stands for statements the patch neither reads nor writes (the gate's body,
-# the block accumulation around it). The skeletons are compared by AST fingerprint, so
-# formatting, parentheses and comments do not matter.
+# The shapes: k3patch.shapes patterns over the body of the loop that holds the gate. `...`
+# stands for any run of statements the patch neither reads nor writes (the gate's body, the
+# block accumulation around it); a pattern ends where the gate must be last in its block. The
+# match is on syntax trees, so formatting, parentheses and comments do not matter. Each shape's
+# vLLM versions are data (`versions`); the report names the release from the surroundings.
 
 G1_BLOCK_COUNT = Shape(
     "A-C / fork",
@@ -64,6 +65,7 @@ G1_BLOCK_COUNT = Shape(
             ...
     """,
     origin="block count, evaluated only when the step allocated a new block",
+    versions=VersionRange("0.14.1", "0.29.0"),
 )
 G1_BLOCK_COUNT_D = Shape(
     "D (0.30.0-0.31.0)",
@@ -77,6 +79,7 @@ G1_BLOCK_COUNT_D = Shape(
             ...
     """,
     origin="block count of the full-attention group, evaluated only when a block was allocated",
+    versions=VersionRange("0.30.0", "0.31.0"),
 )
 G1_APPLIED = Shape(
     "k3patch",
@@ -103,6 +106,7 @@ G2_BLOCK_COUNT = Shape(
     ...
     """,
     origin="block count",
+    versions=VersionRange("0.14.1", "0.29.0"),
 )
 G2_BLOCK_COUNT_D = Shape(
     "D (0.30.0-0.31.0)",
@@ -115,6 +119,7 @@ G2_BLOCK_COUNT_D = Shape(
     ...
     """,
     origin="block count of the full-attention group",
+    versions=VersionRange("0.30.0", "0.31.0"),
 )
 G2_APPLIED = Shape(
     "k3patch",

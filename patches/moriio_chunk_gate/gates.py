@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from k3patch.edits import EditError, SourceText, header_end
 from k3patch.model import (
+    Shape,
     SiteResult,
     SourceFile,
     Verdict,
@@ -38,7 +39,6 @@ from . import (
     SATISFIED_UPSTREAM,
     SHAPES,
     UPSTREAM_HELPER,
-    Shape,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -310,8 +310,9 @@ def _classify_fixed(
     test = gate.node.test
     wanted = needed_meaning(gate.node)
     env = _env(gate.temps)
-    upstream = calls(unnegated(test), UPSTREAM_HELPER)
-    meaning = _helper_call_meaning(test) if upstream else progress_meaning(test, env)
+    core, times = negated(test)
+    upstream = calls(core, UPSTREAM_HELPER)
+    meaning = flip(FINAL, times) if upstream else progress_meaning(test, env)
     if meaning is None:
         return result(
             Verdict.DRIFTED, "", "the gate is in no shape k3patch knows; nothing will be written"
@@ -378,28 +379,18 @@ def _wrong_progress(meaning: str, wanted: str) -> str:
     )
 
 
-def unnegated(expr: ast.expr) -> ast.expr:
-    while isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Not):
-        expr = expr.operand
-    return expr
-
-
-def negations(expr: ast.expr) -> int:
+def negated(expr: ast.expr) -> tuple[ast.expr, int]:
+    """`expr` without its leading `not`s, and how many there were."""
     count = 0
     while isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Not):
-        expr = expr.operand
-        count += 1
-    return count
+        expr, count = expr.operand, count + 1
+    return expr, count
 
 
 def flip(meaning: str, times: int) -> str:
     if meaning == WRONG or times % 2 == 0:
         return meaning
     return NOT_FINAL if meaning == FINAL else FINAL
-
-
-def _helper_call_meaning(test: ast.expr) -> str:
-    return flip(FINAL, negations(test))
 
 
 def calls(expr: ast.expr, name: str) -> bool:
@@ -415,15 +406,12 @@ def calls(expr: ast.expr, name: str) -> bool:
 
 
 def _env(assigns: Sequence[ast.stmt]) -> dict[str, ast.expr]:
-    env: dict[str, ast.expr] = {}
-    for stmt in assigns:
-        if (
-            isinstance(stmt, ast.Assign)
-            and len(stmt.targets) == 1
-            and isinstance(stmt.targets[0], ast.Name)
-        ):
-            env[stmt.targets[0].id] = stmt.value
-    return env
+    """The named temporaries among `assigns`: name -> value."""
+    return {
+        s.targets[0].id: s.value
+        for s in assigns
+        if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name)
+    }
 
 
 def _resolve(expr: ast.expr, env: dict[str, ast.expr], depth: int = 0) -> ast.expr:
@@ -440,26 +428,12 @@ def _is_attr(expr: ast.expr, attr: str) -> str | None:
     return None
 
 
-def _is_scheduled(expr: ast.expr) -> bool:
-    """`<...>.num_scheduled_tokens[key]` or `<...>.num_scheduled_tokens.get(key[, 0])`."""
-    if isinstance(expr, ast.Subscript):
-        return isinstance(expr.value, ast.Attribute) and expr.value.attr == "num_scheduled_tokens"
-    return (
-        isinstance(expr, ast.Call)
-        and isinstance(expr.func, ast.Attribute)
-        and expr.func.attr == "get"
-        and isinstance(expr.func.value, ast.Attribute)
-        and expr.func.value.attr == "num_scheduled_tokens"
-        and not expr.keywords
-        and (
-            len(expr.args) == 1
-            or (
-                len(expr.args) == 2
-                and isinstance(expr.args[1], ast.Constant)
-                and expr.args[1].value == 0
-            )
-        )
-    )
+# This step's scheduled tokens of a request, as vLLM and the older scripts read them.
+_SCHEDULED = (
+    "HOLE_out.num_scheduled_tokens[HOLE_key]",
+    "HOLE_out.num_scheduled_tokens.get(HOLE_key)",
+    "HOLE_out.num_scheduled_tokens.get(HOLE_key, 0)",
+)
 
 
 def _progress_of(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
@@ -469,7 +443,9 @@ def _progress_of(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
         return None
     for computed, scheduled in ((expr.left, expr.right), (expr.right, expr.left)):
         req = _is_attr(_resolve(computed, env), "num_computed_tokens")
-        if req is not None and _is_scheduled(_resolve(scheduled, env)):
+        if req is not None and any(
+            match(p, _resolve(scheduled, env)) is not None for p in _SCHEDULED
+        ):
             return req
     return None
 
@@ -488,8 +464,8 @@ def progress_meaning(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
     """What a test decides about compute progress: "final" for `progress >= prompt`, "not
     final" for `progress < prompt` (mirrored forms and `not` included), "wrong" for any other
     comparison of progress with the prompt, None when the test is no such comparison."""
-    times = negations(expr)
-    core = _resolve(unnegated(expr), env)
+    core, times = negated(expr)
+    core = _resolve(core, env)
     if not isinstance(core, ast.Compare):
         return None
     resolved = {w for node in ast.walk(core) for w in _resolved_words_of(node, env)}

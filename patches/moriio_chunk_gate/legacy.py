@@ -45,10 +45,9 @@ from .gates import (
     flip,
     loops,
     needed_meaning,
-    negations,
+    negated,
     progress_meaning,
     site_result,
-    unnegated,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -97,7 +96,7 @@ class Chain:
 
     def gate_meaning(self) -> str:
         """What the gate's test makes of the decision ("final" when it is the bare name)."""
-        return flip(FINAL, negations(self.gate.test))
+        return flip(FINAL, negated(self.gate.test)[1])
 
     def found(self) -> str:
         return ast.unparse(ast.Module(body=self.statements, type_ignores=[]))
@@ -151,7 +150,7 @@ def _chain_at(block: list[ast.stmt], index: int, part: str) -> Chain | None:
     if j >= len(block):
         return None
     gate = block[j]
-    if not isinstance(gate, ast.If) or not _is_name(unnegated(gate.test), name):
+    if not isinstance(gate, ast.If) or not _is_name(negated(gate.test)[0], name):
         return None
     assert fallback is None or isinstance(fallback, ast.If)
     return Chain(part, block, index, name, stmt, fallback, debug, gate)

@@ -12,6 +12,7 @@ from typing import Any
 
 from k3patch.model import ProbeOutcome
 from k3patch.probekit import Swap
+from k3patch.shapes import match
 
 from . import MODULE
 
@@ -107,6 +108,15 @@ def _scheduler(mc: types.ModuleType, block_size: int) -> Any:
     return sched
 
 
+# `self.NAME = {}` or `= dict()`, annotated or not, as __init__ starts a per-request map (the
+# parentheses make the annotated pattern's target "not simple", as an attribute target is).
+_EMPTY_MAPS = tuple(
+    f"{target} = {empty}"
+    for target in ("HOLE_map", "(HOLE_map): HOLE_type")
+    for empty in ("{}", "dict()")
+)
+
+
 def _empty_maps_of_init(cls: type[object]) -> list[str]:
     import inspect
     import textwrap
@@ -117,27 +127,12 @@ def _empty_maps_of_init(cls: type[object]) -> list[str]:
         return []
     names = []
     for node in ast.walk(ast.parse(source)):
-        target = value = None
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target, value = node.targets[0], node.value
-        elif isinstance(node, ast.AnnAssign):
-            target, value = node.target, node.value
-        if not (
-            isinstance(target, ast.Attribute)
-            and isinstance(target.value, ast.Name)
-            and target.value.id == "self"
-        ):
+        if not isinstance(node, ast.Assign | ast.AnnAssign):
             continue
-        empty_dict = isinstance(value, ast.Dict) and not value.keys
-        dict_call = (
-            isinstance(value, ast.Call)
-            and isinstance(value.func, ast.Name)
-            and value.func.id == "dict"
-            and not value.args
-            and not value.keywords
-        )
-        if empty_dict or dict_call:
-            names.append(target.attr)
+        for bound in filter(None, (match(p, node) for p in _EMPTY_MAPS)):
+            target = bound["HOLE_map"]
+            if isinstance(target, ast.Attribute) and match("self", target.value) is not None:
+                names.append(target.attr)
     return names
 
 
