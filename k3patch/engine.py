@@ -206,7 +206,7 @@ def scan(
     all match, its classification is reused without parsing anything. `wait_for_live`: seconds
     to wait for a live run whose journal is there (status), instead of reporting it interrupted."""
     patches = all_patches() if patches is None else patches
-    sources = Sources(tree.read)
+    sources = Sources(tree.read, tree.version)
     files = target_files(all_patches())
     hashes = _hashes(sources, files)
     interrupted = _interrupted(tree, wait_for_live)
@@ -299,7 +299,7 @@ def plan(report: Report, refused: Iterable[str] = ()) -> Plan:
     pending site must now read as applied and no other verdict may change. The patches named
     in `refused` (drifted ones) are not rewritten: each of their sites must keep its verdict,
     so another patch's edit of a shared file cannot have touched them."""
-    sources = report.sources or Sources(report.tree.read)
+    sources = report.sources or Sources(report.tree.read, report.tree.version)
     refused = frozenset(refused)
     changes: dict[str, str] = {}
     for patch in report.patches:
@@ -428,7 +428,7 @@ def apply(
         if not report.pending_outside(refused):
             return _refused(report, refused, recovered=recovered)
         the_plan = plan(report, refused)
-        sources = report.sources or Sources(tree.read)
+        sources = report.sources or Sources(tree.read, tree.version)
         # Damaged or of another schema: stop (exit 3) before its saved originals are pruned.
         old = load(tree.state_dir)
         files = _carried_files(old, full)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3patch.shapes import Bindings, VersionRange, match
+from k3patch.shapes import Bindings, VersionRange, match, outside_range
 
 
 class Verdict(str, enum.Enum):
@@ -183,6 +183,8 @@ class SourceFile:
 
     rel: str
     data: bytes | None
+    # The vLLM version of the tree the file belongs to (None: unknown), for version notes.
+    version: str | None = None
     _text: str | None = field(default=None, repr=False)
     _tree: ast.Module | None = field(default=None, repr=False)
 
@@ -235,13 +237,14 @@ class SourceFile:
 class Sources:
     """The target files of a tree, read once and shared by every patch in one run."""
 
-    def __init__(self, reader: Callable[[str], bytes | None]) -> None:
+    def __init__(self, reader: Callable[[str], bytes | None], version: str | None = None) -> None:
         self._reader = reader
+        self.version = version
         self._files: dict[str, SourceFile] = {}
 
     def __getitem__(self, rel: str) -> SourceFile:
         if rel not in self._files:
-            self._files[rel] = SourceFile(rel, self._reader(rel))
+            self._files[rel] = SourceFile(rel, self._reader(rel), version=self.version)
         return self._files[rel]
 
     def with_changes(self, changes: Mapping[str, str]) -> Sources:
@@ -252,7 +255,7 @@ class Sources:
 
 class _ChangedSources(Sources):
     def __init__(self, base: Sources, changes: dict[str, str]) -> None:
-        super().__init__(lambda rel: base[rel].encode(changes[rel]))
+        super().__init__(lambda rel: base[rel].encode(changes[rel]), base.version)
         self._base = base
         self._changes = changes
 
@@ -445,6 +448,13 @@ def runtime_module_names(module: ast.Module) -> set[str]:
     return names
 
 
+def shape_detail(shape: Shape, source: SourceFile) -> str:
+    """A matched shape's detail for a report: its origin, and a note when the tree's vLLM is
+    outside the versions the shape was seen in (the shape is still known; the tree is unusual)."""
+    note = outside_range(shape.versions, source.version)
+    return "; ".join(part for part in (shape.origin, note) if part)
+
+
 def match_shapes(
     patch_id: str,
     site: str,
@@ -463,7 +473,7 @@ def match_shapes(
                 file=source.rel,
                 verdict=shape.verdict,
                 shape=shape.name,
-                detail=shape.origin,
+                detail=shape_detail(shape, source),
                 line=getattr(node, "lineno", None),
             )
     return SiteResult(

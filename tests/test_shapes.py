@@ -126,3 +126,24 @@ def test_search_finds_each_run_with_its_bindings():
     assert search("a = 2\nb = a", func) == []
     with pytest.raises(ValueError):
         search("a = 1\n...", func)
+
+
+@pytest.mark.wheel
+def test_a_known_shape_outside_its_versions_is_reported(make_tree):
+    """The shape still decides the verdict; the report says the tree is not a vLLM the shape
+    was seen in (here: 0.31.0's code under a dist-info that says 0.40.0)."""
+    import json
+
+    from conftest import run_cli
+
+    site = make_tree("0.31.0")
+    (metadata,) = site.glob("vllm-*.dist-info/METADATA")
+    metadata.write_text(metadata.read_text().replace("Version: 0.31.0", "Version: 0.40.0", 1))
+    proc = run_cli("status", "--vllm", str(site), "--json", "--only", "aiter-mla-gfx942")
+    (result,) = json.loads(proc.stdout)["patches"][0]["sites"]
+    assert result["verdict"] == "pending"
+    assert "seen in vLLM 0.12.0-0.33.0, not 0.40.0" in result["detail"]
+    plain = make_tree("0.31.0")
+    proc = run_cli("status", "--vllm", str(plain), "--json", "--only", "aiter-mla-gfx942")
+    (result,) = json.loads(proc.stdout)["patches"][0]["sites"]
+    assert "seen in vLLM" not in result["detail"]

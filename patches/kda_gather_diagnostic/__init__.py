@@ -41,6 +41,7 @@ from k3patch.model import (
     Verdict,
     bindings,
     find_scope,
+    shape_detail,
     summarise,
     walk_scope,
 )
@@ -347,7 +348,7 @@ class KdaGatherDiagnostic(Patch):
             file=site.file,
             verdict=summarise(s.verdict for s in shapes),
             shape="; ".join(dict.fromkeys(s.name for s in shapes)),
-            detail="; ".join(dict.fromkeys(s.origin for s in shapes)),
+            detail="; ".join(dict.fromkeys(shape_detail(s, src) for s in shapes)),
             line=getattr(first, "lineno", None),
         )
         pending = [u for u, s in zip(units, shapes, strict=True) if s is FORK_DIAGNOSTIC]
