@@ -555,15 +555,17 @@ def revert(
             edits.append(FileEdit(rel, data, original))
         if conflicts:
             return RevertOutcome(conflicts=conflicts, recovered=recovered)
-        edits.append(FileEdit(STATE_REL, _state_bytes(tree), None))
         try:
             pycache = txn.commit(edits, "revert")
         except BaseException:
             _forget_failed_commit(tree, txn, record)
             raise
+        # The record goes last, after the blobs: a run stopped in between leaves a record whose
+        # files are all original again (the next revert just cleans up), never saved originals
+        # without a record (which revert must refuse: it cannot tell whose they are).
         _remove_state_dir(tree, txn)
         return RevertOutcome(
-            restored=sorted([e.rel for e in edits[:-1]] + already),
+            restored=sorted([e.rel for e in edits] + already),
             recovered=recovered,
             pycache=pycache,
         )

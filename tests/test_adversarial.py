@@ -477,6 +477,20 @@ def test_9_apply_after_a_killed_revert_is_exit_0(make_tree):
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
 
 
+def test_9_a_revert_stopped_after_its_commit_finishes_on_the_next_run(make_tree):
+    """Stopped between the commit and the clean-up (SIGINT there is what the campaign hit):
+    the record must outlive the blobs, or the next revert sees saved originals without a
+    record and has to refuse."""
+    site = make_tree("0.31.0")
+    original = sources(site)
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    env = {"K3PATCH_TEST_CRASH_AT": "journal-removed"}
+    assert run_cli("revert", "--vllm", str(site), env=env).returncode == 137
+    again = run_cli("revert", "--vllm", str(site))
+    assert again.returncode == 0, again.stderr
+    assert sources(site) == original and not (site / "vllm/.k3patch").exists()
+
+
 # -- 7: concurrent apply and revert ------------------------------------------------------------
 
 
