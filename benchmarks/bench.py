@@ -70,7 +70,9 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{os.cpu_count()} cores, {cpu}, Python {platform.python_version()}, {platform.system()}"
+    usable = len(os.sched_getaffinity(0))  # what `taskset` left this run, not the host's count
+    cores = f"{usable} cores" if usable == os.cpu_count() else f"{usable} of {os.cpu_count()} cores"
+    return f"{cores}, {cpu}, Python {platform.python_version()}, {platform.system()}"
 
 
 def main() -> None:
