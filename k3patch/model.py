@@ -421,6 +421,20 @@ def stored_names(nodes: Iterable[ast.AST]) -> set[str]:
     }
 
 
+def attribute_names(nodes: Iterable[ast.AST], owner: str, ctx: type[ast.expr_context]) -> set[str]:
+    """The attributes of the bare name `owner` (`self`) that `nodes` read (ctx ast.Load) or
+    assign (ast.Store)."""
+    return {
+        n.attr
+        for node in nodes
+        for n in ast.walk(node)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == owner
+        and isinstance(n.ctx, ctx)
+    }
+
+
 def runtime_module_names(module: ast.Module) -> set[str]:
     """The names a module binds when it runs: top-level imports, defs, classes and assignments,
     also inside top-level `if` and `try` blocks, but not under `if TYPE_CHECKING:` (those

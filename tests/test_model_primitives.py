@@ -7,6 +7,7 @@ import ast
 from k3patch.model import (
     Shape,
     Verdict,
+    attribute_names,
     bindings,
     find_class,
     loaded_names,
@@ -82,3 +83,12 @@ def test_runtime_module_names_skip_type_checking_imports():
         "    js = None\nlogger = get()\ndef f():\n    inner = 1\n"
     )
     assert runtime_module_names(module) == {"os", "TYPE_CHECKING", "fallback", "js", "logger", "f"}
+
+
+def test_attribute_names_by_owner_and_context():
+    cls = ast.parse(
+        "class C:\n    def f(self):\n        self.a = self.b\n        other.c = self.d.e\n"
+    )
+    assert attribute_names([cls], "self", ast.Store) == {"a"}
+    assert attribute_names([cls], "self", ast.Load) == {"b", "d"}
+    assert attribute_names([cls], "other", ast.Store) == {"c"}

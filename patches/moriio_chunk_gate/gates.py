@@ -307,6 +307,10 @@ def _classify_fixed(
 ) -> SiteResult:
     """The fixed forms nobody but upstream writes: a progress gate, inline or through
     upstream's helper, that decides exactly what its body needs."""
+
+    def drift(detail: str) -> SiteResult:
+        return result(Verdict.DRIFTED, "", detail)
+
     test = gate.node.test
     wanted = needed_meaning(gate.node)
     env = _env(gate.temps)
@@ -314,36 +318,26 @@ def _classify_fixed(
     upstream = calls(core, UPSTREAM_HELPER)
     meaning = flip(FINAL, times) if upstream else progress_meaning(test, env)
     if meaning is None:
-        return result(
-            Verdict.DRIFTED, "", "the gate is in no shape k3patch knows; nothing will be written"
-        )
+        return drift("the gate is in no shape k3patch knows; nothing will be written")
     if upstream and not _helper_is_progress(context):
-        return result(
-            Verdict.DRIFTED,
-            "",
+        return drift(
             f"the gate calls self.{UPSTREAM_HELPER}, whose body is no progress comparison "
-            "(num_computed_tokens + num_scheduled_tokens >= num_prompt_tokens)",
+            "(num_computed_tokens + num_scheduled_tokens >= num_prompt_tokens)"
         )
     if meaning != wanted:
-        return result(Verdict.DRIFTED, "", _wrong_progress(meaning, wanted))
+        return drift(_wrong_progress(meaning, wanted))
     if any("new_block_ids" in mentioned_names(getattr(c, "test", c)) for c in gate.conditions):
-        return result(
-            Verdict.DRIFTED,
-            "",
+        return drift(
             "a progress gate, but still only evaluated when the step allocated a new "
-            "block: a final chunk without a new block would never send",
+            "block: a final chunk without a new block would never send"
         )
     guard = expr_dump("req_id in self._reqs_need_pending_save")
     if any(normalised_dump(getattr(c, "test", c)) == guard for c in gate.conditions):
-        return result(Verdict.DRIFTED, "", "k3patch's gate, edited since k3patch wrote it")
+        return drift("k3patch's gate, edited since k3patch wrote it")
     if gate.conditions:
         # Upstream's gates sit directly in their loops; a progress gate that only runs
         # under some other condition is a form nobody has described.
-        return result(
-            Verdict.DRIFTED,
-            "",
-            "a progress gate nested under a condition k3patch does not know",
-        )
+        return drift("a progress gate nested under a condition k3patch does not know")
     name = SATISFIED_UPSTREAM if upstream else SATISFIED_INLINE
     return result(Verdict.SATISFIED, name, "gates on compute progress")
 

@@ -11,14 +11,14 @@ from k3patch.edits import Edit, SourceText, replace
 from k3patch.model import (
     SiteResult,
     Verdict,
+    attribute_names,
     loaded_names,
     mentioned_names,
-    normalised_dump,
     runtime_module_names,
     site_fingerprint,
     stored_names,
 )
-from k3patch.shapes import blocks
+from k3patch.shapes import blocks, match
 
 from . import (
     CLASS,
@@ -41,7 +41,6 @@ from .gates import (
     NOT_FINAL,
     Context,
     calls,
-    expr_dump,
     flip,
     loops,
     needed_meaning,
@@ -240,14 +239,8 @@ def _chain_problems(
                 problems.append("the sweep has a fallback the script never writes")
             continue
         expected = LEGACY_FALLBACK[site]
-        if not (
-            fallback is not None
-            and len(fallback.body) == 1
-            and not fallback.orelse
-            and isinstance(fallback.body[0], ast.Assign)
-            and _is_name(fallback.body[0].targets[0], chain.name)
-            and normalised_dump(fallback.body[0].value) == expr_dump(expected)
-        ):
+        pattern = f"if {chain.name} is None:\n    {chain.name} = {expected}"
+        if fallback is None or match(pattern, fallback) is None:
             problems.append(f"its fallback is not the block count `{expected}`")
     if legacy:
         problems.extend(_legacy_support_problems(context))
@@ -306,35 +299,20 @@ def _unbound_problems(context: Context, chains: list[Chain]) -> list[str]:
         for loop in loops(context.method, "_reqs_need_pending_save")
         if any(c.part == "sweep" and c.decision in ast.walk(loop) for c in chains)
     ]
-    attributes = {
-        node.attr
-        for root in sweep_roots
-        for node in ast.walk(root)
-        if isinstance(node, ast.Attribute)
-        and isinstance(node.value, ast.Name)
-        and node.value.id == "self"
-        and isinstance(node.ctx, ast.Load)
+    methods = {
+        n.name for n in context.cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
     }
-    unset = sorted(attributes - _self_attributes(context.cls))
+    unset = sorted(
+        attribute_names(sweep_roots, "self", ast.Load)
+        - attribute_names([context.cls], "self", ast.Store)
+        - methods
+    )
     if unset:
         problems.append(
             "its sweep reads self." + ", self.".join(unset) + f", which {CLASS} never sets "
             "(it raises inside the sweep's try and the request is never sent)"
         )
     return problems
-
-
-def _self_attributes(cls: ast.ClassDef) -> set[str]:
-    names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
-    for node in ast.walk(cls):
-        if (
-            isinstance(node, ast.Attribute)
-            and isinstance(node.ctx, ast.Store)
-            and isinstance(node.value, ast.Name)
-            and node.value.id == "self"
-        ):
-            names.add(node.attr)
-    return names
 
 
 def repair_edits(src: SourceText, chains: list[Chain]) -> list[Edit]:
