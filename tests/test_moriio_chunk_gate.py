@@ -1,6 +1,8 @@
 """moriio-chunk-gate: shapes A-D on real wheels, the fork and the older script's fixed form on
 fixtures, upstream's fix on 0.32/0.33; the full pending -> apply -> applied -> revert cycle;
-that only the two gate statements change; and that every unknown gate form is drift."""
+that only the two gate statements change; and that every unknown gate form is drift. Tables
+(tests/patch_table.py): tree -> verdict and defects, the rewrite as (before, after) Change rows
+with must-not-touch rows on the real 0.29.0, 0.31.0 and fork d trees, and the shape table."""
 
 from __future__ import annotations
 
