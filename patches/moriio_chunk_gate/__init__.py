@@ -252,12 +252,12 @@ class MoriioChunkGate(Patch):
     )
 
     def classify(self, sources: Sources) -> list[SiteResult]:
-        from .gates import classify_sites
+        from .sites import classify_sites
 
         return classify_sites(sources[FILE])
 
     def rewrite(self, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
-        from .rewrite import rewrite_sites
+        from .sites import rewrite_sites
 
         return {FILE: rewrite_sites(sources[FILE], [r.site for r in pending])}
 

@@ -29,7 +29,6 @@ from . import (
     FILE,
     G1,
     G1_BLOCK_COUNT_D,
-    G2,
     G2_BLOCK_COUNT_D,
     GATE_WORDS,
     LEGACY_APPLIED,
@@ -229,17 +228,6 @@ def _is_fork(cls: ast.ClassDef) -> bool:
     return starts_empty and files_blocks
 
 
-def classify_sites(src: SourceFile) -> list[SiteResult]:
-    if not src.exists:
-        why = "no MoRIIO connector in this vLLM (it first ships in 0.14.1)"
-        return [site_result(s, Verdict.NOT_APPLICABLE, why) for s in (G1, G2)]
-    if method_of(src.tree) is None:
-        why = f"moriio_connector.py has no {CLASS}.{METHOD}; the connector was restructured"
-        return [site_result(s, Verdict.DRIFTED, why) for s in (G1, G2)]
-    context = Context.of(src.tree)
-    return [classify_site(src, context, site) for site in (G1, G2)]
-
-
 def site_result(
     site: str,
     verdict: Verdict,
@@ -262,18 +250,6 @@ def site_result(
     )
 
 
-def classify_site(src: SourceFile, context: Context, site: str) -> SiteResult:
-    from .legacy import classify_chains, site_chains
-
-    chains = site_chains(context, site)
-    if chains is not None:
-        return classify_chains(context, site, chains)
-    gate, why = locate(context, site)
-    if gate is None:
-        return site_result(site, Verdict.DRIFTED, why, line=context.method.lineno)
-    return _classify_gate(src, context, gate)
-
-
 def expected(site: str) -> tuple[str, ...]:
     shapes = [f"{s.name} ({s.verdict.value})" for s in SHAPES[site]]
     return (
@@ -285,7 +261,7 @@ def expected(site: str) -> tuple[str, ...]:
     )
 
 
-def _classify_gate(src: SourceFile, context: Context, gate: Gate) -> SiteResult:
+def classify_gate(src: SourceFile, context: Context, gate: Gate) -> SiteResult:
     def result(verdict: Verdict, shape: str, detail: str) -> SiteResult:
         return site_result(gate.site, verdict, detail, shape, gate.node.lineno, gate.found())
 

@@ -1,17 +1,39 @@
-"""moriio-chunk-gate's rewrite, as edits of the file's own lines (k3patch.edits): every byte
-outside the gate headers stays. Each gate header (and the named temporaries that fed it) is
-replaced; the gate's body stays where it is. G1 leaves `if new_block_ids is not None:` for a
-guard right after it: since the gate is the last statement of that branch, its body keeps its
-depth under the guard's own `if`. The older script's form is repaired in place (legacy.py)."""
+"""moriio-chunk-gate's two sites: classified (the older script's decision chains first, else
+the gate in its loop), then rewritten as edits of the file's own lines (k3patch.edits), so every
+byte outside the gate headers stays. Each gate header (and the named temporaries that fed it)
+is replaced and the gate's body stays where it is: G1 leaves `if new_block_ids is not None:`
+for a guard right after it, and since the gate is the last statement of that branch, its body
+keeps its depth under the guard's own `if`. The older form is repaired in place (legacy.py)."""
 
 from __future__ import annotations
 
 from k3patch.edits import Edit, SourceText, apply_edits, header_end
-from k3patch.model import SourceFile, Verdict
+from k3patch.model import SiteResult, SourceFile, Verdict
 
-from . import G1, G1_TEMPLATE, G2_TEMPLATE, MARKER_G1, MARKER_G2
-from .gates import Context, Gate, classify_site, locate
-from .legacy import repair_edits, site_chains
+from . import CLASS, G1, G1_TEMPLATE, G2, G2_TEMPLATE, MARKER_G1, MARKER_G2, METHOD
+from .gates import Context, Gate, classify_gate, locate, method_of, site_result
+from .legacy import classify_chains, repair_edits, site_chains
+
+
+def classify_sites(src: SourceFile) -> list[SiteResult]:
+    if not src.exists:
+        why = "no MoRIIO connector in this vLLM (it first ships in 0.14.1)"
+        return [site_result(s, Verdict.NOT_APPLICABLE, why) for s in (G1, G2)]
+    if method_of(src.tree) is None:
+        why = f"moriio_connector.py has no {CLASS}.{METHOD}; the connector was restructured"
+        return [site_result(s, Verdict.DRIFTED, why) for s in (G1, G2)]
+    context = Context.of(src.tree)
+    return [classify_site(src, context, site) for site in (G1, G2)]
+
+
+def classify_site(src: SourceFile, context: Context, site: str) -> SiteResult:
+    chains = site_chains(context, site)
+    if chains is not None:
+        return classify_chains(context, site, chains)
+    gate, why = locate(context, site)
+    if gate is None:
+        return site_result(site, Verdict.DRIFTED, why, line=context.method.lineno)
+    return classify_gate(src, context, gate)
 
 
 def rewrite_sites(src: SourceFile, pending: list[str]) -> str:
