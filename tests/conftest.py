@@ -120,7 +120,7 @@ def make_tree(tmp_path: Path) -> Callable[..., Path]:
 
 
 def _forktree_digest() -> str:
-    """A hash of the builder's own source: a cached fork tree made by other builder code is stale."""
+    """A hash of the builder's own source: a fork tree cached by other builder code is stale."""
     h = hashlib.sha256()
     for path in sorted((Path(__file__).parent / "forktree").glob("*.py")):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
@@ -167,6 +167,40 @@ def fork_tree(tmp_path: Path) -> Callable[..., Path]:
         return dst
 
     return make
+
+
+def export_source(dest: Path) -> Path:
+    """A copy of this checkout's sources at `dest`: the files git tracks plus the untracked ones
+    it does not ignore (what a clean clone of the working tree holds). Tests build and install
+    k3patch from it, never from the checkout itself: setuptools reuses an in-tree `build/`, and
+    a stale one ships modules that were deleted since (a patch that became a folder, say)."""
+    proc = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+    )
+    if proc.returncode == 0:
+        for rel in filter(None, proc.stdout.decode().split("\0")):
+            source = ROOT / rel
+            if source.is_file():
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, dest / rel)
+    else:  # not a git checkout: everything but build outputs, venvs and caches
+        shutil.copytree(
+            ROOT,
+            dest,
+            dirs_exist_ok=True,
+            ignore=shutil.ignore_patterns(
+                "build", "dist", ".venv*", "*.egg-info", "__pycache__", ".git", ".*_cache"
+            ),
+        )
+    return dest
+
+
+@pytest.fixture(scope="session")
+def k3patch_source(tmp_path_factory) -> Path:
+    """This checkout's sources, exported once per session (see export_source)."""
+    return export_source(tmp_path_factory.mktemp("k3patch-source"))
 
 
 def tree_hashes(root: Path) -> dict[str, str]:

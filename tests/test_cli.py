@@ -182,17 +182,30 @@ def test_human_output_keeps_long_paths_whole(make_tree, tmp_path):
     assert "\x1b[" not in proc.stdout  # NO_COLOR (set by run_cli) is honoured
 
 
-def test_installed_wheel_carries_patches(tmp_path):
+def test_installed_wheel_carries_patches(tmp_path, k3patch_source):
     """`pip install .` into a fresh venv, then `k3patch list` from another directory."""
-    root = Path(__file__).resolve().parent.parent
+    root = k3patch_source
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", str(root)]
     subprocess.run(pip, check=True, cwd=tmp_path)
     site = next((venv / "lib").glob("python*/site-packages"))
-    for folder_patch in ("aiter_mla_gfx942", "kda_gather_diagnostic"):
+    for folder_patch in (
+        "aiter_mla_gfx942",
+        "kda_gather_diagnostic",
+        "moriio_chunk_gate",
+        "moriio_group_routing",
+    ):
         for name in ("__init__.py", "probe.py"):
             assert (site / "k3patch" / "patches" / folder_patch / name).is_file()
+    # Exactly the checkout's patch sources: nothing stale (a deleted module) is shipped.
+    shipped = site / "k3patch" / "patches"
+    checkout = Path(__file__).resolve().parent.parent / "patches"
+
+    def sources(top: Path) -> set[str]:
+        return {str(p.relative_to(top)) for p in top.rglob("*.py") if "__pycache__" not in p.parts}
+
+    assert sources(shipped) == sources(checkout)
     assert not (site / "patches").exists(), "a top-level `patches` package was installed"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run(

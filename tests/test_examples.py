@@ -180,12 +180,13 @@ def test_entrypoint_without_vllm_patches_nothing(make_tree, fake_vllm):
 
 
 @pytest.fixture(scope="module")
-def wheel_dist(tmp_path_factory) -> Path:
-    """The k3patch wheel, built as the README says (`pip wheel --no-deps . -w dist`)."""
+def wheel_dist(tmp_path_factory, k3patch_source) -> Path:
+    """The k3patch wheel, built as the README says (`pip wheel --no-deps . -w dist`), in a clean
+    export of the checkout."""
     dist = tmp_path_factory.mktemp("context") / "dist"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", ".", "-w", str(dist)],
-        cwd=ROOT,
+        cwd=k3patch_source,
         check=True,
     )
     wheels = list(dist.glob("k3patch-*.whl"))

@@ -205,10 +205,12 @@ def test_verify_passes_on_upstream(make_tree, verify_python, version):
 # Shipped: the probe is a module of the patch's package, imported relatively in the child.
 
 
-def test_an_installed_k3patch_ships_and_loads_the_probe(tmp_path, make_tree, verify_python):
+def test_an_installed_k3patch_ships_and_loads_the_probe(
+    tmp_path, make_tree, verify_python, k3patch_source
+):
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent
+    root = k3patch_source
     target = tmp_path / "k3patch-install"
     pip = [verify_python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile"]
     subprocess.run([*pip, "--target", str(target), str(root)], check=True)

@@ -18,7 +18,7 @@ LOAD = "from vllm.plugins import load_general_plugins; load_general_plugins(); p
 
 
 @pytest.fixture(scope="module")
-def k3patch_target(tmp_path_factory, verify_python):
+def k3patch_target(tmp_path_factory, verify_python, k3patch_source):
     target = tmp_path_factory.mktemp("k3patch-install")
     subprocess.run(
         [
@@ -31,7 +31,7 @@ def k3patch_target(tmp_path_factory, verify_python):
             "--no-compile",
             "--target",
             str(target),
-            str(ROOT),
+            str(k3patch_source),
         ],
         check=True,
     )
