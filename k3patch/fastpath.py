@@ -245,46 +245,6 @@ def refused_line(refused: Sequence[str], all_or_nothing: bool) -> str:
     return f"k3patch: refused: {', '.join(refused)} (drifted): {rest}"
 
 
-def status_rows(
-    patches: Sequence[Mapping[str, str]], results: Sequence[Mapping[str, Any]]
-) -> list[tuple[str, str, str, str, str]]:
-    rows = []
-    for patch in patches:
-        for r in results:
-            if r["patch"] != patch["id"]:
-                continue
-            line = f":{r['line']}" if r.get("line") else ""
-            reason = " - ".join(p for p in (r.get("shape", ""), r.get("detail", "")) if p)
-            rows.append((patch["id"], r["verdict"], r["site"], f"vllm/{r['file']}{line}", reason))
-    return rows
-
-
-STATUS_HEADERS = ("patch", "verdict", "site", "file", "shape / reason")
-
-
-def plain_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A table for logs: columns padded, nothing wrapped or cut, no colour."""
-    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
-
-    def fmt(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([fmt(headers), rule, *(fmt(r) for r in rows)]) + "\n"
-
-
-def vllm_header(vllm: Mapping[str, Any]) -> str:
-    version = vllm["version"] or "unknown version"
-    return (
-        f"vLLM {version} ({vllm['kind']}, version from {vllm['version_source']}) at "
-        f"{vllm['package_dir']}"
-    )
-
-
-def digest_line(digest: str, from_record: bool) -> str:
-    return f"digest {digest}" + ("  (from the state record)" if from_record else "")
-
-
 # ------------------------------------------------------------------------------------------
 # The fast path itself.
 

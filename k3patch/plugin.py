@@ -40,7 +40,12 @@ def preflight_problem(package_dir: str) -> str | None:
         return str(exc)
     state_dir, pkg = tree.state, tree.package
     if not os.path.exists(os.path.join(state_dir, "state.json")):
-        return f"no k3patch state record in {pkg}; run `k3patch apply` on this tree"
+        # apply records nothing when a site drifted, so "run apply" would send the operator in
+        # a circle: status says which it is.
+        return (
+            f"no k3patch state record in {pkg}: the fixes were never applied here, or a site "
+            "drifted; run `k3patch status` to see which"
+        )
     record = fastpath.fresh_record(state_dir, pkg)
     if record is None:
         return (

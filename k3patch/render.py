@@ -160,7 +160,11 @@ def print_revert(outcome: RevertOutcome) -> None:
             for why in outcome.conflicts
         ]
         lines.append(
-            plaintext.line("nothing was written; reinstall vLLM to return to the originals")
+            plaintext.line(
+                "nothing was written: each file above changed since k3patch wrote it (an upgrade, "
+                "a reinstall or an edit); `k3patch status --diff` shows how, and reinstalling "
+                "vLLM gives back its own files"
+            )
         )
     elif outcome.nothing_recorded:
         lines.append(plaintext.line("nothing to revert: no k3patch state record in this tree"))

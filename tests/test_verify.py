@@ -156,12 +156,13 @@ def test_unchecked_hash_pycs_are_rebuilt_so_patched_code_runs(make_tree, verify_
     import shutil
 
     shutil.copytree(site, plain)
-    from k3patch.codemod import replace_method
-    from k3patch.patches.aiter_mla_gfx942 import POST_IMAGE
+    from k3patch import engine
 
-    (plain / "vllm" / "_aiter_ops.py").write_text(
-        replace_method(original.decode(), "rocm_aiter_ops", "is_mla_enabled", POST_IMAGE)
-    )
+    # k3patch's own edit, planned in memory and written as a plain file write (no pyc care).
+    aiter = tuple(p for p in all_patches() if p.id == AITER)
+    the_plan = engine.plan(engine.scan(locate(plain), aiter, use_record=False))
+    assert original.decode() == the_plan.old_texts["_aiter_ops.py"]
+    (plain / "vllm" / "_aiter_ops.py").write_text(the_plan.new_texts["_aiter_ops.py"])
     env = {**os.environ, "PYTHONPATH": str(plain)}
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     stale = subprocess.run(
