@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3patch import __version__, fastpath
+from k3patch import __version__, formats
+from k3patch.errors import PatchBug
 from k3patch.model import (
     AmbiguousDefinition,
     Patch,
@@ -46,11 +47,6 @@ from k3patch.transaction import (
 from k3patch.tree import VllmTree
 
 DEFAULT_LOCK_TIMEOUT = 120.0
-
-
-class PatchBug(Exception):
-    """A patch produced code that does not compile or does not classify as applied.
-    This is k3patch's fault, never the tree's: nothing was written."""
 
 
 @dataclass
@@ -106,7 +102,7 @@ class Report:
     def digest(self) -> str:
         """One value two nodes can compare: vLLM version, every target file's hash, verdicts."""
         results = [r.to_json() for r in self.results]
-        return fastpath.state_digest(self.tree.version, self.hashes, results)
+        return formats.state_digest(self.tree.version, self.hashes, results)
 
     @property
     def vllm_info(self) -> dict[str, Any]:
@@ -118,7 +114,7 @@ class Report:
         }
 
     def to_json(self) -> dict[str, Any]:
-        return fastpath.report_json(
+        return formats.report_json(
             self.vllm_info,
             self.digest,
             self.from_record,

@@ -4,6 +4,16 @@ from __future__ import annotations
 
 import enum
 
+from k3patch.errors import (
+    BadLockTimeout,
+    ConcurrentChange,
+    EnvironmentProblem,
+    PatchBug,
+    TreeError,
+    UnknownPatchError,
+    VerifyError,
+)
+
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up cost)
 
 if TYPE_CHECKING:
@@ -84,13 +94,6 @@ def for_verify(report: VerifyReport) -> ExitCode:
 def for_exception(exc: BaseException) -> ExitCode:
     """Errors raised below the CLI. Anything not listed is an internal error: it must never
     read as drift (ATTENTION)."""
-    from k3patch.engine import PatchBug
-    from k3patch.lock import BadLockTimeout
-    from k3patch.registry import UnknownPatchError
-    from k3patch.transaction import ConcurrentChange, EnvironmentProblem
-    from k3patch.tree import TreeError
-    from k3patch.verify import VerifyError
-
     if isinstance(exc, BadLockTimeout):
         return ExitCode.USAGE
     if isinstance(exc, TreeError):
@@ -109,11 +112,6 @@ def for_exception(exc: BaseException) -> ExitCode:
 def describe(exc: BaseException) -> str:
     """The one-line message for an error raised below the CLI. Errors k3patch expects say what
     to do; anything else is named an internal error, never drift."""
-    from k3patch.engine import PatchBug
-    from k3patch.lock import BadLockTimeout
-    from k3patch.registry import UnknownPatchError
-    from k3patch.tree import TreeError
-
     if isinstance(exc, PatchBug):
         return f"internal error (a k3patch bug, nothing was written): {exc}"
     if isinstance(exc, OSError) and not isinstance(exc, BadLockTimeout):

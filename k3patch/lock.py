@@ -17,11 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-
-class EnvironmentProblem(Exception):
-    """The tree cannot be written here: read-only, permission denied, disk full, lock timeout.
-    Nothing is left changed when this is raised."""
-
+from k3patch.errors import BadLockTimeout, EnvironmentProblem
 
 _HINTS = {
     errno.EROFS: "the filesystem is read-only; patch the image at build time instead",
@@ -35,10 +31,6 @@ _HINTS = {
 def env_error(action: str, path: Path | str, exc: OSError) -> EnvironmentProblem:
     hint = _HINTS.get(exc.errno or 0, exc.strerror or str(exc))
     return EnvironmentProblem(f"cannot {action} {path}: {hint}")
-
-
-class BadLockTimeout(ValueError):
-    """--lock-timeout must be a finite number of seconds, zero or more (a usage error)."""
 
 
 def check_timeout(timeout: float) -> float:

@@ -9,12 +9,9 @@ import pkgutil
 from functools import cache
 from pathlib import Path
 
-from k3patch import fastpath
+from k3patch import formats
+from k3patch.errors import UnknownPatchError
 from k3patch.model import Patch
-
-
-class UnknownPatchError(ValueError):
-    pass
 
 
 @cache
@@ -84,4 +81,4 @@ def patch_module_file(patch: Patch) -> Path:
 def patch_set_digest() -> str:
     """A hash of the patch modules' own source: a state record made by other patch code is stale."""
     package = importlib.import_module("k3patch.patches")
-    return fastpath.patch_set_digest(os.path.dirname(package.__file__ or ""))
+    return formats.patch_set_digest(os.path.dirname(package.__file__ or ""))

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3patch import __version__, fastpath
+from k3patch import __version__, formats
 from k3patch.lock import EnvironmentProblem
 from k3patch.model import SiteResult
 
 STATE_FILE = "state.json"
 STATE_REL = f".k3patch/{STATE_FILE}"
-SCHEMA = fastpath.STATE_SCHEMA_VERSION
+SCHEMA = formats.STATE_SCHEMA_VERSION
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -205,7 +205,7 @@ def _damaged(where: str, why: str) -> RecordDamaged:
 def read_bytes(state_dir: Path) -> bytes | None:
     """The record's bytes, None when absent. A record that is not a regular file, or a
     `.k3patch` that is not a directory, is an environment problem, never "absent"."""
-    from k3patch.transaction import read_regular
+    from k3patch.safefs import read_regular
 
     return read_regular(state_dir / STATE_FILE, what="state record")
 

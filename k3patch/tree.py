@@ -6,18 +6,12 @@ import os
 import re
 import sys
 
+from k3patch.errors import TreeError
+
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up cost)
 
 if TYPE_CHECKING:
     from pathlib import Path
-
-
-class TreeError(Exception):
-    """The tree cannot be used. `usage` is True when the user pointed at the wrong thing."""
-
-    def __init__(self, message: str, *, usage: bool) -> None:
-        super().__init__(message)
-        self.usage = usage
 
 
 class VllmTree:

@@ -26,6 +26,7 @@ from typing import Any
 
 from k3patch import _verify_child
 from k3patch.engine import Report, scan
+from k3patch.errors import VerifyError
 from k3patch.model import Patch, Verdict
 from k3patch.registry import all_patches, patch_module_file, patches_dir
 from k3patch.state import load_or_none
@@ -35,10 +36,6 @@ from k3patch.tree import VllmTree
 IMPORT_OK = "ok"
 BROKEN = "broken by the patch"
 BLOCKED = "blocked by the environment"
-
-
-class VerifyError(Exception):
-    """The verify child could not run at all (bad --python, crash before reporting)."""
 
 
 @dataclass
