@@ -169,6 +169,45 @@ def _snapshot(st: os.stat_result) -> tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_renameat2: Any = None
+
+
+def _exchange(dfd: int, a: str, b: str) -> bool:
+    """Swap the names `a` and `b` in `dfd` atomically (Linux renameat2 RENAME_EXCHANGE). False
+    where the system cannot (no such call, or a filesystem that refuses it): the caller then
+    renames plainly, with only its last look before the rename to protect another writer."""
+    global _renameat2
+    if _renameat2 is None:
+        try:
+            import ctypes
+
+            call = ctypes.CDLL(None, use_errno=True).renameat2
+            c_int, c_path = ctypes.c_int, ctypes.c_char_p
+            call.argtypes = [c_int, c_path, c_int, c_path, ctypes.c_uint]
+            _renameat2 = call
+        except (OSError, AttributeError):
+            _renameat2 = False
+    if not _renameat2:
+        return False
+    import ctypes
+
+    if _renameat2(dfd, os.fsencode(a), dfd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        _renameat2 = False  # this kernel or filesystem has no exchange: do not ask again
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def _is_same_file(dfd: int, name: str, seen: tuple[int, int, int, int] | None) -> bool:
+    try:
+        return _snapshot(os.stat(name, dir_fd=dfd, follow_symlinks=False)) == seen
+    except FileNotFoundError:
+        return False
+
+
 class Transaction:
     """Commits and recovers edits of one tree. Use inside `locked(state_dir)`."""
 
@@ -339,11 +378,25 @@ class Transaction:
                 if tmp is not None:
                     _unlink_quietly(dfd, tmp)
                 raise _changed(path)
+            self.fault(f"renaming:{edit.rel}")
             written.add(edit.rel)
             if tmp is None:
                 os.unlink(name, dir_fd=dfd)
-            else:
+            elif old_fd is None or not _exchange(dfd, tmp, name):
                 os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            else:
+                # Swapped: `tmp` now names what stood at `name`. Anything but the file we read
+                # means another writer renamed its own file in after our last look.
+                if not _is_same_file(dfd, tmp, seen):
+                    _exchange(dfd, tmp, name)  # theirs back in place, ours out again
+                    _unlink_quietly(dfd, tmp)
+                    os.fsync(dfd)
+                    written.discard(edit.rel)
+                    raise ConcurrentChange(
+                        f"{path} was replaced by another process while k3patch replaced it; "
+                        "its file was put back and nothing of k3patch's was kept, run again"
+                    )
+                _unlink_quietly(dfd, tmp)
             os.fsync(dfd)
             if old_fd is not None and _snapshot(os.fstat(old_fd)) != seen:
                 # An edit landed on the old file in the last instant: put it back, report it.

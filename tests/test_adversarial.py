@@ -571,6 +571,36 @@ def test_8_an_edit_during_blobs_does_not_leave_a_journal(make_tree):
     assert engine.scan(locate(site)).interrupted is None
 
 
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "no exchange"])
+def test_8_a_file_renamed_in_after_the_last_look_is_not_lost(make_tree, monkeypatch, exchange):
+    """Another writer replaces the target by rename between k3patch's last look and its own
+    rename. With an atomic exchange k3patch sees what it displaced and puts the other file
+    back (exit 3, run again); without one (a filesystem that refuses it) it cannot, which is
+    the residual window this test documents."""
+    site = make_tree("0.31.0")
+    target = site / "vllm" / AITER
+    theirs = target.read_bytes() + b"# theirs, renamed in\n"
+    if not exchange:
+        monkeypatch.setattr(transaction, "_exchange", lambda dfd, a, b: False)
+
+    def hook(step: str) -> None:
+        if step == f"renaming:{AITER}":
+            other = target.with_name("their-temp")
+            other.write_bytes(theirs)
+            os.replace(other, target)
+
+    if exchange:
+        with pytest.raises(transaction.ConcurrentChange):
+            engine.apply(locate(site), fault=hook)
+        assert target.read_bytes() == theirs
+        assert not (site / "vllm/.k3patch/journal.json").exists()
+        assert not [p for p in site.rglob("*") if ".k3patch-tmp." in p.name]
+        assert engine.scan(locate(site)).interrupted is None
+    else:
+        engine.apply(locate(site), fault=hook)
+        assert target.read_bytes() != theirs  # overwritten: why the exchange is used
+
+
 # -- 13: one finite lock timeout; a live apply is not an interrupted one --------------------
 
 
