@@ -26,6 +26,7 @@ from k3patch.formats import (  # noqa: F401  (re-exported for callers of the no-
     envelope,
     file_sha256,
     patch_set_digest,
+    quiet_line,
     report_json,
     state_digest,
     summary_verdict,
@@ -39,17 +40,6 @@ if TYPE_CHECKING:
 
     from k3patch.engine import ApplyOutcome
     from k3patch.tree import VllmTree
-
-
-def quiet_line(patch_id: str, results: Sequence[Mapping[str, Any]]) -> str:
-    """One line per patch; a drifted one also names the file, the site and what was wrong."""
-    mine = [r for r in results if r["patch"] == patch_id]
-    verdict = summary_verdict(r["verdict"] for r in mine)
-    line = f"{patch_id}: {verdict}"
-    if verdict == "drifted":
-        first = next(r for r in mine if r["verdict"] == "drifted")
-        line += f": vllm/{first['file']}: {first['site']}: {first['detail']}"
-    return line
 
 
 def apply_quiet_text(

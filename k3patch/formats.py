@@ -156,6 +156,17 @@ def summary_verdict(verdicts: Iterable[str]) -> str:
     return "not applicable"
 
 
+def quiet_line(patch_id: str, results: Sequence[Mapping[str, Any]]) -> str:
+    """One line per patch; a drifted one also names the file, the site and what was wrong."""
+    mine = [r for r in results if r["patch"] == patch_id]
+    verdict = summary_verdict(r["verdict"] for r in mine)
+    line = f"{patch_id}: {verdict}"
+    if verdict == "drifted":
+        first = next(r for r in mine if r["verdict"] == "drifted")
+        line += f": vllm/{first['file']}: {first['site']}: {first['detail']}"
+    return line
+
+
 def report_json(
     vllm: Mapping[str, Any],
     digest: str,

@@ -11,6 +11,8 @@ Words are never split, so a path longer than the width stays whole on a line of 
 
 from __future__ import annotations
 
+from k3patch.formats import summary_verdict
+
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up cost)
 
 if TYPE_CHECKING:
@@ -91,14 +93,6 @@ def header(vllm: Mapping[str, Any]) -> Line:
         f"{vllm['package_dir']}",
         2,
     )
-
-
-def summary_verdict(verdicts: Iterable[str]) -> str:
-    seen = set(verdicts)
-    for verdict in ("drifted", "pending", "applied", "satisfied", "not applicable"):
-        if verdict in seen:
-            return verdict
-    return "not applicable"
 
 
 def _unique(items: Iterable[str]) -> list[str]:
@@ -188,17 +182,6 @@ def status_lines(
         out.append(interrupted_line(interrupted))
     out.append(digest_line(digest, from_record))
     return out
-
-
-def quiet_line(patch_id: str, results: Sequence[Mapping[str, Any]]) -> str:
-    """One line per patch; a drifted one also names the file, the site and what was wrong."""
-    mine = [r for r in results if r["patch"] == patch_id]
-    verdict = summary_verdict(r["verdict"] for r in mine)
-    text = f"{patch_id}: {verdict}"
-    if verdict == "drifted":
-        first = next(r for r in mine if r["verdict"] == "drifted")
-        text += f": vllm/{first['file']}: {first['site']}: {first['detail']}"
-    return text
 
 
 def _was(before: Sequence[Mapping[str, Any]], patch_id: str) -> str:

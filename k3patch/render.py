@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
-from k3patch import fastpath, plaintext
+from k3patch import fastpath, formats, plaintext
 from k3patch.engine import ApplyOutcome, Report, RevertOutcome, patch_meta
 from k3patch.model import Patch
 from k3patch.verify import BLOCKED, BROKEN, IMPORT_OK, ModuleCheck, VerifyReport
@@ -81,7 +81,7 @@ def _results(report: Report) -> list[dict[str, Any]]:
 def print_status(report: Report, *, quiet: bool = False, every_site: bool = False) -> None:
     results = _results(report)
     if quiet:
-        emit(plaintext.line(plaintext.quiet_line(p.id, results)) for p in report.patches)
+        emit(plaintext.line(formats.quiet_line(p.id, results)) for p in report.patches)
         return
     emit(
         plaintext.status_lines(

@@ -102,14 +102,19 @@ def make_tree(tmp_path: Path) -> Callable[..., Path]:
 
     full=False copies only vllm/__init__.py, envs.py, the dist-info and every patch's target
     files (what the engine reads); full=True copies every .py file (for verify)."""
+    return _copier(tmp_path, "site", pristine_tree)
+
+
+def _copier(tmp_path: Path, prefix: str, cached: Callable[[str], Path]) -> Callable[..., Path]:
+    """make(name, full=False): a writable copy of the cached tree `cached(name)`."""
     from k3patch.engine import target_files
     from k3patch.registry import all_patches
 
     counter = iter(range(1000))
 
-    def make(version: str, full: bool = False) -> Path:
-        src = pristine_tree(version)
-        dst = tmp_path / f"site-{version}-{next(counter)}"
+    def make(name: str, full: bool = False) -> Path:
+        src = cached(name)
+        dst = tmp_path / f"{prefix}-{name}-{next(counter)}"
         if full:
             shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".complete"))
         else:
@@ -152,21 +157,7 @@ def fork_tree(tmp_path: Path) -> Callable[..., Path]:
     """fork_tree("a") -> a writable site-packages dir holding fork tree "a" (see tests/forktree).
 
     full=False copies only what the engine reads (as make_tree does); full=True every .py file."""
-    from k3patch.engine import target_files
-    from k3patch.registry import all_patches
-
-    counter = iter(range(1000))
-
-    def make(name: str, full: bool = False) -> Path:
-        src = built_fork_tree(name)
-        dst = tmp_path / f"fork-{name}-{next(counter)}"
-        if full:
-            shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".complete"))
-        else:
-            _copy_minimal(src, dst, target_files(all_patches()))
-        return dst
-
-    return make
+    return _copier(tmp_path, "fork", built_fork_tree)
 
 
 def export_source(dest: Path) -> Path:
