@@ -6,8 +6,9 @@ what the record saw, with the same patch code and k3patch version, the record's 
 stands. This module decides that with the standard library alone (no libcst, no typer, no rich,
 not even the patch modules), and prints exactly what the full path would print. Any doubt (a
 hash differs, a journal is present, an option it does not know) returns None and the full path
-runs. It also holds the small pieces both paths share, so their output cannot diverge: the JSON
-envelope and report, the digest, the patch-set hash, one-line and plain-table rendering.
+runs. What both paths print comes from the same bottom modules (formats.py: the JSON envelope
+and report, the digests, the one-line verdicts; plaintext.py: the human report), so their
+output cannot diverge.
 """
 
 from __future__ import annotations
@@ -17,19 +18,16 @@ import os
 import stat
 import sys
 
-from k3patch.formats import (  # noqa: F401  (re-exported for callers of the no-op path)
+from k3patch.formats import (
     _GOOD,
-    JSON_SCHEMA_VERSION,
     STATE_SCHEMA_VERSION,
     NotPlainFile,
     _patch_set,
     envelope,
     file_sha256,
-    patch_set_digest,
     quiet_line,
     report_json,
     state_digest,
-    summary_verdict,
 )
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up cost)

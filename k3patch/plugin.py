@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 
-from k3patch import fastpath
+from k3patch import fastpath, formats
 
 ENV = "K3PATCH_PREFLIGHT"
 _MODES = ("off", "warn", "fail")
@@ -53,11 +53,9 @@ def preflight_problem(package_dir: str) -> str | None:
             "run `k3patch status` to see which"
         )
     bad = [
-        fastpath.quiet_line(str(p["id"]), record["results"])
+        formats.quiet_line(str(p["id"]), record["results"])
         for p in record["patches"]
-        if fastpath.summary_verdict(
-            r["verdict"] for r in record["results"] if r["patch"] == p["id"]
-        )
+        if formats.summary_verdict(r["verdict"] for r in record["results"] if r["patch"] == p["id"])
         in ("pending", "drifted")
     ]
     if bad:
@@ -75,7 +73,7 @@ def _targets() -> frozenset[str]:
     """The registry's targets (as the fast path reads them), never the record's own list."""
     import k3patch.patches
 
-    targets = fastpath._patch_set(os.path.dirname(k3patch.patches.__file__ or ""))[1]
+    targets = formats._patch_set(os.path.dirname(k3patch.patches.__file__ or ""))[1]
     return targets or frozenset()
 
 

@@ -420,16 +420,7 @@ class Transaction:
         write_atomically(self.state_dir / name, data, root=self.package_dir)
 
     def _remove_state_file(self, name: str) -> None:
-        dfd = open_dir(self.package_dir, ".k3patch")
-        try:
-            os.unlink(name, dir_fd=dfd)
-            os.fsync(dfd)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise env_error("remove", self.state_dir / name, exc) from None
-        finally:
-            os.close(dfd)
+        self._unlink_target(f".k3patch/{name}")
 
     def remove_state_dir(self) -> None:
         """The record, an empty blobs/ and `.k3patch` itself; anything else is left where it is.
