@@ -92,30 +92,32 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="k3patch-bench-"))
-    install = work / "install"
+    py = bench_python(work / "venv")
+    # Installed into the bench venv as a user installs it, and run through the `k3patch`
+    # console script pip writes, as an entrypoint runs it (that script imports `re` itself).
     subprocess.run(
         [
             sys.executable,
             "-m",
             "pip",
+            "--python",
+            py,
             "install",
             "--quiet",
             "--no-deps",
             "--no-compile",
-            "--target",
-            str(install),
+            "--disable-pip-version-check",
             args.source,
         ],
         check=True,
     )
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(install)], check=True)
+    install = Path(next((work / "venv" / "lib").glob("python*/site-packages")))
+    subprocess.run([py, "-m", "compileall", "-q", str(install / "k3patch")], check=True)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE",)}
-    env.update(PYTHONPATH=str(install), NO_COLOR="1")
-    py = bench_python(work / "venv")
-    # `python -m` puts the working directory first on sys.path: from the checkout it would
-    # import the checkout's k3patch instead of the installed copy.
+    env.update(NO_COLOR="1")
+    env.pop("PYTHONPATH", None)
     os.chdir(work)
-    k3 = [py, "-m", "k3patch"]
+    k3 = [str(work / "venv" / "bin" / "k3patch")]
 
     src = pristine_tree(args.version)
     fresh = work / "fresh"

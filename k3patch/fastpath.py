@@ -13,7 +13,6 @@ output cannot diverge.
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import sys
@@ -127,6 +126,8 @@ def _fresh_record(state_dir: str, package_dir: str, version: str) -> dict[str, A
     if os.path.lexists(os.path.join(state_dir, "journal.json")) or os.path.islink(state_dir):
         return None
     data = _read_plain(os.path.join(state_dir, "state.json"))
+    import json  # only once there is a record to read: a fresh tree's waiters skip it
+
     record = json.loads(data)
     if (
         not isinstance(record, dict)

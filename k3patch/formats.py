@@ -7,10 +7,7 @@ Standard library only: the no-op path, the engine and the CLI all import it.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import re
 import stat
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up cost)
@@ -22,6 +19,19 @@ if TYPE_CHECKING:
 JSON_SCHEMA_VERSION = 1
 STATE_SCHEMA_VERSION = 1
 _GOOD = ("applied", "satisfied", "not applicable")
+
+
+def sha256(data: bytes = b"") -> Any:
+    """A sha256 hasher. The interpreter's built-in one where it has it: `hashlib` loads OpenSSL
+    first (2-3 ms of start-up), and every rank's entrypoint hashes a handful of small files."""
+    try:
+        from _sha2 import sha256 as builtin  # type: ignore[import-not-found]  # 3.12 and later
+    except ImportError:
+        try:
+            from _sha256 import sha256 as builtin  # type: ignore[import-not-found,no-redef]
+        except ImportError:
+            from hashlib import sha256 as builtin  # type: ignore[assignment]
+    return builtin(data)
 
 
 class NotPlainFile(OSError):
@@ -40,7 +50,7 @@ def file_sha256(path: str) -> str | None:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise NotPlainFile(0, "not a regular file", path)
-        digest = hashlib.sha256()
+        digest = sha256()
         while chunk := os.read(fd, 1 << 20):
             digest.update(chunk)
         return digest.hexdigest()
@@ -53,10 +63,21 @@ def patch_set_digest(patches_dir: str) -> str:
     return _patch_set(patches_dir)[0]
 
 
-_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
-_TUPLE = re.compile(r"\(\s*([A-Z][A-Z0-9_]*\s*(?:,\s*[A-Z][A-Z0-9_]*\s*)*),?\s*\)")
-_STRING = re.compile(r'(f?)"([^"\\{}]*(?:\{[A-Z][A-Z0-9_]*\}[^"\\{}]*)*)"')
-_REF = re.compile(r"\{([A-Z][A-Z0-9_]*)\}")
+_PATTERNS: list[Any] = []
+
+
+def _patterns() -> list[Any]:
+    """The constant-expression patterns, compiled on first use (`re` is not free at start-up)."""
+    if not _PATTERNS:
+        import re
+
+        _PATTERNS[:] = [
+            re.compile(r"[A-Z][A-Z0-9_]*"),
+            re.compile(r"\(\s*([A-Z][A-Z0-9_]*\s*(?:,\s*[A-Z][A-Z0-9_]*\s*)*),?\s*\)"),
+            re.compile(r'(f?)"([^"\\{}]*(?:\{[A-Z][A-Z0-9_]*\}[^"\\{}]*)*)"'),
+            re.compile(r"\{([A-Z][A-Z0-9_]*)\}"),
+        ]
+    return _PATTERNS
 
 
 def _assigned(text: str, name: str, indent: str = "") -> str | None:
@@ -75,19 +96,20 @@ def _resolve(text: str, expr: str, depth: int = 0) -> list[str] | None:
     tuples of them, resolved to its strings; None for anything else."""
     if depth > 4:
         return None
-    string = _STRING.fullmatch(expr)
+    name_re, tuple_re, string_re, ref_re = _patterns()
+    string = string_re.fullmatch(expr)
     if string:
         value = string.group(2)
         if string.group(1):
             parts = {}
-            for ref in set(_REF.findall(value)):
+            for ref in set(ref_re.findall(value)):
                 got = _resolve(text, _assigned(text, ref) or "", depth + 1)
                 if got is None or len(got) != 1:
                     return None
                 parts[ref] = got[0]
-            value = _REF.sub(lambda m: parts[m.group(1)], value)
+            value = ref_re.sub(lambda m: parts[m.group(1)], value)
         return [value]
-    names = _TUPLE.fullmatch(expr)
+    names = tuple_re.fullmatch(expr)
     if names:
         out: list[str] = []
         for name in names.group(1).split(","):
@@ -96,7 +118,7 @@ def _resolve(text: str, expr: str, depth: int = 0) -> list[str] | None:
                 return None
             out += got
         return out
-    if _NAME.fullmatch(expr):
+    if name_re.fullmatch(expr):
         return _resolve(text, _assigned(text, expr) or "", depth + 1)
     return None
 
@@ -121,7 +143,7 @@ def _patch_sources(patches_dir: str) -> list[str]:
 
 def _patch_set(patches_dir: str) -> tuple[str, frozenset[str] | None]:
     """The patch-set digest and the registered target files, from one read of the modules."""
-    digest = hashlib.sha256()
+    digest = sha256()
     targets: set[str] | None = set()
     for name in _patch_sources(patches_dir):
         if name != "__init__.py":
@@ -139,7 +161,7 @@ def state_digest(
     version: str | None, hashes: Mapping[str, str | None], results: Iterable[Mapping[str, Any]]
 ) -> str:
     """One value two nodes can compare: vLLM version, every target file's hash, the verdicts."""
-    h = hashlib.sha256()
+    h = sha256()
     h.update(f"vllm={version}\n".encode())
     for rel, digest in sorted(hashes.items()):
         h.update(f"{rel}={digest}\n".encode())
@@ -194,6 +216,8 @@ def report_json(
 
 
 def envelope(command: str, exit_code: int, payload: Mapping[str, Any]) -> str:
+    import json
+
     from k3patch import __version__
 
     data = {

@@ -141,3 +141,84 @@ def test_the_no_op_path_loads_only_the_bottom(make_tree, command):
     ours = {m for m in loaded if m == "k3patch" or m.startswith("k3patch.")}
     assert ours <= NO_OP, sorted(ours - NO_OP)
     assert not [m for m in loaded if m.split(".")[0] in HEAVY]
+
+
+# Called as the console script does (`from k3patch.__main__ import main`), not through runpy,
+# which imports contextlib and importlib.util itself.
+AS_SCRIPT = """
+import atexit, sys
+atexit.register(lambda: sys.stderr.write("MODULES " + " ".join(sorted(sys.modules)) + "\\n"))
+sys.argv = ["k3patch", *sys.argv[1:]]
+from k3patch.__main__ import main
+main()
+"""
+# What a rank waiting on another's apply must not pay for before it sleeps, and what the no-op
+# path must not pay for at all (OpenSSL's hashlib, where the interpreter has its own sha256).
+NOT_WHILE_WAITING = {"json", "hashlib", "_hashlib", "pathlib", "contextlib"}
+
+
+@pytest.fixture(scope="module")
+def bare_lib(tmp_path_factory) -> Path:
+    """k3patch laid out as installed (patches inside), for an interpreter started with -S: no
+    site, so no editable finder or .pth file imports pathlib or contextlib before we look."""
+    import shutil
+
+    lib = tmp_path_factory.mktemp("bare-lib")
+    skip = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(PACKAGE, lib / "k3patch", ignore=skip)
+    shutil.copytree(PACKAGE.parent / "patches", lib / "k3patch" / "patches", ignore=skip)
+    return lib
+
+
+def _run_bare(lib: Path, code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {"NO_COLOR": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(lib)}
+    return subprocess.run(
+        [sys.executable, "-S", "-c", code, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=lib,  # `-c` puts the working directory first on sys.path: not the checkout's k3patch
+    )
+
+
+def _loaded(lib: Path, args: list[str]) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    proc = _run_bare(lib, AS_SCRIPT, *args)
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("MODULES "))
+    at_start = set(_run_bare(lib, "import sys; print(' '.join(sys.modules))").stdout.split())
+    return proc, set(line.split()[1:]) - at_start
+
+
+@pytest.mark.wheel
+def test_a_rank_that_waits_for_another_apply_loads_almost_nothing(make_tree, bare_lib):
+    """32 ranks start on one fresh tree: 31 of them wait for the one that holds the lock. Each
+    must reach its sleep having imported next to nothing (no json, no hashlib, no pathlib), so
+    that their start-up does not steal the CPU the holder needs."""
+    import fcntl
+    import os
+
+    site = make_tree("0.31.0")
+    state = site / "vllm" / ".k3patch"
+    state.mkdir()
+    fd = os.open(state, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        args = ["apply", "--quiet", "--lock-timeout", "0", "--vllm", str(site)]
+        proc, loaded = _loaded(bare_lib, args)
+    finally:
+        os.close(fd)
+    assert proc.returncode == 3 and "holds the lock" in proc.stderr, proc.stderr
+    assert not loaded & NOT_WHILE_WAITING, sorted(loaded & NOT_WHILE_WAITING)
+
+
+@pytest.mark.wheel
+def test_the_no_op_path_hashes_without_openssl(make_tree, bare_lib):
+    site = make_tree("0.31.0")
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    proc, loaded = _loaded(bare_lib, ["apply", "--quiet", "--vllm", str(site)])
+    assert proc.returncode == 0 and "moriio-chunk-gate: applied" in proc.stdout, proc.stderr[-800:]
+    builtin = _run_bare(bare_lib, "import _sha2") if sys.version_info >= (3, 12) else None
+    if builtin is None:
+        builtin = _run_bare(bare_lib, "import _sha256")
+    if builtin.returncode == 0:  # this interpreter has its own sha256: OpenSSL is not needed
+        assert "_hashlib" not in loaded
+    assert {"pathlib", "contextlib"}.isdisjoint(loaded)
