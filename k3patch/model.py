@@ -370,6 +370,13 @@ def find_scope(module: ast.Module, path: str) -> ast.ClassDef | ast.FunctionDef 
     return node
 
 
+def find_def(module: ast.Module, path: str) -> ast.FunctionDef | None:
+    """The function or method at `path` ("function", "Class.method"), looked up as find_scope
+    does; None when it is absent or `path` names a class."""
+    found = find_scope(module, path)
+    return found if isinstance(found, ast.FunctionDef) else None
+
+
 def mentioned_names(node: ast.AST, *, everything: bool = False) -> set[str]:
     """The names, attribute names and keyword-argument names a node mentions. With
     `everything`, also parameter names, def/class names and string constants (the identifiers

@@ -10,7 +10,14 @@ import json
 import pytest
 from conftest import run_cli, sha
 
-from k3patch.model import AmbiguousDefinition, find_class, find_function, find_method, find_scope
+from k3patch.model import (
+    AmbiguousDefinition,
+    find_class,
+    find_def,
+    find_function,
+    find_method,
+    find_scope,
+)
 
 ONE = """
 class A:
@@ -29,6 +36,15 @@ def test_single_definitions_are_found():
     assert find_function(module, "g") is not None
     assert find_scope(module, "A.f") is find_method(cls, "f")
     assert find_class(module, "B") is None and find_scope(module, "A.nope") is None
+
+
+def test_find_def_finds_functions_and_methods_never_classes():
+    module = ast.parse(ONE)
+    assert find_def(module, "A.f") is find_scope(module, "A.f")
+    assert find_def(module, "g") is find_function(module, "g")
+    assert find_def(module, "A") is None and find_def(module, "A.nope") is None
+    with pytest.raises(AmbiguousDefinition):
+        find_def(ast.parse(ONE + "g = None\n"), "g")
 
 
 @pytest.mark.parametrize(

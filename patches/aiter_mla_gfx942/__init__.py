@@ -1,26 +1,22 @@
 """aiter-mla-gfx942: AITER MLA is off on gfx942 (MI300X) unless the user explicitly asks for it.
 
 Symptom: Kimi-K3 serves on MI300X only while every launcher remembers
-`VLLM_ROCM_USE_AITER_MLA=0`; a launcher that forgets it dies at the first decode with an
-assertion inside the AITER MLA decode kernel.
-Cause: the AITER MLA decode kernel that K3's small head counts need is built for gfx950 only,
-and `rocm_aiter_ops.is_mla_enabled` (the switch every consumer of AITER MLA goes through, read at
-call time) says yes on any gfx9 when the two AITER flags are on, which they are by default.
-Fix: `is_mla_enabled` keeps both flags and also requires that the GPU is not gfx942, unless the
-user set `VLLM_ROCM_USE_AITER_MLA` explicitly (then their choice stands). The arch helper is
-imported inside the method because `vllm.platforms.rocm` cannot be imported without a GPU.
-Check: `k3patch verify` runs the truth table against the patched module (probe.py): unset on
-gfx942 -> off, `=1` on gfx942 -> on, `=0` -> off, unset on gfx950 -> on, either AITER flag off
--> off.
-Real trees: the upstream wheels 0.15.0-0.33.0 and the fork trees (0.28.0) read pending and are
-patched; 0.14.1 reads drifted (it lacks what the fixed method calls) and is left alone.
+`VLLM_ROCM_USE_AITER_MLA=0`; one that forgets it dies at the first decode with an assertion
+inside the AITER MLA decode kernel.
+Cause: that kernel (for K3's small head counts) is built for gfx950 only, and
+`rocm_aiter_ops.is_mla_enabled`, the switch every consumer of AITER MLA reads at call time, says
+yes on any gfx9 when the two AITER flags are on, as they are by default.
+Fix: `is_mla_enabled` keeps both flags and also requires a GPU other than gfx942, unless
+`VLLM_ROCM_USE_AITER_MLA` is set explicitly (then the user's choice stands).
+Check: `k3patch verify` runs the truth table against the patched module (probe.py).
+Real trees: the wheels 0.15.0-0.33.0 and the fork trees read pending and are patched; 0.14.1
+reads drifted (it lacks what the fixed method calls) and is left alone.
 Not covered: `--attention-backend ROCM_AITER_MLA` selects the backend without asking
-`is_mla_enabled`; this patch cannot stop an explicit backend choice.
+`is_mla_enabled`.
 """
 
 from __future__ import annotations
 
-import ast
 from dataclasses import replace as with_fields
 
 from k3patch.edits import SourceText, apply_edits, replace
@@ -31,8 +27,8 @@ from k3patch.model import (
     SiteResult,
     Sources,
     Verdict,
+    find_def,
     find_function,
-    find_scope,
     match_shapes,
     module_binds,
 )
@@ -74,13 +70,7 @@ def is_mla_enabled(cls) -> bool:
 """
 
 APPLIED = Shape("k3patch", Verdict.APPLIED, POST_IMAGE, origin="gfx942 excluded unless explicit")
-
 SHAPES = (UPSTREAM_BUGGY, APPLIED)
-
-
-def find_site(module: ast.Module) -> ast.FunctionDef | None:
-    found = find_scope(module, SITE)
-    return found if isinstance(found, ast.FunctionDef) else None
 
 
 class AiterMlaGfx942(Patch):
@@ -96,7 +86,7 @@ class AiterMlaGfx942(Patch):
         src = sources[FILE]
         if not src.exists:
             return [self.result(SITE, FILE, Verdict.NOT_APPLICABLE, "vllm/_aiter_ops.py is absent")]
-        method = find_site(src.tree)
+        method = find_def(src.tree, SITE)
         if method is None:
             why = f"{SITE} is absent: no AITER MLA switch"
             return [self.result(SITE, FILE, Verdict.NOT_APPLICABLE, why)]
@@ -119,7 +109,7 @@ class AiterMlaGfx942(Patch):
 
     def rewrite(self, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
         src = sources[FILE]
-        method = find_site(src.tree)
+        method = find_def(src.tree, SITE)
         if method is None:
             raise ValueError(f"{SITE} vanished between classification and rewrite")
         return {FILE: apply_edits(src.text, [replace(SourceText(src.text), [method], POST_IMAGE)])}

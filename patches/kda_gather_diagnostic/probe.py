@@ -16,40 +16,41 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import logging.handlers
 import textwrap
 import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from k3patch.model import ProbeOutcome, find_function
+from k3patch.model import ProbeOutcome, find_def, find_function
 from k3patch.probekit import Checks, Swap
 
-from . import OPS_FILE, OPS_MODULE, SITES, find_site_function
+from . import OPS_FILE, OPS_MODULE, SITES
 from .syncs import ENV, SYNC_TORCH_FUNCTIONS, ungated_sync_points
 
 
 def probe_no_sync_unless_asked() -> ProbeOutcome:
     checks = Checks(f"no sync reachable with {ENV} unset")
-    package = _vllm_package_dir()
+    spec = importlib.util.find_spec("vllm")
+    locations = spec.submodule_search_locations if spec is not None else None
+    package = Path(next(iter(locations))) if locations else None
     ops_func: Callable[..., Any] | None = None
     ops_ast: ast.FunctionDef | None = None
     try:
-        module = importlib.import_module(OPS_MODULE)
-        ops_func = inspect.unwrap(module.gather_initial_states)
+        ops_func = inspect.unwrap(importlib.import_module(OPS_MODULE).gather_initial_states)
         parsed = ast.parse(textwrap.dedent(inspect.getsource(ops_func)))
         ops_ast = find_function(parsed, "gather_initial_states")
     except Exception as exc:  # verify judges the import itself; fall back to the file
         checks.note(f"gather_initial_states did not import ({type(exc).__name__}: {exc})")
         ops_func = None
     for site in SITES:
-        func: ast.FunctionDef | None = None
-        how = "absent"
+        func, how = None, ""
         if site.file == OPS_FILE and ops_ast is not None:
             func, how = ops_ast, "source of the imported function"
         elif package is not None and (package / site.file).is_file():
             tree = ast.parse((package / site.file).read_text(encoding="utf-8"))
-            func, how = find_site_function(tree, site), "read from its file"
+            func, how = find_def(tree, site.name), "read from its file"
         if func is None:
             checks.note(f"{site.name}: absent, nothing to check")
             continue
@@ -66,30 +67,13 @@ def probe_no_sync_unless_asked() -> ProbeOutcome:
     return checks.outcome(holds=checks.what)
 
 
-def _vllm_package_dir() -> Path | None:
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def _kernel_names(func: ast.FunctionDef) -> set[str]:
-    """Globals launched Triton-style, `kernel[grid](...)`."""
-    return {
-        node.func.value.id
-        for node in ast.walk(func)
-        if isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Subscript)
-        and isinstance(node.func.value, ast.Name)
-    }
-
-
 # Python-level torch calls that read device memory on the host: the AST's list, and the casts
 # and formatting that `bool()`, `int()`, `f"{t}"` turn into.
 _CASTS = {"__bool__", "__int__", "__float__", "__index__", "__repr__", "__format__"}
 _SYNC_OPS = SYNC_TORCH_FUNCTIONS | _CASTS
 # aten ops that read device memory on the host (seen below the Python layer).
 _SYNC_ATEN = ("_local_scalar_dense", "nonzero", "masked_select")
+_OUT_OF_RANGE = "an out-of-range index reached the kernel"
 
 
 def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Checks) -> None:
@@ -114,15 +98,13 @@ def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Che
         def __torch_function__(
             self, fn: Any, types_: Any, args: Any = (), kwargs: Any = None
         ) -> Any:
-            if not paused[0]:
-                name = getattr(fn, "__name__", str(fn))
-                if name in _SYNC_OPS:
-                    python_ops.append(name)
-                elif name in ("__getitem__", "index") and len(args) > 1:
-                    index = args[1]
-                    items = index if isinstance(index, tuple) else (index,)
-                    if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items):
-                        python_ops.append("boolean-mask indexing")
+            name = getattr(fn, "__name__", str(fn))
+            if not paused[0] and name in _SYNC_OPS:
+                python_ops.append(name)
+            elif not paused[0] and name in ("__getitem__", "index") and len(args) > 1:
+                items = args[1] if isinstance(args[1], tuple) else (args[1],)
+                if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items):
+                    python_ops.append("boolean-mask indexing")
             return fn(*args, **(kwargs or {}))
 
     class AtenTrace(TorchDispatchMode):
@@ -138,47 +120,38 @@ def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Che
             self.name = name
 
         def __getitem__(self, grid: Any) -> Callable[..., None]:
-            def launch(*args: Any, **kwargs: Any) -> None:
-                paused[0] = True
-                try:
-                    src, slots, valid, out = (t.as_subclass(torch.Tensor) for t in args[:4])
-                    rows = slots.to(torch.int64)
-                    n = src.shape[0]
-                    if bool(((rows < 0) | (rows >= n))[valid].any()):
-                        launches.append("an out-of-range index reached the kernel")
-                    picked = src.reshape(n, -1)[rows.clamp(0, n - 1)].reshape(out.shape)
-                    mask = valid.reshape(-1, *([1] * (out.ndim - 1)))
-                    out.copy_(torch.where(mask, picked, torch.zeros_like(picked)))
-                    launches.append(f"{self.name}[{grid}]")
-                finally:
-                    paused[0] = False
+            return lambda *args, **kwargs: launch(f"{self.name}[{grid}]", *args)
 
-            return launch
+    def launch(label: str, *args: Any) -> None:
+        paused[0] = True
+        try:
+            src, slots, valid, out = (t.as_subclass(torch.Tensor) for t in args[:4])
+            rows = slots.to(torch.int64)
+            n = src.shape[0]
+            if bool(((rows < 0) | (rows >= n))[valid].any()):
+                launches.append(_OUT_OF_RANGE)
+            picked = src.reshape(n, -1)[rows.clamp(0, n - 1)].reshape(out.shape)
+            mask = valid.reshape(-1, *([1] * (out.ndim - 1)))
+            out.copy_(torch.where(mask, picked, torch.zeros_like(picked)))
+            launches.append(label)
+        finally:
+            paused[0] = False
 
     scope = dict(func.__globals__)  # type: ignore[attr-defined]
-    for name in _kernel_names(func_ast):
-        scope[name] = KernelStub(name)
-    triton_module = scope.get("triton")
-    if not all(hasattr(triton_module, a) for a in ("next_power_of_2", "cdiv")):
+    for node in ast.walk(func_ast):  # the globals launched Triton-style, `kernel[grid](...)`
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+            if isinstance(node.func.value, ast.Name):
+                scope[node.func.value.id] = KernelStub(node.func.value.id)
+    if not all(hasattr(scope.get("triton"), a) for a in ("next_power_of_2", "cdiv")):
         # vLLM's Triton placeholder (no Triton on this machine) lacks these host helpers.
         scope["triton"] = types.SimpleNamespace(
             next_power_of_2=lambda n: 1 << max(int(n) - 1, 0).bit_length(),
             cdiv=lambda a, b: -(a // -b),
         )
+    code: Any = func
     runnable = types.FunctionType(
-        func.__code__,  # type: ignore[attr-defined]
-        scope,
-        func.__name__,
-        func.__defaults__,  # type: ignore[attr-defined]
-        func.__closure__,  # type: ignore[attr-defined]
+        code.__code__, scope, code.__name__, code.__defaults__, code.__closure__
     )
-    logger = logging.getLogger(str(scope.get("__name__", "")))
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
     pool = 6
     state = torch.arange(pool * 2 * 3, dtype=torch.float32).reshape(pool, 2, 3)
     has = torch.tensor([True, True, False, True])
@@ -187,8 +160,10 @@ def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Che
         # Only the fork's guard clamps; upstream's kernel must never see a bad index.
         cases.append(("index 9 of a pool of 6", [0, 9, 3, 2], None))
         cases.append(("index 9 of a pool of 6", [0, 9, 3, 2], "1"))
+    logger = logging.getLogger(str(scope.get("__name__", "")))
     saved_level = logger.level
-    handler = Keep(logging.WARNING)
+    handler = logging.handlers.BufferingHandler(capacity=1 << 20)
+    handler.setLevel(logging.WARNING)
     logger.addHandler(handler)
     # verify runs with VLLM_LOGGING_LEVEL=ERROR; the diagnostic logs at WARNING.
     logger.setLevel(logging.WARNING)
@@ -196,37 +171,28 @@ def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Che
         with Swap() as swap:
             for label, slots, env in cases:
                 swap.env(ENV, env)
-                for log in (python_ops, aten_ops, launches, records):
+                for log in (python_ops, aten_ops, launches, handler.buffer):
                     log.clear()
                 indices = torch.tensor(slots, dtype=torch.int32)
                 with PythonTrace(), AtenTrace():
-                    out = runnable(
-                        state.as_subclass(DeviceLooking),
-                        indices.as_subclass(DeviceLooking),
-                        has.as_subclass(DeviceLooking),
-                    )
-                out = out.as_subclass(torch.Tensor)
+                    out = runnable(*(t.as_subclass(DeviceLooking) for t in (state, indices, has)))
                 rows = torch.tensor(slots).clamp(0, pool - 1)
                 expected = torch.where(has[:, None, None], state[rows], torch.zeros(2, 3))
-                right = torch.equal(out, expected)
-                env_text = f"{ENV}={'unset' if env is None else env}"
-                logged = [r for r in records if r.levelno >= logging.WARNING]
+                right = torch.equal(out.as_subclass(torch.Tensor), expected)
+                logged = [r for r in handler.buffer if r.levelno >= logging.WARNING]
                 ops = ", ".join(python_ops + aten_ops) or "none"
-                seen = f"sync-capable ops: {ops}; {len(logged)} warning(s); rows "
-                seen += "right" if right else "WRONG"
-                problems = []
-                if not right:
-                    problems.append("the gathered rows are wrong")
-                if "an out-of-range index reached the kernel" in launches:
-                    problems.append("an out-of-range index reached the kernel")
+                problems = [] if right else ["the gathered rows are wrong"]
+                if _OUT_OF_RANGE in launches:
+                    problems.append(_OUT_OF_RANGE)
                 if env is None and (python_ops or aten_ops):
                     problems.append(f"sync-capable ops ran: {ops}")
                 if env == "1" and not any("9" in r.getMessage() for r in logged):
                     problems.append("the diagnostic did not log the out-of-range index")
+                seen = f"sync-capable ops: {ops}; {len(logged)} warning(s); rows "
                 checks.check(
-                    f"gather_initial_states (traced CPU run, {env_text}, {label})",
+                    f"gather_initial_states (traced CPU run, {ENV}={env or 'unset'}, {label})",
                     not problems,
-                    "; ".join([seen, *problems]),
+                    "; ".join([seen + ("right" if right else "WRONG"), *problems]),
                 )
     finally:
         logger.removeHandler(handler)

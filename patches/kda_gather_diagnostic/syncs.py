@@ -7,8 +7,6 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from k3patch.model import parent_map
-
 ENV = "K3_KDA_GATHER_LOG"
 
 SYNC_METHODS = frozenset(
@@ -64,25 +62,23 @@ def _walk_code(root: ast.AST) -> Iterator[ast.AST]:
         node = stack.pop()
         yield node
         for name, value in ast.iter_fields(node):
-            if name in ("returns", "annotation") or isinstance(value, ast.arguments):
-                continue
-            children = value if isinstance(value, list) else [value]
-            stack.extend(c for c in children if isinstance(c, ast.AST))
+            if name not in ("returns", "annotation") and not isinstance(value, ast.arguments):
+                children = value if isinstance(value, list) else [value]
+                stack.extend(c for c in children if isinstance(c, ast.AST))
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
-            stack.extend(node.args.defaults)
-            stack.extend(d for d in node.args.kw_defaults if d is not None)
+            args = node.args
+            stack.extend(d for d in [*args.defaults, *args.kw_defaults] if d is not None)
 
 
-def _truth_tests(root: ast.AST) -> Iterator[ast.expr]:
-    for node in _walk_code(root):
-        if isinstance(node, ast.If | ast.While | ast.IfExp | ast.Assert):
-            yield node.test
-        elif isinstance(node, ast.BoolOp):
-            yield from node.values
-        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-            yield node.operand
-        elif isinstance(node, ast.comprehension):
-            yield from node.ifs
+def _truth_tests(node: ast.AST) -> list[ast.expr]:
+    """The expressions that `node` itself uses as truth values."""
+    if isinstance(node, ast.If | ast.While | ast.IfExp | ast.Assert):
+        return [node.test]
+    if isinstance(node, ast.BoolOp):
+        return node.values
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        return [node.operand]
+    return node.ifs if isinstance(node, ast.comprehension) else []
 
 
 def sync_points(root: ast.AST) -> list[tuple[ast.AST, str]]:
@@ -102,14 +98,15 @@ def sync_points(root: ast.AST) -> list[tuple[ast.AST, str]]:
                     found.append((node, f".{func.attr}()"))
         elif isinstance(node, ast.Subscript) and _is_mask(node.slice):
             found.append((node, "boolean-mask indexing"))
-    for test in _truth_tests(root):
-        if (
-            isinstance(test, ast.Call)
-            and isinstance(test.func, ast.Attribute)
-            and test.func.attr in TRUTH_REDUCTIONS
-        ):
-            found.append((test, f"truth value of .{test.func.attr}()"))
+    for test in (test for node in _walk_code(root) for test in _truth_tests(node)):
+        called = test.func if isinstance(test, ast.Call) else None
+        if isinstance(called, ast.Attribute) and called.attr in TRUTH_REDUCTIONS:
+            found.append((test, f"truth value of .{called.attr}()"))
     return found
+
+
+def _constant(node: ast.expr, otherwise: object = None) -> object:
+    return node.value if isinstance(node, ast.Constant) else otherwise
 
 
 def is_gate(test: ast.expr) -> bool:
@@ -117,49 +114,40 @@ def is_gate(test: ast.expr) -> bool:
     default not "1": a test that reads only the environment, so nothing on the device runs
     before it decides, and that is off when the variable is unset."""
     if not (
-        isinstance(test, ast.Compare)
-        and len(test.ops) == 1
-        and isinstance(test.ops[0], ast.Eq)
-        and isinstance(test.comparators[0], ast.Constant)
-        and test.comparators[0].value == "1"
-        and isinstance(test.left, ast.Call)
-        and test.left.args
-        and isinstance(test.left.args[0], ast.Constant)
-        and test.left.args[0].value == ENV
+        isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)
     ):
         return False
-    # A default of "1" would make the unset variable read as on.
-    default = test.left.args[1] if len(test.left.args) > 1 else None
-    if default is not None and not (isinstance(default, ast.Constant) and default.value != "1"):
+    call = test.left
+    if not (
+        _constant(test.comparators[0]) == "1"
+        and isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and call.args
+        and _constant(call.args[0]) == ENV
+    ):
         return False
-    func = test.left.func
-    if not isinstance(func, ast.Attribute):
+    # A default of "1" (or one that is not a constant) could make the unset variable read as on.
+    if len(call.args) > 1 and _constant(call.args[1], "1") == "1":
         return False
-    if func.attr == "getenv":
-        return isinstance(func.value, ast.Name)
+    owner = call.func.value
+    if call.func.attr == "getenv":
+        return isinstance(owner, ast.Name)
     return (
-        func.attr == "get"
-        and isinstance(func.value, ast.Attribute)
-        and func.value.attr == "environ"
-        and isinstance(func.value.value, ast.Name)
+        call.func.attr == "get"
+        and isinstance(owner, ast.Attribute)
+        and owner.attr == "environ"
+        and isinstance(owner.value, ast.Name)
     )
 
 
 def ungated_sync_points(func: ast.AST) -> tuple[list[str], list[str]]:
     """(gated, ungated) sync points of `func`, each as 'kind at line N'. A point is gated when it
     sits in the body of an `if` whose test is the K3_KDA_GATHER_LOG gate."""
-    parents = parent_map(func)
+    gates = [n for n in ast.walk(func) if isinstance(n, ast.If) and is_gate(n.test)]
+    inside = {id(n) for gate in gates for stmt in gate.body for n in ast.walk(stmt)}
     gated: list[str] = []
     ungated: list[str] = []
     for node, kind in sync_points(func):
         where = f"{kind} at line {getattr(node, 'lineno', '?')}"
-        child: ast.AST = node
-        parent = parents.get(id(child))
-        inside = False
-        while parent is not None:
-            if isinstance(parent, ast.If) and is_gate(parent.test) and child in parent.body:
-                inside = True
-                break
-            child, parent = parent, parents.get(id(parent))
-        (gated if inside else ungated).append(where)
+        (gated if id(node) in inside else ungated).append(where)
     return gated, ungated
