@@ -201,21 +201,18 @@ def dedent(source: str) -> str:
     return textwrap.dedent(source).strip("\n") + "\n"
 
 
-def indented(source: str, indent: str = "    ") -> str:
-    return textwrap.indent(dedent(source), indent)
+def indented(source: str) -> str:
+    return textwrap.indent(dedent(source), "    ")
 
 
-def plan(choice: str, debug: bool) -> str:
-    """The whole plan region with `choice`; with `debug`, the two statements of the K3_MAMBA_BC
-    block as holes between the choice and the offsets call (judged by their own rule)."""
-    block = "HOLE_debug_import\nHOLE_debug_gate\n" if debug else ""
-    inner = dedent(choice) + block + dedent(PLAN_TAIL)
-    return f"{dedent(PLAN_HEAD)}if {PLAN_MISS}:\n{indented(inner)}"
-
-
-# (kind, debug) -> the region's pattern; k3patch's own region is K3PATCH_PLAN.
+# (kind, debug) -> the pattern of the region with that choice; with `debug`, the two statements
+# of the K3_MAMBA_BC block as holes between the choice and the offsets call (judged by their
+# own rule). k3patch's own region is K3PATCH_PLAN.
 PLANS = {
-    (kind, debug): plan(choice, debug)
+    (kind, debug): f"{dedent(PLAN_HEAD)}if {PLAN_MISS}:\n"
+    + indented(
+        dedent(choice) + ("HOLE_debug_import\nHOLE_debug_gate\n" if debug else "") + PLAN_TAIL
+    )
     for kind, choice in (("fork", FORK_CHOICE), ("legacy", LEGACY_CHOICE))
     for debug in (False, True)
 }

@@ -1,5 +1,5 @@
-"""Upstream's shapes of the MoRIIO package: named predicates over the three files, one verdict
-for all of them (SITES.md section 1, "Upstream")."""
+"""Upstream's shapes of the MoRIIO package: named predicates over moriio_connector.py and
+moriio_engine.py, one verdict for all three files (SITES.md section 1, "Upstream")."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import ast
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from k3patch.model import SourceFile, Verdict, find_class, find_function
-from k3patch.shapes import match, search
+from k3patch.model import SourceFile, Verdict, find_class, find_function, mentioned_names
+from k3patch.shapes import match, parse_pattern, search
 
-from .sites import function, names
+from .sites import function
 
 
 @dataclass(frozen=True)
@@ -21,20 +21,20 @@ class UpstreamShape:
     detail: str
 
 
-def _native_033(connector: SourceFile, engine: SourceFile) -> bool:
-    """0.33.0+: `_prepare_transfer_plan` indexes the per-group lists with
-    `group = self.worker.layer_to_group[task.layer_name]`."""
-    fn = function(engine, "MoRIIOWriter._prepare_transfer_plan")
-    return fn is not None and any(
-        isinstance(node, ast.Subscript)
-        and match("self.worker.layer_to_group[task.layer_name]", node) is not None
-        for node in ast.walk(fn)
+def _has(node: ast.AST | None, expression: str) -> bool:
+    """Whether an expression in `expression`'s shape occurs under `node`."""
+    kind = type(parse_pattern(expression)[0].value)  # type: ignore[attr-defined]
+    return node is not None and any(
+        isinstance(n, kind) and match(expression, n) is not None for n in ast.walk(node)
     )
 
 
+def _native_033(connector: SourceFile, engine: SourceFile) -> bool:
+    fn = function(engine, "MoRIIOWriter._prepare_transfer_plan")
+    return _has(fn, "self.worker.layer_to_group[task.layer_name]")
+
+
 def _native_031(connector: SourceFile, engine: SourceFile) -> bool:
-    """0.31.0-0.32.0: groups split by spec (`_split_kv_cache_group_kinds`) and the worker's
-    `layer_to_group = dict(kv_cache_config.transfer_group_index_by_layer)`."""
     init = function(connector, "MoRIIOConnectorWorker.__init__")
     wanted = "self.layer_to_group = dict(kv_cache_config.transfer_group_index_by_layer)"
     return (
@@ -45,20 +45,15 @@ def _native_031(connector: SourceFile, engine: SourceFile) -> bool:
 
 
 def _hma_sliding_window_030(connector: SourceFile, engine: SourceFile) -> bool:
-    """0.30.0: HMA for sliding-window models only; any other hybrid is refused at init."""
     init = function(connector, "MoRIIOConnectorScheduler.__init__")
-    return init is not None and "_is_hma_required" in names(init)
+    return init is not None and "_is_hma_required" in mentioned_names(init, everything=True)
 
 
 def _single_group(connector: SourceFile, engine: SourceFile) -> bool:
-    """0.14.1-0.29.0: `MoRIIOConnector` is not SupportsHMA and reads `get_block_ids()[0]`."""
     cls = find_class(connector.tree, "MoRIIOConnector")
     if cls is None or "SupportsHMA" in {ast.unparse(b).split(".")[-1] for b in cls.bases}:
         return False
-    return any(
-        isinstance(node, ast.Subscript) and match("blocks.get_block_ids()[0]", node) is not None
-        for node in ast.walk(connector.tree)
-    )
+    return _has(connector.tree, "blocks.get_block_ids()[0]")
 
 
 # Positive upstream shapes, tried before the fork's: none of them can hold on a fork tree.
