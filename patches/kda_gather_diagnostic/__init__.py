@@ -11,7 +11,8 @@ Fix: the diagnostic `if` is nested under `if os.environ.get("K3_KDA_GATHER_LOG",
 a host-only test (`import os` is added when the module lacks it). The clamp and
 `indices = _safe_idx` stay as they were, so the kernel still never sees an out-of-range index.
 Check: `k3patch verify` requires every sync-capable call of each site to sit inside the gate,
-then runs `gather_initial_states` on CPU tensors under a torch op trace (probe.py).
+then runs `gather_initial_states` on CPU tensors under a torch op trace: no sync-capable op with
+the variable unset, the out-of-range index logged with it =1, the clamped rows either way.
 Real trees: fork trees a, a-comments, a-nodebug, c (the guard script's `.clamp`) and b (the
 fork's folded file, `.clamp_`) read pending; d satisfied (the older `k3-kda-nosync` gate).
 Upstream has neither clamp nor diagnostic (its kernel masks on device): not applicable.
@@ -60,8 +61,7 @@ class Site:
 
     @property
     def guarded(self) -> bool:
-        # In gather_initial_states the diagnostic sits inside the fork's guard, between the clamp
-        # and `indices = _safe_idx`; the guard must be intact for any verdict but not applicable.
+        """Whether the diagnostic sits inside the fork's guard (in gather_initial_states)."""
         return self.file == OPS_FILE
 
 
@@ -127,7 +127,7 @@ DIAGNOSTIC_SHAPES = (FORK_DIAGNOSTIC, APPLIED_DIAGNOSTIC, LEGACY_DIAGNOSTIC)
 
 # The fork's guard in gather_initial_states, from the clamp to `indices = _safe_idx`, with the
 # diagnostic (in any shape above) third. k3patch never rewrites the other three statements; they
-# only have to be there, unchanged, in every verdict.
+# must be there, unchanged, for any verdict but not applicable.
 _GUARD = """
 _n_state_blocks = int(state.shape[0])
 _safe_idx = torch.where(
@@ -239,7 +239,7 @@ class KdaGatherDiagnostic(Patch):
         if units:
             return self._judge(src, site, func, units)
         if fork_traces(func):
-            return self._drift(src, site, func, "fork traces without the diagnostic")
+            return self._drift(src, site, [func], "fork traces without the diagnostic")
         return self.result(site.name, site.file, Verdict.NOT_APPLICABLE, site.clean), []
 
     def _locate_guarded(self, src: SourceFile, site: Site, func: ast.FunctionDef) -> Located:
@@ -250,7 +250,7 @@ class KdaGatherDiagnostic(Patch):
             if not traces and not diagnostic_units(func):
                 return self.result(site.name, site.file, Verdict.NOT_APPLICABLE, site.clean), []
             why = "; ".join(traces) or "a syncing test"
-            return self._drift(src, site, func, f"fork traces ({why}) outside the known guard")
+            return self._drift(src, site, [func], f"fork traces ({why}) outside the known guard")
         ends = (i for i in range(start, len(body)) if match(GUARD_END, body[i]) is not None)
         run = body[start : next(ends, len(body) - 1) + 1]
         # The older anchor script may put its `import os as _k3os` anywhere in the run.
@@ -273,18 +273,18 @@ class KdaGatherDiagnostic(Patch):
         for unit in units:
             shape = match_diagnostic(unit, names)
             if shape is None:
-                return self._drift(src, site, unit, "the diagnostic is in no known shape")
+                return self._drift(src, site, [unit], "the diagnostic is in no known shape")
             if shape is LEGACY_DIAGNOSTIC and not legacy_import:
                 why = "legacy gate without `import os as _k3os`: NameError on every call"
-                return self._drift(src, site, unit, why)
+                return self._drift(src, site, [unit], why)
             shapes.append(shape)
         binding = os_binding(src.tree)
         if APPLIED_DIAGNOSTIC in shapes and binding != "os":
             why = "gated, but the module does not `import os`: NameError"
-            return self._drift(src, site, units[0], why)
+            return self._drift(src, site, [units[0]], why)
         if FORK_DIAGNOSTIC in shapes and binding == "other":
             why = "the module binds `os` to something else; the gate needs it"
-            return self._drift(src, site, units[0], why)
+            return self._drift(src, site, [units[0]], why)
         verdict = summarise(s.verdict for s in shapes)
         detail = "; ".join(dict.fromkeys(shape_detail(s, src) for s in shapes))
         result = self.result(
@@ -293,10 +293,7 @@ class KdaGatherDiagnostic(Patch):
         pending = [u for u, s in zip(units, shapes, strict=True) if s is FORK_DIAGNOSTIC]
         return replace(result, line=units[0].lineno), pending
 
-    def _drift(
-        self, src: SourceFile, site: Site, node: ast.stmt | list[ast.stmt], why: str
-    ) -> Located:
-        nodes = node if isinstance(node, list) else [node]
+    def _drift(self, src: SourceFile, site: Site, nodes: list[ast.stmt], why: str) -> Located:
         guards = [f"{g.name} + " for g in GUARD_SHAPES] if site.guarded else [""]
         expected = [f"{g}{d.name} ({d.verdict.value})" for g in guards for d in DIAGNOSTIC_SHAPES]
         found = "\n".join(src.segment(n) for n in nodes)

@@ -1,13 +1,6 @@
-"""The behaviour probe of kda-gather-diagnostic. It runs in the verify child (the tree's own
-interpreter, torch, no GPU) and decides, on the code the tree really runs, that nothing syncs
-with K3_KDA_GATHER_LOG unset.
-
-Static: every sync-capable call in each site's function (the imported gather_initial_states,
-the callers read from their files, since kimi_k3 does not import without its GPU stack) must sit
-under the gate. Dynamic: gather_initial_states runs on CPU tensors, Triton launch stubbed, under
-a torch function and dispatch trace; unset must run no sync-capable op, =1 must log an
-out-of-range index, and the gathered rows must be the clamped ones either way.
-"""
+"""The behaviour probe of kda-gather-diagnostic, in the verify child (the tree's own interpreter,
+torch, no GPU), on the code the tree really runs: the static check reads the imported
+gather_initial_states and the callers' files (kimi_k3 does not import without its GPU stack)."""
 
 from __future__ import annotations
 
@@ -73,7 +66,6 @@ _CASTS = {"__bool__", "__int__", "__float__", "__index__", "__repr__", "__format
 _SYNC_OPS = SYNC_TORCH_FUNCTIONS | _CASTS
 # aten ops that read device memory on the host (seen below the Python layer).
 _SYNC_ATEN = ("_local_scalar_dense", "nonzero", "masked_select")
-_OUT_OF_RANGE = "an out-of-range index reached the kernel"
 
 
 def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Checks) -> None:
@@ -86,7 +78,7 @@ def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Che
     paused = [False]  # the stubbed kernel's own host work is not the function's
     python_ops: list[str] = []
     aten_ops: list[str] = []
-    launches: list[str] = []
+    reached: list[bool] = []  # whether an out-of-range index reached the stubbed kernel
 
     class DeviceLooking(torch.Tensor):
         # gather_initial_states asserts a device tensor; these are CPU tensors that say so.
@@ -116,24 +108,19 @@ def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Che
             return fn(*args, **(kwargs or {}))
 
     class KernelStub:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
         def __getitem__(self, grid: Any) -> Callable[..., None]:
-            return lambda *args, **kwargs: launch(f"{self.name}[{grid}]", *args)
+            return launch
 
-    def launch(label: str, *args: Any) -> None:
+    def launch(*args: Any, **kwargs: Any) -> None:
         paused[0] = True
         try:
             src, slots, valid, out = (t.as_subclass(torch.Tensor) for t in args[:4])
             rows = slots.to(torch.int64)
             n = src.shape[0]
-            if bool(((rows < 0) | (rows >= n))[valid].any()):
-                launches.append(_OUT_OF_RANGE)
+            reached.append(bool(((rows < 0) | (rows >= n))[valid].any()))
             picked = src.reshape(n, -1)[rows.clamp(0, n - 1)].reshape(out.shape)
             mask = valid.reshape(-1, *([1] * (out.ndim - 1)))
             out.copy_(torch.where(mask, picked, torch.zeros_like(picked)))
-            launches.append(label)
         finally:
             paused[0] = False
 
@@ -141,7 +128,7 @@ def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Che
     for node in ast.walk(func_ast):  # the globals launched Triton-style, `kernel[grid](...)`
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
             if isinstance(node.func.value, ast.Name):
-                scope[node.func.value.id] = KernelStub(node.func.value.id)
+                scope[node.func.value.id] = KernelStub()
     if not all(hasattr(scope.get("triton"), a) for a in ("next_power_of_2", "cdiv")):
         # vLLM's Triton placeholder (no Triton on this machine) lacks these host helpers.
         scope["triton"] = types.SimpleNamespace(
@@ -171,7 +158,7 @@ def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Che
         with Swap() as swap:
             for label, slots, env in cases:
                 swap.env(ENV, env)
-                for log in (python_ops, aten_ops, launches, handler.buffer):
+                for log in (python_ops, aten_ops, reached, handler.buffer):
                     log.clear()
                 indices = torch.tensor(slots, dtype=torch.int32)
                 with PythonTrace(), AtenTrace():
@@ -182,8 +169,8 @@ def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Che
                 logged = [r for r in handler.buffer if r.levelno >= logging.WARNING]
                 ops = ", ".join(python_ops + aten_ops) or "none"
                 problems = [] if right else ["the gathered rows are wrong"]
-                if _OUT_OF_RANGE in launches:
-                    problems.append(_OUT_OF_RANGE)
+                if any(reached):
+                    problems.append("an out-of-range index reached the kernel")
                 if env is None and (python_ops or aten_ops):
                     problems.append(f"sync-capable ops ran: {ops}")
                 if env == "1" and not any("9" in r.getMessage() for r in logged):
