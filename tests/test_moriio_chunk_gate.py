@@ -124,7 +124,7 @@ def _gate_lines(text: str) -> set[int]:
 
 
 def _allowed_insertions() -> set[str]:
-    texts = [gate.G1_TEMPLATE, gate.G2_TEMPLATE, *gate.MARKER_G1, *gate.MARKER_G2]
+    texts = [gate.G1_TEMPLATE, gate.G2_TEMPLATE]
     return {line.strip() for t in texts for line in t.splitlines() if line.strip()} - {"pass"}
 
 

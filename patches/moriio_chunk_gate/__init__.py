@@ -3,36 +3,28 @@
 Symptom: with Kimi-K3 behind a MoRIIO WRITE-mode prefill/decode pair, the decode node answers as
 if the prompt ended after 2,048 tokens (recall dies at exactly max_num_batched_tokens), and a
 request whose final chunk allocates no new KV block is never sent at all and hangs.
-Cause: `MoRIIOConnectorScheduler.build_connector_meta` decides "this is the final prefill chunk,
-send now" by block count (`blocks * block_size >= num_prompt_tokens`), in two gates: G1 in the
-loop over `scheduled_cached_reqs`, G2 in the loop over `_reqs_need_save`. K3's attention pages are
-padded to the mamba page (about 5,760 tokens a block), so one block covers a whole prompt after
-its first 2,048-token chunk and the KV of the later chunks never crosses. G1 also sits under
-`if new_block_ids is not None:`, so a final chunk that needs no new block never reaches it.
+Cause: `MoRIIOConnectorScheduler.build_connector_meta` decides "final prefill chunk, send now" by
+block count (`blocks * block_size >= num_prompt_tokens`) in two gates: G1 in the loop over
+`scheduled_cached_reqs`, G2 in the loop over `_reqs_need_save`. K3's attention pages are padded
+to the mamba page (about 5,760 tokens a block), so one block covers a whole prompt after its first
+2,048-token chunk. G1 also sits under `if new_block_ids is not None:`, so a final chunk that needs
+no new block never reaches it.
 Fix: both gates decide on compute progress, `req.num_computed_tokens +
 scheduler_output.num_scheduled_tokens.get(req_id, 0) >= req.num_prompt_tokens` (bCM runs before
-the scheduler advances `num_computed_tokens`, so this step's chunk is added; no slack), and G1 is
-evaluated for every pending request, also when the step allocated no block. Only the two gate
-statements change; the accumulated block lists are built exactly as before. vLLM 0.32.0 and later
-carry the same fix (`_is_final_prefill_chunk`). A gate that compares progress with the prompt in
-any other way (`<` where `>=` belongs, `==`, `!=`, `>`, sides swapped, a slack) is drift.
-The older k3-chunk-gate script (apply_kimik3_chunk_gate_fix.py) decides through a helper with a
-slack of K3_CHUNK_GATE_SLACK (default 2) tokens and falls back to the block count when its
-per-step map lacks the request: pending, with both defects named; apply replaces its three
-decisions (G1, its post-loop sweep, G2) in place by compute progress and drops the fallbacks,
-without the pristine file (its helper and map stay, unused by the gates).
-Verdicts on the real trees: upstream A (0.14.1-0.23.0), B (0.24.0-0.27.1), C (0.28.0-0.29.0),
-D (0.30.0-0.31.0) pending; 0.32.0 and later satisfied (upstream). The operators' fork trees
-(0.28.0 + the recipe's older scripts): a, b, c and the plan variants (no chunk-gate script, the
-default K3_EXTRA_FIXES=0) pending, "the fork (shape C gates)"; d (K3_EXTRA_FIXES=1) pending,
-"older k3-chunk-gate script (legacy, defective)"; after apply every one reads applied.
-Check: `k3patch verify` drives the real `build_connector_meta` of the tree with synthetic
-scheduler steps (a 2,611-token prompt in one 5,760-token block, chunks of 2,048 and 563, must
-send once, with the second chunk; so must a 3-chunk prompt at its third chunk, and a prompt
-whose last chunk is 2 tokens), then vLLM's own `Scheduler.schedule()` of the tree with the
-MoRIIO scheduler side on CPU through the same prompts (about a second beside the imports). It
-also shows that `req.num_computed_tokens` inside bCM is the count before the step's chunk, not
-stale (the older script's docstring says it is).
+the scheduler advances `num_computed_tokens`; no slack), and G1 runs for every pending request.
+Only the gate headers change. vLLM 0.32.0 and later carry the same fix
+(`_is_final_prefill_chunk`). A progress gate that compares any other way (`<` where `>=` belongs,
+`==`, `!=`, `>`, sides swapped, a slack) is drift. The older k3-chunk-gate script
+(apply_kimik3_chunk_gate_fix.py) fires up to K3_CHUNK_GATE_SLACK (default 2) tokens early and
+falls back to the block count: pending; apply replaces its three decisions (G1, its post-loop
+sweep, G2) in place by compute progress, without the pristine file (its helper and map stay).
+Verdicts: upstream A (0.14.1-0.23.0), B (0.24.0-0.27.1), C (0.28.0-0.29.0), D (0.30.0-0.31.0)
+pending, 0.32.0 and later satisfied; fork trees a, b, c pending "the fork (shape C gates)", d
+pending "older k3-chunk-gate script (legacy, defective)"; after apply all applied.
+Check: `k3patch verify` drives the tree's real `build_connector_meta` with synthetic steps (a
+2,611-token prompt in one 5,760-token block, chunks of 2,048 and 563, must send once, with the
+second chunk; so must a 3-chunk prompt and one whose last chunk is 2 tokens), then vLLM's own
+`Scheduler.schedule()` with the MoRIIO scheduler side on CPU through the same prompts.
 """
 
 from __future__ import annotations
@@ -47,15 +39,13 @@ METHOD = "build_connector_meta"
 G1 = f"{METHOD} G1 (cached requests)"
 G2 = f"{METHOD} G2 (_reqs_need_save)"
 
-# --------------------------------------------------------------------------------------------
-# The shapes: k3patch.shapes patterns over the body of the loop that holds the gate. `...`
-# stands for any run of statements the patch neither reads nor writes (the gate's body, the
-# block accumulation around it); a pattern ends where the gate must be last in its block. The
-# match is on syntax trees, so formatting, parentheses and comments do not matter. Each shape's
-# vLLM versions are data (`versions`); the report names the release from the surroundings.
-
+# The shapes, over the body of the loop that holds the gate. `...` stands for any run of
+# statements the patch neither reads nor writes (the gate's body, the block accumulation); a
+# pattern ends where the gate must be last in its block. The gates of A, B, C and the fork are the
+# same statements: a shape named FROM_SURROUNDINGS is reported by the release its loop sits in.
+FROM_SURROUNDINGS = "A-C / fork"
 G1_BLOCK_COUNT = Shape(
-    "A-C / fork",
+    FROM_SURROUNDINGS,
     Verdict.PENDING,
     """
     ...
@@ -97,7 +87,7 @@ G1_APPLIED = Shape(
     origin="compute progress, for every pending request",
 )
 G2_BLOCK_COUNT = Shape(
-    "A-C / fork",
+    FROM_SURROUNDINGS,
     Verdict.PENDING,
     """
     ...
@@ -135,28 +125,22 @@ G2_APPLIED = Shape(
     """,
     origin="compute progress",
 )
-SHAPES: dict[str, tuple[Shape, ...]] = {
+SHAPES = {
     G1: (G1_BLOCK_COUNT, G1_BLOCK_COUNT_D, G1_APPLIED),
     G2: (G2_BLOCK_COUNT, G2_BLOCK_COUNT_D, G2_APPLIED),
 }
 
-# Fixed forms recognised by predicate rather than by one skeleton (SITES.md 2): a comparison of
-# `num_computed_tokens + ...num_scheduled_tokens...` against `num_prompt_tokens` that decides
-# exactly "final chunk" (`>=`) or "not yet" (`<`) where the gate needs it, directly or through
-# upstream's `_is_final_prefill_chunk`. Any other comparison of progress with the prompt (`<`
-# where `>=` belongs, `==`, `!=`, `>`, sides swapped, a slack) is drift.
+# Fixed forms told by predicate rather than by a skeleton (gates.py): a comparison of progress
+# with the prompt that decides exactly "final" (`>=`) or "not yet" (`<`) where the gate needs it,
+# inline or through upstream's helper.
 UPSTREAM_HELPER = "_is_final_prefill_chunk"
 SATISFIED_UPSTREAM = "upstream fix (_is_final_prefill_chunk, 0.32.0 and later)"
 SATISFIED_INLINE = "upstream-style progress gate (inline)"
 
-# The older k3-chunk-gate script (apply_kimik3_chunk_gate_fix.py), as it really writes it: a
-# per-step map `self._k3_prog` filled at the top of the producer branch, a module-level helper,
-# and at each gate a named decision `_k3done = _k3_prefill_done(...)`, an `if _k3done is None:`
-# block-count fallback, a debug `if`, then the gate on the name; G1 also gets a sweep over the
-# pending requests after its loop (a final chunk without a new block never reaches G1).
+# The older k3-chunk-gate script's form (legacy.py): a module-level helper, a per-step map
+# `self._k3_prog`, and at each gate a named decision through the helper with a block-count
+# fallback; G1 also gets a sweep over the pending requests after its loop.
 LEGACY_HELPER = "_k3_prefill_done"
-LEGACY_MAP = "_k3_prog"
-LEGACY_DEBUG = "K3_CHUNK_GATE_DEBUG"
 LEGACY_HELPER_SHAPE = Shape(
     "k3-chunk-gate helper",
     Verdict.PENDING,
@@ -177,51 +161,25 @@ LEGACY_DEFECTS = (
     "falls back to the block-count gate (the original bug) when its progress map lacks the request",
 )
 LEGACY_APPLIED = "k3patch (the older k3-chunk-gate form, repaired in place)"
-# The block-count fallback each site's older form keeps, as the script writes it.
-LEGACY_FALLBACK = {
-    G1: "len(self._reqs_need_pending_save[req_id][1]) * self.block_size >= req.num_prompt_tokens",
-    G2: "not (req.num_prompt_tokens > len(block_ids) * self.block_size)",
+# What a drift report says a site may be in: its shapes, then the forms told by predicate.
+EXPECTED = {
+    site: (
+        *(f"{s.name} ({s.verdict.value})" for s in shapes),
+        f"{SATISFIED_UPSTREAM} (satisfied)",
+        f"{SATISFIED_INLINE} (satisfied)",
+        f"{LEGACY_PENDING} (pending)",
+        f"{LEGACY_APPLIED} (applied)",
+    )
+    for site, shapes in SHAPES.items()
 }
-# k3patch's decision in the repaired form: progress of the request the chain decides about.
-LEGACY_REPAIR = (
-    "{req}.num_computed_tokens\n"
-    "+ scheduler_output.num_scheduled_tokens.get({req_id}, 0)\n"
-    ">= {req}.num_prompt_tokens"
-)
-MARKER_LEGACY = (
-    "# k3patch moriio-chunk-gate: final when compute progress reaches",
-    "# the prompt; no slack (it sent up to 2 tokens early) and no",
-    "# block-count fallback (the original bug).",
-)
-# Names whose appearance in an `if` test makes it a final-chunk gate.
-GATE_WORDS = frozenset({"num_prompt_tokens", UPSTREAM_HELPER, LEGACY_HELPER})
 
-# The surroundings of the gates name the upstream release they come from (the gates of A, B, C
-# and the fork are the same statements).
-_WRITE_MODE = "self.mode == MoRIIOMode.WRITE"
-_PRODUCER = "get_role() == ROLE.PRODUCER"
-_PRODUCER_BRANCH = f"{_WRITE_MODE} and {_PRODUCER}"
-_NOT_PENDING_SKIP = "req_id not in self._reqs_need_pending_save"
-# The fork's mamba-blockids edit (SITES.md 1), as statements: `update_state_after_alloc` files
-# each saved request's mamba block ids under `self._reqs_save_mamba[request.request_id]`, a map
-# that `__init__` starts empty. A name alone decides nothing.
-_FORK_MAP = "_reqs_save_mamba"
-
-# --------------------------------------------------------------------------------------------
-# The post-image. Only the gate headers are new; each gate keeps its original body.
-
-MARKER_G1 = (
-    "# k3patch moriio-chunk-gate: the prompt is complete when this step's",
-    "# chunk reaches its end (compute progress, no slack), checked for every",
-    "# pending request, also when the chunk allocated no new block. A block",
-    "# count fires after chunk 1 once a block outgrows a chunk (K3: ~5,760).",
-)
-MARKER_G2 = (
-    "# k3patch moriio-chunk-gate: not the final chunk until compute progress",
-    "# reaches the prompt; a block count fires early once a block outgrows a",
-    "# chunk (K3's ~5,760-token blocks).",
-)
+# The post-image: new gate headers (`pass` stands for the gate's own body, which stays), and the
+# older form's repaired decision.
 G1_TEMPLATE = """
+# k3patch moriio-chunk-gate: the prompt is complete when this step's
+# chunk reaches its end (compute progress, no slack), checked for every
+# pending request, also when the chunk allocated no new block. A block
+# count fires after chunk 1 once a block outgrows a chunk (K3: ~5,760).
 if req_id in self._reqs_need_pending_save:
     req = self._reqs_need_pending_save[req_id][0]
     if (
@@ -232,12 +190,25 @@ if req_id in self._reqs_need_pending_save:
         pass
 """
 G2_TEMPLATE = """
+# k3patch moriio-chunk-gate: not the final chunk until compute progress
+# reaches the prompt; a block count fires early once a block outgrows a
+# chunk (K3's ~5,760-token blocks).
 if (
     req.num_computed_tokens
     + scheduler_output.num_scheduled_tokens.get(req_id, 0)
     < req.num_prompt_tokens
 ):
     pass
+"""
+LEGACY_TEMPLATE = """
+# k3patch moriio-chunk-gate: final when compute progress reaches
+# the prompt; no slack (it sent up to 2 tokens early) and no
+# block-count fallback (the original bug).
+{name} = (
+    {req}.num_computed_tokens
+    + scheduler_output.num_scheduled_tokens.get({req_id}, 0)
+    >= {req}.num_prompt_tokens
+)
 """
 
 
@@ -252,12 +223,12 @@ class MoriioChunkGate(Patch):
     )
 
     def classify(self, sources: Sources) -> list[SiteResult]:
-        from .sites import classify_sites
+        from .gates import classify_sites
 
         return classify_sites(sources[FILE])
 
     def rewrite(self, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
-        from .sites import rewrite_sites
+        from .gates import rewrite_sites
 
         return {FILE: rewrite_sites(sources[FILE], [r.site for r in pending])}
 

@@ -1,38 +1,51 @@
-"""Locating and classifying moriio-chunk-gate's two gates (stdlib ast only: classification must
-stay fast): the gate `if` in its loop, the shapes it is in, and the progress comparisons that
-decide exactly "final chunk" or "not yet"."""
+"""How moriio-chunk-gate reads and rewrites its two sites (stdlib ast only: classification must
+stay fast). A site is the older script's decision chains where its loop holds them, else the one
+gate `if` in its loop: a known shape, or a fixed form told by what its progress comparison
+decides. The rewrite edits the file's own lines: only the gate headers (with the temporaries that
+fed them) or the older decisions change, and every gate keeps its body where it is."""
 
 from __future__ import annotations
 
 import ast
+import builtins
+import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from k3patch.edits import EditError, SourceText, header_end
+from k3patch.edits import Edit, EditError, SourceText, apply_edits, header_end, replace
 from k3patch.model import (
     Shape,
     SiteResult,
     SourceFile,
     Verdict,
+    attribute_names,
     find_method,
     find_scope,
     loaded_names,
     mentioned_names,
     normalised_dump,
     parent_map,
+    runtime_module_names,
+    site_fingerprint,
     stored_names,
 )
-from k3patch.shapes import blocks, match
+from k3patch.shapes import blocks, match, search
 
 from . import (
     CLASS,
+    EXPECTED,
     FILE,
+    FROM_SURROUNDINGS,
     G1,
-    G1_BLOCK_COUNT_D,
-    G2_BLOCK_COUNT_D,
-    GATE_WORDS,
+    G1_TEMPLATE,
+    G2,
+    G2_TEMPLATE,
     LEGACY_APPLIED,
+    LEGACY_DEFECTS,
+    LEGACY_HELPER,
+    LEGACY_HELPER_SHAPE,
     LEGACY_PENDING,
+    LEGACY_TEMPLATE,
     METHOD,
     SATISFIED_INLINE,
     SATISFIED_UPSTREAM,
@@ -40,8 +53,13 @@ from . import (
     UPSTREAM_HELPER,
 )
 
-# --------------------------------------------------------------------------------------------
-# Locating the gates (stdlib ast only: classification must stay fast).
+# The loop each site's gate sits in, and G1's sweep (the older script's), found by the last
+# attribute of what they iterate.
+LOOPS = {G1: "scheduler_output.scheduled_cached_reqs", G2: "self._reqs_need_save"}
+SWEEP = "self._reqs_need_pending_save"
+# Names whose appearance in an `if` test makes it a final-chunk gate.
+GATE_WORDS = frozenset({"num_prompt_tokens", UPSTREAM_HELPER, LEGACY_HELPER})
+FINAL, NOT_FINAL, WRONG = "final", "not final", "wrong"
 
 
 def method_of(module: ast.Module) -> ast.FunctionDef | None:
@@ -49,8 +67,82 @@ def method_of(module: ast.Module) -> ast.FunctionDef | None:
     return found if isinstance(found, ast.FunctionDef) else None
 
 
-def expr_dump(source: str) -> str:
+def loops(method: ast.FunctionDef, over: str) -> list[ast.For]:
+    attribute = over.rsplit(".", 1)[-1]
+    return [
+        n
+        for n in ast.walk(method)
+        if isinstance(n, ast.For) and attribute in mentioned_names(n.iter)
+    ]
+
+
+def assigned_name(stmt: ast.stmt) -> str | None:
+    """The name of a `name = value` statement."""
+    found = match("HOLE_name = HOLE_value", stmt)
+    target = found["HOLE_name"] if found else None
+    return target.id if isinstance(target, ast.Name) else None
+
+
+def _expr_dump(source: str) -> str:
     return normalised_dump(ast.parse(source, mode="eval").body)
+
+
+def classify_sites(src: SourceFile) -> list[SiteResult]:
+    if not src.exists:
+        why = "no MoRIIO connector in this vLLM (it first ships in 0.14.1)"
+        return [site_result(s, Verdict.NOT_APPLICABLE, why) for s in (G1, G2)]
+    if method_of(src.tree) is None:
+        why = f"moriio_connector.py has no {CLASS}.{METHOD}; the connector was restructured"
+        return [site_result(s, Verdict.DRIFTED, why) for s in (G1, G2)]
+    context = Context.of(src.tree)
+    return [classify_site(src, context, site) for site in (G1, G2)]
+
+
+def classify_site(src: SourceFile, context: Context, site: str) -> SiteResult:
+    chains = site_chains(context, site)
+    if chains is not None:
+        return classify_chains(context, site, chains)
+    gate, why = locate(context, site)
+    if gate is None:
+        return site_result(site, Verdict.DRIFTED, why, line=context.method.lineno)
+    return classify_gate(src, context, gate)
+
+
+def site_result(
+    site: str,
+    verdict: Verdict,
+    detail: str,
+    shape: str = "",
+    line: int | None = None,
+    found: str = "",
+) -> SiteResult:
+    """A drift located at a line says what it found and what was expected."""
+    drifted = verdict is Verdict.DRIFTED and line is not None
+    found, expected = (found, EXPECTED[site]) if drifted else ("", ())
+    return SiteResult(
+        "moriio-chunk-gate", site, FILE, verdict, shape, detail, line, found, expected
+    )
+
+
+def rewrite_sites(src: SourceFile, pending: list[str]) -> str:
+    context = Context.of(src.tree)
+    text = SourceText(src.text)
+    edits: list[Edit] = []
+    for site in pending:
+        if classify_site(src, context, site).verdict is not Verdict.PENDING:
+            raise ValueError(f"{site} is no longer pending")
+        chains = site_chains(context, site)
+        if chains is not None:
+            edits += repair_edits(text, chains)
+            continue
+        gate, _ = locate(context, site)
+        assert gate is not None
+        edits.append(_gate_edit(text, gate))
+    return apply_edits(src.text, edits)
+
+
+# --------------------------------------------------------------------------------------------
+# The gate forms: upstream's, the fork's, k3patch's post-image and upstream's fix.
 
 
 @dataclass
@@ -80,12 +172,7 @@ def _temps_before(block: list[ast.stmt], index: int, test: ast.expr) -> list[ast
     wanted = loaded_names([test])
     temps: list[ast.Assign] = []
     for stmt in reversed(block[:index]):
-        if not (
-            isinstance(stmt, ast.Assign)
-            and len(stmt.targets) == 1
-            and isinstance(stmt.targets[0], ast.Name)
-            and stmt.targets[0].id in wanted
-        ):
+        if not isinstance(stmt, ast.Assign) or assigned_name(stmt) not in wanted:
             break
         temps.insert(0, stmt)
         wanted |= loaded_names([stmt.value])
@@ -113,28 +200,13 @@ def _gates_in(loop: ast.For, site: str) -> list[Gate]:
     return found
 
 
-def loops(method: ast.FunctionDef, attribute: str) -> list[ast.For]:
-    return [
-        node
-        for node in ast.walk(method)
-        if isinstance(node, ast.For) and attribute in mentioned_names(node.iter)
-    ]
-
-
-# --------------------------------------------------------------------------------------------
-# What the surroundings say (names only, and the preconditions of the rewrite).
-
-# The surroundings of the gates name the upstream release they come from (the gates of A, B, C
-# and the fork are the same statements).
-_WRITE_MODE = "self.mode == MoRIIOMode.WRITE"
-_PRODUCER = "get_role() == ROLE.PRODUCER"
-_PRODUCER_BRANCH = f"{_WRITE_MODE} and {_PRODUCER}"
-_NOT_PENDING_SKIP = "req_id not in self._reqs_need_pending_save"
-# The fork's mamba-blockids edit (SITES.md 1), as statements: `update_state_after_alloc` files
-# each saved request's mamba block ids under `self._reqs_save_mamba[request.request_id]`, a map
-# that `__init__` starts empty. A name alone decides nothing.
+# The fork's mamba-blockids edit (SITES.md 1), as statements: `__init__` starts
+# `self._reqs_save_mamba` empty and `update_state_after_alloc` files each saved request's mamba
+# block ids under it. A name alone decides nothing.
 _FORK_STARTS_EMPTY = ("self._reqs_save_mamba = {}", "self._reqs_save_mamba: HOLE_type = {}")
 _FORK_FILES_BLOCKS = "self._reqs_save_mamba[HOLE_key] = HOLE_value"
+_SKIPS_NOT_PENDING = "if req_id not in self._reqs_need_pending_save:\n    continue"
+_UNKNOWN_RELEASE = "block-count gates of A-C, in surroundings of no known release"
 
 
 @dataclass
@@ -142,7 +214,6 @@ class Context:
     module: ast.Module
     method: ast.FunctionDef
     cls: ast.ClassDef
-    parents: dict[int, ast.AST] = field(default_factory=dict)
 
     @classmethod
     def of(cls, module: ast.Module) -> Context:
@@ -150,50 +221,50 @@ class Context:
         klass = find_scope(module, CLASS)
         if method is None or not isinstance(klass, ast.ClassDef):
             raise ValueError(f"{CLASS}.{METHOD} is gone")
-        return cls(module, method, klass, parent_map(method))
+        return cls(module, method, klass)
 
     def params(self) -> set[str]:
         args = self.method.args
         return {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]}
 
-    def release(self, d_shape: bool) -> str:
-        """Which upstream release (or the fork) the surroundings of the gates come from: the
-        producer branch around the G1 loop and the G1 loop's own skip."""
-        if d_shape:
-            return "D (0.30.0-0.31.0)"
+    def release(self) -> str:
+        """Which release (or the fork) block-count gates of A-C come from: the producer branch
+        around the G1 loop, and whether that loop skips requests that are not pending."""
         g1, _ = locate(self, G1)
         if g1 is None:
-            return "block-count gates of A-C, in surroundings of no known release"
-        tests: set[str] = set()
-        node: ast.AST = g1.loop
-        while id(node) in self.parents:
-            node = self.parents[id(node)]
+            return _UNKNOWN_RELEASE
+        parents = parent_map(self.method)
+        tests, node = set(), parents.get(id(g1.loop))
+        while node is not None:
             if isinstance(node, ast.If):
                 tests.add(normalised_dump(node.test))
-        nested = expr_dump(_WRITE_MODE) in tests and expr_dump(_PRODUCER) in tests
-        combined = expr_dump(_PRODUCER_BRANCH) in tests
-        skips = any(
-            isinstance(n, ast.If)
-            and normalised_dump(n.test) == expr_dump(_NOT_PENDING_SKIP)
-            and len(n.body) == 1
-            and isinstance(n.body[0], ast.Continue)
-            for n in ast.walk(g1.loop)
+            node = parents.get(id(node))
+        write, producer = "self.mode == MoRIIOMode.WRITE", "get_role() == ROLE.PRODUCER"
+        nested = {_expr_dump(write), _expr_dump(producer)} <= tests
+        combined = _expr_dump(f"{write} and {producer}") in tests
+        if search(_SKIPS_NOT_PENDING, g1.loop):
+            if not combined:
+                return _UNKNOWN_RELEASE
+            return "the fork (shape C gates)" if self._is_fork() else "C (0.28.0-0.29.0)"
+        return (
+            "A (0.14.1-0.23.0)" if nested else "B (0.24.0-0.27.1)" if combined else _UNKNOWN_RELEASE
         )
-        if nested and not skips:
-            return "A (0.14.1-0.23.0)"
-        if combined and not skips:
-            return "B (0.24.0-0.27.1)"
-        if combined and skips:
-            return "the fork (shape C gates)" if _is_fork(self.cls) else "C (0.28.0-0.29.0)"
-        return "block-count gates of A-C, in surroundings of no known release"
+
+    def _is_fork(self) -> bool:
+        init = find_method(self.cls, "__init__")
+        alloc = find_method(self.cls, "update_state_after_alloc")
+        if init is None or alloc is None:
+            return False
+        return any(search(pattern, init) for pattern in _FORK_STARTS_EMPTY) and any(
+            "request_id" in mentioned_names(found["HOLE_key"])
+            for _, _, found in search(_FORK_FILES_BLOCKS, alloc)
+        )
 
 
 def locate(context: Context, site: str) -> tuple[Gate | None, str]:
     """The one gate of a site, or None and why."""
-    attribute = "scheduled_cached_reqs" if site == G1 else "_reqs_need_save"
-    where = "scheduler_output.scheduled_cached_reqs" if site == G1 else "self._reqs_need_save"
-    what = f"a loop over {where} that holds a final-chunk gate"
-    found = [loop for loop in loops(context.method, attribute) if _gates_in(loop, site)]
+    what = f"a loop over {LOOPS[site]} that holds a final-chunk gate"
+    found = [loop for loop in loops(context.method, LOOPS[site]) if _gates_in(loop, site)]
     if len(found) != 1:
         return None, f"expected one {what} in {METHOD}, found {len(found)}"
     gates = _gates_in(found[0], site)
@@ -203,62 +274,6 @@ def locate(context: Context, site: str) -> tuple[Gate | None, str]:
             f"found {len(gates)}"
         )
     return gates[0], ""
-
-
-def _is_fork(cls: ast.ClassDef) -> bool:
-    """Whether the scheduler carries the fork's mamba-blockids edit (SITES.md 1): __init__
-    starts `self._reqs_save_mamba` empty and update_state_after_alloc files a saved request's
-    mamba block ids under it."""
-    init = find_method(cls, "__init__")
-    alloc = find_method(cls, "update_state_after_alloc")
-    if init is None or alloc is None:
-        return False
-    starts_empty = any(
-        match(p, n) is not None
-        for n in ast.walk(init)
-        if isinstance(n, ast.Assign | ast.AnnAssign)
-        for p in _FORK_STARTS_EMPTY
-    )
-    files_blocks = any(
-        (b := match(_FORK_FILES_BLOCKS, n)) is not None
-        and "request_id" in mentioned_names(b["HOLE_key"])
-        for n in ast.walk(alloc)
-        if isinstance(n, ast.Assign)
-    )
-    return starts_empty and files_blocks
-
-
-def site_result(
-    site: str,
-    verdict: Verdict,
-    detail: str,
-    shape: str = "",
-    line: int | None = None,
-    found: str = "",
-) -> SiteResult:
-    drifted = verdict is Verdict.DRIFTED and line is not None
-    return SiteResult(
-        patch_id="moriio-chunk-gate",
-        site=site,
-        file=FILE,
-        verdict=verdict,
-        shape=shape,
-        detail=detail,
-        line=line,
-        found=found if drifted else "",
-        expected=expected(site) if drifted else (),
-    )
-
-
-def expected(site: str) -> tuple[str, ...]:
-    shapes = [f"{s.name} ({s.verdict.value})" for s in SHAPES[site]]
-    return (
-        *shapes,
-        f"{SATISFIED_UPSTREAM} (satisfied)",
-        f"{SATISFIED_INLINE} (satisfied)",
-        f"{LEGACY_PENDING} (pending)",
-        f"{LEGACY_APPLIED} (applied)",
-    )
 
 
 def classify_gate(src: SourceFile, context: Context, gate: Gate) -> SiteResult:
@@ -271,10 +286,8 @@ def classify_gate(src: SourceFile, context: Context, gate: Gate) -> SiteResult:
         problems = _preconditions(src, context, gate, shape)
         if problems:
             return result(Verdict.DRIFTED, "", f"{shape.name} gate, but " + "; ".join(problems))
-        if shape.verdict is Verdict.PENDING:
-            release = context.release(shape in (G1_BLOCK_COUNT_D, G2_BLOCK_COUNT_D))
-            return result(Verdict.PENDING, release, shape.origin)
-        return result(shape.verdict, shape.name, shape.origin)
+        name = context.release() if shape.name == FROM_SURROUNDINGS else shape.name
+        return result(shape.verdict, name, shape.origin)
     return _classify_fixed(context, gate, result)
 
 
@@ -283,70 +296,138 @@ def _classify_fixed(
 ) -> SiteResult:
     """The fixed forms nobody but upstream writes: a progress gate, inline or through
     upstream's helper, that decides exactly what its body needs."""
-
-    def drift(detail: str) -> SiteResult:
-        return result(Verdict.DRIFTED, "", detail)
-
-    test = gate.node.test
-    wanted = needed_meaning(gate.node)
-    env = _env(gate.temps)
-    core, times = negated(test)
+    core, times = negated(gate.node.test)
     upstream = calls(core, UPSTREAM_HELPER)
-    meaning = flip(FINAL, times) if upstream else progress_meaning(test, env)
+    meaning = flip(FINAL, times) if upstream else progress_meaning(gate.node.test, _env(gate.temps))
+    wanted = needed_meaning(gate.node)
+    tests = [getattr(c, "test", c) for c in gate.conditions]
     if meaning is None:
-        return drift("the gate is in no shape k3patch knows; nothing will be written")
-    if upstream and not _helper_is_progress(context):
-        return drift(
+        problem = "the gate is in no shape k3patch knows; nothing will be written"
+    elif upstream and not _helper_is_progress(context):
+        problem = (
             f"the gate calls self.{UPSTREAM_HELPER}, whose body is no progress comparison "
             "(num_computed_tokens + num_scheduled_tokens >= num_prompt_tokens)"
         )
-    if meaning != wanted:
-        return drift(_wrong_progress(meaning, wanted))
-    if any("new_block_ids" in mentioned_names(getattr(c, "test", c)) for c in gate.conditions):
-        return drift(
+    elif meaning == WRONG:
+        problem = (
+            "a comparison of progress with the prompt, but not `progress >= num_prompt_tokens` "
+            "(final) or `progress < num_prompt_tokens` (not yet): an inverted, off-by-one or "
+            "slack gate; nothing will be written"
+        )
+    elif meaning != wanted:
+        problem = (
+            f"a progress gate whose test means {meaning!r} where its body needs {wanted!r} "
+            "(inverted); nothing will be written"
+        )
+    elif any("new_block_ids" in mentioned_names(test) for test in tests):
+        problem = (
             "a progress gate, but still only evaluated when the step allocated a new "
             "block: a final chunk without a new block would never send"
         )
-    guard = expr_dump("req_id in self._reqs_need_pending_save")
-    if any(normalised_dump(getattr(c, "test", c)) == guard for c in gate.conditions):
-        return drift("k3patch's gate, edited since k3patch wrote it")
-    if gate.conditions:
+    elif any(normalised_dump(t) == _expr_dump(f"req_id in {SWEEP}") for t in tests):
+        problem = "k3patch's gate, edited since k3patch wrote it"
+    elif gate.conditions:
         # Upstream's gates sit directly in their loops; a progress gate that only runs
         # under some other condition is a form nobody has described.
-        return drift("a progress gate nested under a condition k3patch does not know")
-    name = SATISFIED_UPSTREAM if upstream else SATISFIED_INLINE
-    return result(Verdict.SATISFIED, name, "gates on compute progress")
+        problem = "a progress gate nested under a condition k3patch does not know"
+    else:
+        name = SATISFIED_UPSTREAM if upstream else SATISFIED_INLINE
+        return result(Verdict.SATISFIED, name, "gates on compute progress")
+    return result(Verdict.DRIFTED, "", problem)
 
 
-FINAL = "final"
-NOT_FINAL = "not final"
-WRONG = "wrong"
+def _preconditions(src: SourceFile, context: Context, gate: Gate, shape: Shape) -> list[str]:
+    """Why a gate in a known shape still cannot take (or does not hold) the post-image."""
+    problems = []
+    pending = shape.verdict is Verdict.PENDING
+    if pending and not _header_editable(src.text, gate):
+        problems.append("its header shares lines with other code")
+    if pending and "scheduler_output" not in context.params():
+        problems.append(f"{METHOD} has no parameter named scheduler_output")
+    bound = stored_names([gate.loop.target])
+    needs = {"req_id"} if gate.site == G1 else {"req_id", "req"}
+    if not needs <= bound:
+        problems.append(f"the loop does not bind {', '.join(sorted(needs - bound))}")
+    for temp in gate.temps if pending else ():
+        name = assigned_name(temp)
+        if name in loaded_names(gate.loop.body, skip=[*gate.temps, gate.node.test]):
+            problems.append(f"{name} is read outside the gate test; it cannot be dropped")
+        if any(s is not temp and s.lineno == temp.lineno for s in gate.block):
+            problems.append(f"{name} shares its line with another statement")
+    if gate.site != G1:
+        return problems
+    if pending and gate.index == len(gate.temps):
+        # The branch keeps the statements before the gate; with none it would be empty.
+        problems.append("it is all that `if new_block_ids is not None:` holds")
+    # G1's body runs outside `if new_block_ids is not None:` after the rewrite, so it must not
+    # read what only that branch binds (`req` is rebound by the post-image).
+    if pending:
+        branch = gate.conditions[0]
+        assert isinstance(branch, ast.If)
+        local = stored_names(gate.block[: gate.index]) | loaded_names([branch.test])
+    else:
+        index = gate.loop.body.index(gate.conditions[0] if gate.conditions else gate.node)
+        siblings = [
+            s
+            for s in gate.loop.body[:index]
+            if isinstance(s, ast.If) and "new_block_ids" in mentioned_names(s.test)
+        ]
+        local = stored_names([s for sibling in siblings for s in sibling.body])
+    read = loaded_names(gate.node.body + gate.node.orelse) & (local - {"req"})
+    if read:
+        problems.append(
+            "its body reads " + ", ".join(sorted(read)) + ", bound only when the step "
+            "allocated a block"
+        )
+    return problems
+
+
+def _header_editable(text: str, gate: Gate) -> bool:
+    """Whether the gate (and G1's branch) start their lines and the header's `:` can be found:
+    the rewrite replaces whole header lines and leaves the gate's body as it is."""
+    src = SourceText(text)
+    try:
+        for stmt in [gate.node, *gate.temps, *gate.conditions[:1]]:
+            src.indent_of(stmt)
+        header_end(src, gate.node)
+    except EditError:
+        return False
+    return True
+
+
+def _gate_edit(src: SourceText, gate: Gate) -> Edit:
+    """The gate's header, and the temporaries that fed it, replaced by the new header. The
+    comment lines right above the gate stay with it; those above a dropped temporary go."""
+    first = gate.block.index(gate.temps[0] if gate.temps else gate.node)
+    above = gate.block[first - 1].end_lineno if first else None
+    start = src.after_line(above) if above else src.starts[gate.block[first].lineno - 1]
+    kept_from = src.after_line(gate.temps[-1].end_lineno or 0) if gate.temps else start
+    kept = src.text[kept_from : src.starts[gate.node.lineno - 1]]
+    indent = src.indent_of(gate.node)
+    header = (G1_TEMPLATE if gate.site == G1 else G2_TEMPLATE).strip("\n").split("\n")[:-1]
+    if gate.site == G1:
+        # The guard goes where `if new_block_ids is not None:` is; the gate stays in place.
+        at = header.index("    if (")
+        new = src.block("\n".join(header[:at]), src.indent_of(gate.conditions[0]))
+        new += kept + src.block("\n".join(header[at:]), indent)
+    else:
+        new = kept + src.block("\n".join(header), indent)
+    return Edit(start, header_end(src, gate.node), new[: -len(src.newline)])
+
+
+# --------------------------------------------------------------------------------------------
+# What a test decides about compute progress.
 
 
 def needed_meaning(gate: ast.If) -> str:
     """What a gate's test must mean: "final" where its body sends the request, "not final"
     where the body defers or skips it (upstream's `if not final: continue`)."""
     sends = any(
-        isinstance(n, ast.Call)
-        and isinstance(n.func, ast.Attribute)
-        and n.func.attr == "add_new_req"
+        isinstance(n, ast.Call) and match("HOLE_connector.add_new_req", n.func) is not None
         for stmt in gate.body
         for n in ast.walk(stmt)
     )
     return FINAL if sends else NOT_FINAL
-
-
-def _wrong_progress(meaning: str, wanted: str) -> str:
-    if meaning == WRONG:
-        return (
-            "a comparison of progress with the prompt, but not `progress >= num_prompt_tokens` "
-            "(final) or `progress < num_prompt_tokens` (not yet): an inverted, off-by-one or "
-            "slack gate; nothing will be written"
-        )
-    return (
-        f"a progress gate whose test means {meaning!r} where its body needs {wanted!r} "
-        "(inverted); nothing will be written"
-    )
 
 
 def negated(expr: ast.expr) -> tuple[ast.expr, int]:
@@ -364,34 +445,27 @@ def flip(meaning: str, times: int) -> str:
 
 
 def calls(expr: ast.expr, name: str) -> bool:
-    if not isinstance(expr, ast.Call):
-        return False
-    func = expr.func
-    return (isinstance(func, ast.Name) and func.id == name) or (
-        isinstance(func, ast.Attribute)
-        and func.attr == name
-        and isinstance(func.value, ast.Name)
-        and func.value.id == "self"
+    """Whether `expr` calls `name()` or `self.name()`."""
+    return isinstance(expr, ast.Call) and any(
+        match(func, expr.func) is not None for func in (name, f"self.{name}")
     )
 
 
 def _env(assigns: Sequence[ast.stmt]) -> dict[str, ast.expr]:
     """The named temporaries among `assigns`: name -> value."""
     return {
-        s.targets[0].id: s.value
-        for s in assigns
-        if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name)
+        name: s.value for s in assigns if (name := assigned_name(s)) and isinstance(s, ast.Assign)
     }
 
 
 def _resolve(expr: ast.expr, env: dict[str, ast.expr], depth: int = 0) -> ast.expr:
-    """`expr` with each name bound in `env` (the named temporaries) replaced by its value."""
+    """`expr`, or the value of the named temporary it is (followed up to four deep)."""
     if isinstance(expr, ast.Name) and expr.id in env and depth < 4:
         return _resolve(env[expr.id], env, depth + 1)
     return expr
 
 
-def _is_attr(expr: ast.expr, attr: str) -> str | None:
+def _owner(expr: ast.expr, attr: str) -> str | None:
     """The name `x` of an `x.<attr>` expression, else None."""
     if isinstance(expr, ast.Attribute) and expr.attr == attr and isinstance(expr.value, ast.Name):
         return expr.value.id
@@ -412,21 +486,19 @@ def _progress_of(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
     if not (isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add)):
         return None
     for computed, scheduled in ((expr.left, expr.right), (expr.right, expr.left)):
-        req = _is_attr(_resolve(computed, env), "num_computed_tokens")
-        if req is not None and any(
-            match(p, _resolve(scheduled, env)) is not None for p in _SCHEDULED
-        ):
+        req = _owner(_resolve(computed, env), "num_computed_tokens")
+        step = _resolve(scheduled, env)
+        if req is not None and any(match(p, step) is not None for p in _SCHEDULED):
             return req
     return None
 
 
-_MIRROR: dict[type[ast.cmpop], type[ast.cmpop]] = {
-    ast.Lt: ast.Gt,
-    ast.Gt: ast.Lt,
-    ast.LtE: ast.GtE,
-    ast.GtE: ast.LtE,
-    ast.Eq: ast.Eq,
-    ast.NotEq: ast.NotEq,
+# `progress OP prompt` means final for >=, not final for <; `prompt OP progress` the mirror.
+_MEANING: dict[tuple[type[ast.cmpop], bool], str] = {
+    (ast.GtE, False): FINAL,
+    (ast.Lt, False): NOT_FINAL,
+    (ast.LtE, True): FINAL,
+    (ast.Gt, True): NOT_FINAL,
 }
 
 
@@ -438,102 +510,252 @@ def progress_meaning(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
     core = _resolve(core, env)
     if not isinstance(core, ast.Compare):
         return None
-    resolved = {w for node in ast.walk(core) for w in _resolved_words_of(node, env)}
-    about_progress = {"num_computed_tokens", "num_prompt_tokens"} <= resolved
+    words = mentioned_names(core).union(
+        *(mentioned_names(_resolve(n, env)) for n in ast.walk(core) if isinstance(n, ast.Name))
+    )
+    wrong = WRONG if {"num_computed_tokens", "num_prompt_tokens"} <= words else None
     if len(core.ops) != 1:
-        return WRONG if about_progress else None
-    left, right, op = core.left, core.comparators[0], type(core.ops[0])
-    req = _progress_of(left, env)
-    prompt = _is_attr(_resolve(right, env), "num_prompt_tokens")
+        return wrong
+    left, right, mirrored = core.left, core.comparators[0], False
+    req, prompt = _progress_of(left, env), _owner(_resolve(right, env), "num_prompt_tokens")
     if req is None or prompt is None:
-        req = _progress_of(right, env)
-        prompt = _is_attr(_resolve(left, env), "num_prompt_tokens")
-        op = _MIRROR.get(op, op)
-    if req is None or prompt is None or req != prompt:
-        return WRONG if about_progress else None
-    if op is ast.GtE:
-        return flip(FINAL, times)
-    if op is ast.Lt:
-        return flip(NOT_FINAL, times)
-    return WRONG
-
-
-def _resolved_words_of(node: ast.AST, env: dict[str, ast.expr]) -> set[str]:
-    words = mentioned_names(node)
-    if isinstance(node, ast.Name) and node.id in env:
-        words |= mentioned_names(_resolve(node, env))
-    return words
+        req, prompt = _progress_of(right, env), _owner(_resolve(left, env), "num_prompt_tokens")
+        mirrored = True
+    if req is None or req != prompt:
+        return wrong
+    return flip(_MEANING.get((type(core.ops[0]), mirrored), WRONG), times)
 
 
 def _helper_is_progress(context: Context) -> bool:
     helper = find_method(context.cls, UPSTREAM_HELPER)
     if helper is None:
         return False
-    env = _env(list(helper.body))
+    env = _env(helper.body)
     returns = [n for n in ast.walk(helper) if isinstance(n, ast.Return)]
     return bool(returns) and all(
         n.value is not None and progress_meaning(n.value, env) == FINAL for n in returns
     )
 
 
-def _preconditions(src: SourceFile, context: Context, gate: Gate, shape: Shape) -> list[str]:
-    """Why a gate in a known shape still cannot take (or does not hold) the post-image."""
+# --------------------------------------------------------------------------------------------
+# The older k3-chunk-gate script's form (apply_kimik3_chunk_gate_fix.py). A decision chain is
+# `NAME = <decision>`, an optional `if NAME is None: NAME = <fallback>`, the script's debug
+# `if`s, and the gate `if NAME:` (it sends) or `if not NAME:` (it defers or skips). The decision
+# is the script's helper call (pending: slack and fallback) or k3patch's progress comparison
+# (applied: the repair in place). G1 also has a sweep over the pending requests after its loop.
+
+LEGACY_MAP = "_k3_prog"
+# k3patch's repaired decision about `req`, as a report shows it.
+_REPAIRED = ast.unparse(ast.parse(LEGACY_TEMPLATE.format(name="x", req="req", req_id="req_id")))
+_REPAIRED = _REPAIRED.split(" = ", 1)[1]
+LEGACY_DEBUG = "K3_CHUNK_GATE_DEBUG"
+# The block-count fallback each site's older form keeps, as the script writes it.
+LEGACY_FALLBACK = {
+    G1: "len(self._reqs_need_pending_save[req_id][1]) * self.block_size >= req.num_prompt_tokens",
+    G2: "not (req.num_prompt_tokens > len(block_ids) * self.block_size)",
+}
+
+
+@dataclass
+class Chain:
+    part: str  # "gate" or "sweep"
+    block: list[ast.stmt]
+    index: int  # of the decision in block
+    name: str
+    decision: ast.Assign
+    fallback: ast.If | None
+    gate: ast.If
+
+    @property
+    def statements(self) -> list[ast.stmt]:
+        return self.block[self.index : self.block.index(self.gate) + 1]
+
+    def kind(self) -> str:
+        """ "legacy" (the script's helper), "progress" (k3patch's repair) or "other"."""
+        value = self.decision.value
+        if isinstance(value, ast.Call) and calls(value, LEGACY_HELPER):
+            names = len(value.args) == 3 and all(isinstance(a, ast.Name) for a in value.args)
+            return "legacy" if names else "other"
+        return "progress" if progress_meaning(value, {}) == FINAL else "other"
+
+    def request_names(self) -> tuple[str, str] | None:
+        """(request, request id) the decision is about."""
+        value = self.decision.value
+        if isinstance(value, ast.Call) and len(value.args) == 3:
+            req_id, req = value.args[1], value.args[2]
+            if isinstance(req_id, ast.Name) and isinstance(req, ast.Name):
+                return req.id, req_id.id
+        return None
+
+
+def _chain_at(block: list[ast.stmt], index: int, part: str) -> Chain | None:
+    decision, name = block[index], assigned_name(block[index])
+    if not isinstance(decision, ast.Assign) or name is None:
+        return None
+    value = decision.value
+    if not (calls(value, LEGACY_HELPER) or "num_prompt_tokens" in mentioned_names(value)):
+        return None
+    rest = block[index + 1 :]
+    fallback = None
+    if rest and isinstance(rest[0], ast.If) and match(f"{name} is None", rest[0].test) is not None:
+        fallback = rest.pop(0)
+    debug = itertools.takewhile(
+        lambda s: (
+            isinstance(s, ast.If) and LEGACY_DEBUG in mentioned_names(s.test, everything=True)
+        ),
+        rest,
+    )
+    gate = rest[len(list(debug)) :][:1]
+    if not (
+        gate and isinstance(gate[0], ast.If) and match(name, negated(gate[0].test)[0]) is not None
+    ):
+        return None
+    assert fallback is None or isinstance(fallback, ast.If)
+    return Chain(part, block, index, name, decision, fallback, gate[0])
+
+
+def _chains_in(roots: list[ast.For], part: str) -> list[Chain]:
+    found = (_chain_at(b, i, part) for root in roots for b in blocks(root) for i in range(len(b)))
+    return [chain for chain in found if chain is not None]
+
+
+def site_chains(context: Context, site: str) -> list[Chain] | None:
+    """The site's decision chains (G1: its gate and its sweep; G2: its gate), or None when the
+    site's loop holds none (the gate forms of upstream, the fork and k3patch)."""
+    own = loops(context.method, LOOPS[site])
+    gates = _chains_in(own, "gate")
+    if not gates or site == G2:
+        return gates or None
+    sweeps = [loop for loop in loops(context.method, SWEEP) if loop not in own]
+    return [*gates, *_chains_in(sweeps, "sweep")]
+
+
+def classify_chains(context: Context, site: str, chains: list[Chain]) -> SiteResult:
+    gates = [c for c in chains if c.part == "gate"]
+    sweeps = [c for c in chains if c.part == "sweep"]
+    line = (gates or chains)[0].decision.lineno
+    problems = _chain_problems(context, site, gates, sweeps)
+    if problems:
+        detail = f"the older k3-chunk-gate form, but {'; '.join(problems)}; nothing will be written"
+        found = "\n".join(ast.unparse(ast.Module(c.statements, [])) for c in chains)
+        return site_result(site, Verdict.DRIFTED, detail, "", line, found)
+    if {c.kind() for c in chains} == {"legacy"}:
+        return site_result(site, Verdict.PENDING, "; ".join(LEGACY_DEFECTS), LEGACY_PENDING, line)
+    detail = "compute progress, no slack, no fallback"
+    return site_result(site, Verdict.APPLIED, detail, LEGACY_APPLIED, line)
+
+
+def _chain_problems(
+    context: Context, site: str, gates: list[Chain], sweeps: list[Chain]
+) -> list[str]:
+    """Why decision chains are in no form the script or k3patch's repair leaves."""
+    if len(gates) != 1:
+        return [f"{len(gates)} decision chains in the site's loop (the script writes one)"]
+    if site == G1 and len(sweeps) != 1:
+        return [
+            f"{len(sweeps)} sweeps over _reqs_need_pending_save after the G1 loop (the script "
+            "writes one; without it a final chunk that allocates no block is never sent)"
+        ]
+    chains = [*gates, *sweeps]
+    kinds = {c.kind() for c in chains}
+    if "other" in kinds:
+        return [
+            f"a decision that is neither the script's helper call nor `{_REPAIRED}` (inverted, "
+            "off-by-one or another slack)"
+        ]
+    if len(kinds) != 1:
+        return ["the gate and the sweep decide differently (partly repaired)"]
     problems = []
-    if shape.verdict is Verdict.PENDING and not _header_editable(src.text, gate):
-        problems.append("its header shares lines with other code")
-    if shape.verdict is Verdict.PENDING and "scheduler_output" not in context.params():
-        problems.append(f"{METHOD} has no parameter named scheduler_output")
-    bound = stored_names([gate.loop.target])
-    needs = {"req_id"} if gate.site == G1 else {"req_id", "req"}
-    if not needs <= bound:
-        problems.append(f"the loop does not bind {', '.join(sorted(needs - bound))}")
-    for temp in gate.temps if shape.verdict is Verdict.PENDING else ():
-        name = temp.targets[0].id  # type: ignore[attr-defined]
-        if name in loaded_names(gate.loop.body, skip=[*gate.temps, gate.node.test]):
-            problems.append(f"{name} is read outside the gate test; it cannot be dropped")
-        if any(s is not temp and s.lineno == temp.lineno for s in gate.block):
-            problems.append(f"{name} shares its line with another statement")
-    if gate.site == G1:
-        if shape.verdict is Verdict.PENDING and gate.index == len(gate.temps):
-            # The branch keeps the statements before the gate; with none it would be empty.
-            problems.append("it is all that `if new_block_ids is not None:` holds")
-        problems.extend(_g1_body_problems(gate, shape))
+    legacy = kinds == {"legacy"}
+    for chain in chains:
+        wanted = NOT_FINAL if chain.part == "sweep" else needed_meaning(chain.gate)
+        if flip(FINAL, negated(chain.gate.test)[1]) != wanted:
+            problems.append(f"`{ast.unparse(chain.gate.test)}` is inverted for what its body does")
+        body = chain.gate.body
+        if chain.part == "sweep" and not (len(body) == 1 and isinstance(body[0], ast.Continue)):
+            problems.append("the sweep's gate does not skip the request")
+    for chain in chains:
+        fallback = chain.fallback
+        if not legacy and fallback is not None:
+            problems.append(f"`if {chain.name} is None:` is left beside a progress decision")
+        elif legacy and chain.part == "sweep" and fallback is not None:
+            problems.append("the sweep has a fallback the script never writes")
+        elif legacy and chain.part == "gate":
+            expected = LEGACY_FALLBACK[site]
+            pattern = f"if {chain.name} is None:\n    {chain.name} = {expected}"
+            if fallback is None or match(pattern, fallback) is None:
+                problems.append(f"its fallback is not the block count `{expected}`")
+    if legacy:
+        problems.extend(_legacy_support_problems(context))
+    return problems + _unbound_problems(context, chains)
+
+
+def _legacy_support_problems(context: Context) -> list[str]:
+    """The helper and the progress map the script's decisions rely on."""
+    helpers = [
+        node
+        for node in context.module.body
+        if isinstance(node, ast.FunctionDef) and node.name == LEGACY_HELPER
+    ]
+    problems = []
+    if len(helpers) != 1 or site_fingerprint(helpers[0]) != LEGACY_HELPER_SHAPE.fingerprint:
+        problems.append(
+            f"the module's {LEGACY_HELPER}() is not the script's (missing, defined twice, or "
+            "its comparison edited)"
+        )
+    if LEGACY_MAP not in attribute_names([context.method], "self", ast.Store):
+        problems.append(f"{METHOD} never sets self.{LEGACY_MAP}, which {LEGACY_HELPER}() reads")
     return problems
 
 
-def _g1_body_problems(gate: Gate, shape: Shape) -> list[str]:
-    """G1's body runs outside `if new_block_ids is not None:` after the rewrite, so it must not
-    read what only that branch binds (`req` is rebound by the post-image)."""
-    if shape.verdict is Verdict.PENDING:
-        branch = gate.conditions[0]
-        assert isinstance(branch, ast.If)
-        before = gate.block[: gate.index]
-        local = (stored_names(before) | loaded_names([branch.test])) - {"req"}
-    else:
-        index = gate.loop.body.index(gate.conditions[0] if gate.conditions else gate.node)
-        siblings = [
-            s
-            for s in gate.loop.body[:index]
-            if isinstance(s, ast.If) and "new_block_ids" in mentioned_names(s.test)
-        ]
-        local = stored_names([s for sibling in siblings for s in sibling.body]) - {"req"}
-    read = loaded_names(gate.node.body + gate.node.orelse) & local
-    if read:
-        return [
-            "its body reads " + ", ".join(sorted(read)) + ", bound only when the step "
-            "allocated a block"
-        ]
-    return []
+def _unbound_problems(context: Context, chains: list[Chain]) -> list[str]:
+    """Names the chains read that nothing binds: the script's debug `if` reads `os` at module
+    level, its sweep reads maps that other older scripts add to the scheduler. Either raises
+    when a chunked request comes (the sweep's inside its `try`: the request is never sent)."""
+    problems = []
+    imported = {
+        (alias.asname or alias.name).split(".")[0]
+        for node in ast.walk(context.method)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    bound = runtime_module_names(context.module) | set(dir(builtins)) | imported
+    bound |= stored_names([context.method]) | context.params()
+    free = loaded_names([s for c in chains for s in c.statements]) - bound
+    if free:
+        problems.append(
+            "it reads " + ", ".join(sorted(free)) + ", which moriio_connector.py never binds"
+        )
+    sweeps: list[ast.AST] = [
+        loop
+        for loop in loops(context.method, SWEEP)
+        if any(c.part == "sweep" and c.decision in ast.walk(loop) for c in chains)
+    ]
+    methods = {
+        n.name for n in context.cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+    unset = sorted(
+        attribute_names(sweeps, "self", ast.Load)
+        - attribute_names([context.cls], "self", ast.Store)
+        - methods
+    )
+    if unset:
+        problems.append(
+            "its sweep reads self." + ", self.".join(unset) + f", which {CLASS} never sets "
+            "(it raises inside the sweep's try and the request is never sent)"
+        )
+    return problems
 
 
-def _header_editable(text: str, gate: Gate) -> bool:
-    """Whether the gate (and G1's branch) start their lines and the header's `:` can be found:
-    the rewrite replaces whole header lines and leaves the gate's body as it is."""
-    src = SourceText(text)
-    try:
-        for stmt in [gate.node, *gate.temps, *gate.conditions[:1]]:
-            src.indent_of(stmt)
-        header_end(src, gate.node)
-    except EditError:
-        return False
-    return True
+def repair_edits(src: SourceText, chains: list[Chain]) -> list[Edit]:
+    """The older form's decisions replaced in place by compute progress; each `is None`
+    fallback goes. Helper, map and debug lines stay: nothing reads them to decide any more."""
+    edits = []
+    for chain in chains:
+        names = chain.request_names()
+        if names is None:
+            raise ValueError(f"{chain.name}: a decision chain without its request names")
+        source = LEGACY_TEMPLATE.format(name=chain.name, req=names[0], req_id=names[1])
+        stmts = [chain.decision] if chain.fallback is None else [chain.decision, chain.fallback]
+        edits.append(replace(src, stmts, source))
+    return edits
