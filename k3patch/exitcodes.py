@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import enum
-
 from k3patch.errors import (
     BadLockTimeout,
     ConcurrentChange,
@@ -23,7 +21,10 @@ if TYPE_CHECKING:
     from k3patch.verify import VerifyReport
 
 
-class ExitCode(enum.IntEnum):
+class ExitCode:
+    """The documented codes, plain ints: the no-op path decides with them and must not pay
+    for `enum` (with `functools` and `collections`, 2-6 ms of every rank's start-up)."""
+
     OK = 0  # every selected patch is applied, satisfied or not applicable
     ATTENTION = 1  # something needs a person: pending (status, --check), drift, revert conflict
     USAGE = 2  # bad arguments or a path that is not a vLLM tree; also k3patch's own bugs
@@ -35,7 +36,7 @@ class ExitCode(enum.IntEnum):
 decided: list[int] = []
 
 
-def _decide(code: ExitCode) -> ExitCode:
+def _decide(code: int) -> int:
     decided.append(int(code))
     return code
 
@@ -65,33 +66,33 @@ def output_failed(exc: OSError) -> int:
     return decided[-1]
 
 
-def code_for_verdicts(verdicts: Iterable[str], *, interrupted: bool) -> ExitCode:
+def code_for_verdicts(verdicts: Iterable[str], *, interrupted: bool) -> int:
     """Site verdicts (their string values) -> the code of a reporting command."""
     if interrupted or any(v in ("pending", "drifted") for v in verdicts):
         return ExitCode.ATTENTION
     return ExitCode.OK
 
 
-def for_status(report: Report) -> ExitCode:
+def for_status(report: Report) -> int:
     verdicts = [r.verdict.value for r in report.results]
     return _decide(code_for_verdicts(verdicts, interrupted=report.interrupted is not None))
 
 
-def for_apply(outcome: ApplyOutcome) -> ExitCode:
+def for_apply(outcome: ApplyOutcome) -> int:
     # Pending after a real apply cannot happen (the plan re-checks); under --check it means
     # "would change". Drift is refused, and an interrupted journal needs a real run.
     return _decide(ExitCode.ATTENTION if outcome.refused else for_status(outcome.report))
 
 
-def for_revert(outcome: RevertOutcome) -> ExitCode:
+def for_revert(outcome: RevertOutcome) -> int:
     return _decide(ExitCode.ATTENTION if outcome.conflicts else ExitCode.OK)
 
 
-def for_verify(report: VerifyReport) -> ExitCode:
+def for_verify(report: VerifyReport) -> int:
     return _decide(ExitCode.OK if report.ok else ExitCode.ATTENTION)
 
 
-def for_exception(exc: BaseException) -> ExitCode:
+def for_exception(exc: BaseException) -> int:
     """Errors raised below the CLI. Anything not listed is an internal error: it must never
     read as drift (ATTENTION)."""
     if isinstance(exc, BadLockTimeout):

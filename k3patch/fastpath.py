@@ -24,6 +24,7 @@ from k3patch.formats import (
     _patch_set,
     envelope,
     file_sha256,
+    load_json,
     quiet_line,
     report_json,
     state_digest,
@@ -125,10 +126,7 @@ def fresh_record(state_dir: str, package_dir: str) -> dict[str, Any] | None:
 def _fresh_record(state_dir: str, package_dir: str, version: str) -> dict[str, Any] | None:
     if os.path.lexists(os.path.join(state_dir, "journal.json")) or os.path.islink(state_dir):
         return None
-    data = _read_plain(os.path.join(state_dir, "state.json"))
-    import json  # only once there is a record to read: a fresh tree's waiters skip it
-
-    record = json.loads(data)
+    record = load_json(_read_plain(os.path.join(state_dir, "state.json")))
     if (
         not isinstance(record, dict)
         or record.get("schema_version") != STATE_SCHEMA_VERSION

@@ -34,6 +34,44 @@ def sha256(data: bytes = b"") -> Any:
     return builtin(data)
 
 
+class _ScanContext:
+    """What the interpreter's C JSON scanner reads from a decoder (json.decoder.JSONDecoder's
+    defaults), except that NaN and Infinity, which k3patch never writes, are refused."""
+
+    strict = True
+    object_hook = None
+    object_pairs_hook = None
+    parse_float = float
+    parse_int = int
+
+    @staticmethod
+    def parse_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not a value k3patch writes")
+
+
+def load_json(data: bytes) -> Any:
+    """`json.loads` of a state record, through the interpreter's C scanner (`_json`, which the
+    `json` package itself uses) where there is one: importing `json` imports `re` and `enum`,
+    5-11 ms of start-up on the operators' Python 3.12, on the path every rank's entrypoint
+    takes. Anything that is not one JSON value raises ValueError (or RecursionError)."""
+    text = data.decode("utf-8")
+    try:
+        from _json import make_scanner
+    except ImportError:
+        import json
+
+        return json.loads(text)
+    whitespace = " \t\n\r"
+    start = len(text) - len(text.lstrip(whitespace))
+    try:
+        value, end = make_scanner(_ScanContext())(text, start)  # type: ignore[arg-type]
+    except StopIteration as exc:
+        raise ValueError(f"not JSON at character {exc.value}") from None
+    if text[end:].strip(whitespace):
+        raise ValueError(f"extra data after the JSON value at character {end}")
+    return value
+
+
 class NotPlainFile(OSError):
     """A target that is a symlink, FIFO, device or directory: never opened for reading."""
 
@@ -63,21 +101,61 @@ def patch_set_digest(patches_dir: str) -> str:
     return _patch_set(patches_dir)[0]
 
 
-_PATTERNS: list[Any] = []
+_UPPER = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+_NAME_CHARS = frozenset(_UPPER + "0123456789_")
+
+# The declarations below are read with str methods, not `re`: `re` imports `enum`, 3-6 ms of
+# start-up on the no-op path, which every rank's entrypoint takes.
 
 
-def _patterns() -> list[Any]:
-    """The constant-expression patterns, compiled on first use (`re` is not free at start-up)."""
-    if not _PATTERNS:
-        import re
+def _is_name(text: str) -> bool:
+    """A module constant's name: [A-Z][A-Z0-9_]*."""
+    return text != "" and text[0] in _UPPER and all(c in _NAME_CHARS for c in text)
 
-        _PATTERNS[:] = [
-            re.compile(r"[A-Z][A-Z0-9_]*"),
-            re.compile(r"\(\s*([A-Z][A-Z0-9_]*\s*(?:,\s*[A-Z][A-Z0-9_]*\s*)*),?\s*\)"),
-            re.compile(r'(f?)"([^"\\{}]*(?:\{[A-Z][A-Z0-9_]*\}[^"\\{}]*)*)"'),
-            re.compile(r"\{([A-Z][A-Z0-9_]*)\}"),
-        ]
-    return _PATTERNS
+
+def _tuple_names(expr: str) -> list[str] | None:
+    """`(NAME, NAME, ...)` with an optional trailing comma: the names; else None."""
+    if not (expr.startswith("(") and expr.endswith(")")):
+        return None
+    items = expr[1:-1].split(",")
+    if not items[-1].strip():
+        items.pop()
+    names = [item.strip() for item in items]
+    return names if all(_is_name(n) for n in names) else None
+
+
+def _string(expr: str) -> tuple[bool, str, list[str]] | None:
+    """`"..."` or `f"..."` without quotes or backslashes inside and braces only around a
+    constant's name: (is an f-string, the text between the quotes, the names in braces)."""
+    is_f = expr.startswith("f")
+    quoted = expr[1:] if is_f else expr
+    if len(quoted) < 2 or quoted[0] != '"' or quoted[-1] != '"':
+        return None
+    body = quoted[1:-1]
+    if '"' in body or "\\" in body:
+        return None
+    refs, rest = [], body
+    while rest:
+        opening, closing = rest.find("{"), rest.find("}")
+        if opening < 0:
+            if closing >= 0:
+                return None
+            break
+        if not _is_name(rest[opening + 1 : closing]):  # also a "}" before the "{"
+            return None
+        refs.append(rest[opening + 1 : closing])
+        rest = rest[closing + 1 :]
+    return is_f, body, refs
+
+
+def _substitute(body: str, values: dict[str, str]) -> str:
+    """Every `{NAME}` of a checked f-string body replaced by its value, in one pass."""
+    out, rest = [], body
+    while (opening := rest.find("{")) >= 0:
+        closing = rest.find("}", opening)
+        out += [rest[:opening], values[rest[opening + 1 : closing]]]
+        rest = rest[closing + 1 :]
+    return "".join([*out, rest])
 
 
 def _assigned(text: str, name: str, indent: str = "") -> str | None:
@@ -96,29 +174,28 @@ def _resolve(text: str, expr: str, depth: int = 0) -> list[str] | None:
     tuples of them, resolved to its strings; None for anything else."""
     if depth > 4:
         return None
-    name_re, tuple_re, string_re, ref_re = _patterns()
-    string = string_re.fullmatch(expr)
+    string = _string(expr)
     if string:
-        value = string.group(2)
-        if string.group(1):
+        is_f, value, refs = string
+        if is_f:
             parts = {}
-            for ref in set(ref_re.findall(value)):
+            for ref in set(refs):
                 got = _resolve(text, _assigned(text, ref) or "", depth + 1)
                 if got is None or len(got) != 1:
                     return None
                 parts[ref] = got[0]
-            value = ref_re.sub(lambda m: parts[m.group(1)], value)
+            value = _substitute(value, parts)
         return [value]
-    names = tuple_re.fullmatch(expr)
+    names = _tuple_names(expr)
     if names:
         out: list[str] = []
-        for name in names.group(1).split(","):
-            got = _resolve(text, name.strip(), depth + 1)
+        for name in names:
+            got = _resolve(text, name, depth + 1)
             if got is None:
                 return None
             out += got
         return out
-    if name_re.fullmatch(expr):
+    if _is_name(expr):
         return _resolve(text, _assigned(text, expr) or "", depth + 1)
     return None
 

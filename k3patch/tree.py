@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 from k3patch.errors import TreeError
@@ -180,9 +179,33 @@ def locate(path: str | os.PathLike[str] | None = None) -> VllmTree:
     return VllmTree(package_dir, kind, version, source)
 
 
-_VERSION_LINE = re.compile(r"^Version:\s*(\S+)\s*$", re.MULTILINE)
-_NAME_LINE = re.compile(r"^Name:\s*(\S+)\s*$", re.MULTILINE)
-_VERSION_PY = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
+def _header(text: str, name: str) -> str | None:
+    """The value of the first `Name: value` line of a METADATA file whose value is one word.
+    (Read with str methods: `re` imports `enum`, 3-6 ms on the no-op path of every rank.)"""
+    for line in text.splitlines():
+        if line.startswith(f"{name}:"):
+            value = line[len(name) + 1 :].strip()
+            if value and len(value.split()) == 1:
+                return value
+    return None
+
+
+def _version_assignment(text: str) -> str | None:
+    """`__version__ = "X"` (or `__version__ = version = "X"`) at the start of a line: X."""
+    for line in text.splitlines():
+        if not line.startswith("__version__"):
+            continue
+        rest = line[len("__version__") :].lstrip()
+        if not rest.startswith("="):
+            continue
+        rest = rest[1:].lstrip()
+        if rest.startswith("version") and rest[len("version") :].lstrip().startswith("="):
+            rest = rest[len("version") :].lstrip()[1:].lstrip()
+        if rest[:1] in ("'", '"'):
+            end = min((i for i in (rest.find("'", 1), rest.find('"', 1)) if i > 0), default=-1)
+            if end > 1:
+                return rest[1:end]
+    return None
 
 
 def _read_text(path: str) -> str | None:
@@ -204,13 +227,12 @@ def _read_version(root: str, package_dir: str) -> tuple[str | None, str]:
         text = _read_text(os.path.join(root, name, "METADATA"))
         if text is None:
             continue
-        found_name = _NAME_LINE.search(text)
-        version = _VERSION_LINE.search(text)
-        if found_name and version and found_name.group(1).lower() == "vllm":
-            return version.group(1), f"dist-info {name}"
+        found_name, version = _header(text, "Name"), _header(text, "Version")
+        if found_name and version and found_name.lower() == "vllm":
+            return version, f"dist-info {name}"
     text = _read_text(os.path.join(package_dir, "_version.py"))
     if text is not None:
-        match = _VERSION_PY.search(text)
-        if match:
-            return match.group(1), "vllm/_version.py"
+        version = _version_assignment(text)
+        if version:
+            return version, "vllm/_version.py"
     return None, "unknown (no dist-info METADATA or vllm/_version.py)"

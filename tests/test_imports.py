@@ -143,8 +143,8 @@ def test_the_no_op_path_loads_only_the_bottom(make_tree, command):
     assert not [m for m in loaded if m.split(".")[0] in HEAVY]
 
 
-# Called as the console script does (`from k3patch.__main__ import main`), not through runpy,
-# which imports contextlib and importlib.util itself.
+# Called as the `k3patch` script does (k3patch/bin/k3patch), not through runpy, which imports
+# contextlib and importlib.util itself.
 AS_SCRIPT = """
 import atexit, sys
 atexit.register(lambda: sys.stderr.write("MODULES " + " ".join(sorted(sys.modules)) + "\\n"))
@@ -154,7 +154,7 @@ main()
 """
 # What a rank waiting on another's apply must not pay for before it sleeps, and what the no-op
 # path must not pay for at all (OpenSSL's hashlib, where the interpreter has its own sha256).
-NOT_WHILE_WAITING = {"json", "hashlib", "_hashlib", "pathlib", "contextlib"}
+NOT_WHILE_WAITING = {"json", "re", "enum", "hashlib", "_hashlib", "pathlib", "contextlib"}
 
 
 @pytest.fixture(scope="module")
@@ -221,4 +221,13 @@ def test_the_no_op_path_hashes_without_openssl(make_tree, bare_lib):
         builtin = _run_bare(bare_lib, "import _sha256")
     if builtin.returncode == 0:  # this interpreter has its own sha256: OpenSSL is not needed
         assert "_hashlib" not in loaded
-    assert {"pathlib", "contextlib"}.isdisjoint(loaded)
+    assert {"json", "re", "enum", "pathlib", "contextlib"}.isdisjoint(loaded), sorted(loaded)
+
+
+def test_the_k3patch_script_is_the_one_the_import_tests_run(bare_lib):
+    """The tests above run `from k3patch.__main__ import main` as k3patch/bin/k3patch does; a
+    script that imported more (pip's generated one imports `re`) would make them moot."""
+    script = (PACKAGE / "bin" / "k3patch").read_text()
+    code = [line for line in script.splitlines() if line and not line.startswith("#")]
+    assert code == ["import sys", "from k3patch.__main__ import main", "sys.exit(main())"]
+    assert script.startswith("#!python\n")  # rewritten to the target interpreter by pip/uv
