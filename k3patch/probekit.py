@@ -1,6 +1,8 @@
 """What a behaviour probe needs in the verify child, written once: stand-ins that are always
-undone (environment variables, attributes, whole modules), and a list of checks that becomes a
-`ProbeOutcome`.
+undone (environment variables, attributes, whole modules), stand-in objects (a weakly
+referenceable namespace, a real class's instance built without its `__init__`, a mapping that
+holds every key), calls that fit any release's signature, the tree's own statements run on
+their own, and a list of checks that becomes a `ProbeOutcome`.
 
 Runs in the tree's own interpreter, where k3patch is not installed: standard library and
 `k3patch.model` only.
@@ -16,14 +18,19 @@ Runs in the tree's own interpreter, where k3patch is not installed: standard lib
 
 from __future__ import annotations
 
+import ast
+import inspect
 import os
 import sys
+import textwrap
 import types
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from k3patch.model import ProbeOutcome
 
 _ABSENT = object()
+T = TypeVar("T")
 
 
 class Swap:
@@ -89,6 +96,72 @@ class Swap:
         return module
 
 
+class Stub(types.SimpleNamespace):
+    """A stand-in holding the attributes it is given that behaves as the objects it stands for
+    (a request, a worker, a tensor) do: compared and hashed by identity, weakly referenceable."""
+
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__  # type: ignore[assignment]
+
+
+def stand_in(cls: type[T], **attributes: Any) -> T:
+    """An instance of the real class `cls` without running its `__init__` (which needs a GPU,
+    a network or a library the probe lacks), holding only `attributes`."""
+    obj: T = object.__new__(cls)
+    for name, value in attributes.items():
+        setattr(obj, name, value)
+    return obj
+
+
+class Always(dict):  # type: ignore[type-arg]
+    """A mapping that holds every key, each mapped to `value`."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self.value = value
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __getitem__(self, key: object) -> Any:
+        return self.value
+
+
+def call_accepted(func: Callable[..., T], **kwargs: Any) -> T:
+    """`func` called with those of `kwargs` its signature takes (signatures differ between
+    releases of the code a probe drives)."""
+    params = inspect.signature(func).parameters
+    return func(**{k: v for k, v in kwargs.items() if k in params})
+
+
+def source_of(func: Callable[..., Any]) -> ast.FunctionDef | None:
+    """The parsed definition of a live function, line numbers as in its file; None when it has
+    no source."""
+    try:
+        lines, first = inspect.getsourcelines(func)
+    except (OSError, TypeError):
+        return None
+    node = ast.parse(textwrap.dedent("".join(lines))).body[0]
+    if not isinstance(node, ast.FunctionDef):
+        return None
+    return ast.increment_lineno(node, first - 1)
+
+
+def run_statements(func: Callable[..., Any], body: list[ast.stmt], *args: Any) -> None:
+    """Run `body` (statements of `func`'s own definition, from `source_of`) as a function with
+    `func`'s parameters and globals, called with `args`: the tree's own text of one stretch of
+    a function whose other statements cannot run here."""
+    node = source_of(func)
+    if node is None:
+        raise ValueError(f"{func.__qualname__} has no source")
+    node.name, node.body, node.decorator_list = "_k3patch_probe_statements", body, []
+    module = ast.fix_missing_locations(ast.Module(body=[node], type_ignores=[]))
+    namespace = dict(func.__globals__)
+    exec(compile(module, func.__code__.co_filename, "exec"), namespace)
+    namespace[node.name](*args)
+
+
 class Checks:
     """Named checks, each passed or failed, summarised as one ProbeOutcome."""
 
@@ -102,24 +175,42 @@ class Checks:
         """A report line that is no check (what was skipped, and why)."""
         self.lines.append(line)
 
-    def check(self, case: str, ok: bool, why: str = "") -> bool:
+    def record(self, line: str, ok: bool = True, failure: str | None = None) -> bool:
+        """A check reported as `line`; a failed one says `failure` (default: the line) in the
+        summary."""
         self.ran += 1
-        self.lines.append(f"{case}: {'ok' if ok else 'FAILED'}{f' ({why})' if why else ''}")
+        self.lines.append(line)
         if not ok:
-            self.failures.append(f"{case}{f': {why}' if why else ''}")
+            self.failures.append(line if failure is None else failure)
         return ok
+
+    def fail(self, failure: str) -> None:
+        """A failure that is no single check (a case that could not run, several checks'
+        failures in one sentence)."""
+        self.failures.append(failure)
+
+    def check(self, case: str, ok: bool, why: str = "") -> bool:
+        line = f"{case}: {'ok' if ok else 'FAILED'}{f' ({why})' if why else ''}"
+        return self.record(line, ok, f"{case}{f': {why}' if why else ''}")
 
     def expect(self, case: str, got: Any, want: Any) -> bool:
         ok = got == want
         return self.check(f"{case} -> {got!r}", ok, "" if ok else f"expected {want!r}")
 
-    def outcome(self, holds: str | None = None) -> ProbeOutcome:
-        """Failed when a check failed or none ran; `holds` is the summary when all passed
-        (default: "<what> holds (N cases)")."""
+    def outcome(self, holds: str | None = None, broken: str | None = None) -> ProbeOutcome:
+        """Failed when something failed or no check ran. `holds` (default "{what} holds ({ran}
+        cases)") and `broken` (default "{what} broken: {failures}") are the summaries, as
+        `str.format` templates over what, ran, failed (how many) and failures ("; "-joined)."""
+        fields = {
+            "what": self.what,
+            "ran": self.ran,
+            "failed": len(self.failures),
+            "failures": "; ".join(self.failures),
+        }
+        if self.failures:
+            summary = (broken or "{what} broken: {failures}").format(**fields)
+            return ProbeOutcome(False, summary, tuple(self.lines))
         if not self.ran:
             return ProbeOutcome(False, f"{self.what}: no check ran", tuple(self.lines))
-        if self.failures:
-            summary = f"{self.what} broken: " + "; ".join(self.failures)
-            return ProbeOutcome(False, summary, tuple(self.lines))
-        summary = holds or f"{self.what} holds ({self.ran} cases)"
+        summary = (holds or "{what} holds ({ran} cases)").format(**fields)
         return ProbeOutcome(True, summary, tuple(self.lines))

@@ -3,12 +3,15 @@ outcome, and a probe that checked nothing fails."""
 
 from __future__ import annotations
 
+import ast
 import os
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
+from k3patch import probekit
 from k3patch.probekit import Checks, Swap
 
 
@@ -67,3 +70,66 @@ def test_notes_are_reported_but_are_no_checks():
     assert outcome.checks == ("caller: absent, nothing to check", "static: ok (0 outside)")
     checks.check("traced", False, "2 syncs")
     assert checks.outcome(holds="unused").summary == "gate broken: traced: 2 syncs"
+
+
+def test_failures_count_before_no_check_and_templates_shape_the_summary():
+    checks = Checks("drive")
+    checks.fail("case 1: cannot drive this tree")
+    assert checks.outcome(broken="{failures}").summary == "case 1: cannot drive this tree"
+    checks = Checks("gate")
+    checks.record("step 1: held", ok=True)
+    checks.record("step 2: sent early", ok=False)
+    checks.record("step 3: line", ok=False, failure="step 3 in other words")
+    outcome = checks.outcome(broken="wrong in {failed} of {ran} checks: {failures}")
+    assert outcome.summary == "wrong in 2 of 3 checks: step 2: sent early; step 3 in other words"
+    assert outcome.checks == ("step 1: held", "step 2: sent early", "step 3: line")
+    passing = Checks("gate")
+    passing.record("step 1: sent")
+    assert passing.outcome(holds="sent once ({ran} checks)").summary == "sent once (1 checks)"
+
+
+class Real:
+    def __init__(self) -> None:
+        raise AssertionError("needs a GPU")
+
+
+def test_stand_ins_hold_what_they_are_given():
+    import weakref
+
+    obj = probekit.stand_in(Real, mode="write", maps={})
+    assert isinstance(obj, Real) and (obj.mode, obj.maps) == ("write", {})
+    a, b = probekit.Stub(x=1), probekit.Stub(x=1)
+    assert a != b and a == a and len({a, b}) == 2, "compared and hashed by identity"
+    assert weakref.ref(a)() is a and not hasattr(a, "y")
+    sink = probekit.Always("socket")
+    assert "any path" in sink and sink["any path"] == "socket"
+
+
+def test_call_accepted_drops_what_the_signature_does_not_take():
+    def old_release(block_size, dtype="auto"):
+        return (block_size, dtype)
+
+    assert probekit.call_accepted(old_release, block_size=16, num_kv_heads=1) == (16, "auto")
+    assert probekit.call_accepted(Holder) is not None
+
+
+def worker_init(self, config, role):  # a function whose middle stretch is run alone
+    import nothing_here  # noqa: F401  (needs what the probe lacks)
+
+    self.maps = {name: role for name in config}
+    self.count = len(self.maps)
+    raise AssertionError("the rest needs a network")
+
+
+def test_source_of_keeps_file_lines_and_run_statements_runs_a_stretch():
+    node = probekit.source_of(worker_init)
+    assert node is not None and node.name == "worker_init"
+    assert node.body[1].lineno == worker_init.__code__.co_firstlineno + 3
+    holder = types.SimpleNamespace()
+    probekit.run_statements(worker_init, node.body[1:3], holder, ["a", "b"], "prefill")
+    assert holder.maps == {"a": "prefill", "b": "prefill"} and holder.count == 2
+    assert probekit.source_of(len) is None
+    with pytest.raises(ZeroDivisionError) as raised:
+        probekit.run_statements(worker_init, ast.parse("1 / 0").body, holder, [], "")
+    frame = raised.traceback[-1]
+    assert frame.path == Path(__file__), "tracebacks point into the function's own file"

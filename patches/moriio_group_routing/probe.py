@@ -1,44 +1,33 @@
-"""moriio-group-routing's behaviour probe: the tree's own MoRIIO WRITE path, driven on CPU.
+"""moriio-group-routing's behaviour probe: the tree's own MoRIIO WRITE path on CPU, in the verify
+child (no GPU, no MoRIIO library, no network). moriio-chunk-gate's probe shares its stand-ins.
 
-It runs in the verify child (the tree's interpreter, vLLM importable, no GPU, no MoRIIO library,
-k3patch not installed; the patch imports it there, `from . import probe`), so it uses the
-standard library, the tree's vLLM and k3patch's standard-library modules (model, probekit) only.
-
-On a fork tree (the 0.28.0 wheel plus the recipe's scripts, patched by k3patch or not) it drives
-the tree's real code, in the order a request meets it:
-1. the prefill `MoRIIOConnectorScheduler`: `update_state_after_alloc` with the blocks of the first
-   chunk, then `build_connector_meta` once per prefill chunk, each step carrying the blocks that
-   chunk allocated, until the save leaves;
-2. the decode `MoRIIOConnectorScheduler.update_state_after_alloc`, whose notify message is caught
-   on a recording socket;
-3. the prefill `MoRIIOWrapper._handle_message` (-> `_handle_remote_blocks_message`), which turns
-   that message into the `RemoteAllocInfo` the writer reads;
-4. the worker: the statements of `MoRIIOConnectorWorker.__init__` that build its layer maps (from
-   `self.layer_to_spec = ...` up to the role switch, whatever a patch put there), then
-   `_write_blocks_for_req` -> `schedule_write_blocks` -> one `WriteTask` per layer;
-5. `MoRIIOWriter._prepare_transfer_plan` for every task, offsets cache included.
-The worker's `_compute_block_transfer_offsets` is a recorder that returns the block ids
-themselves as offsets, so each layer's plan says which blocks its RDMA write would read and write
-even when the plan reuses offsets another layer computed (0.28.0 caches them by tensor geometry
-alone, and K3's three KDA groups share their layer tensors). Only what needs a GPU or a network
-is stood in: the worker object (`object.__new__` plus what the methods read), the zmq socket, the
-CUDA event, the offsets computation.
-
-Block ids name their owner: prefill block `100 * (group + 1) + chunk`, decode block `1000 +` the
-same, so `402` is group 3's (MLA) block from chunk 2 and `1402` the decode block it goes to.
-
-On upstream 0.31.0+ (satisfied natively) it checks upstream's own group split and, where the
-writer indexes per-group lists (0.33.0+), its transfer plan for K3's MLA layers.
+On a fork tree it runs, in the order a request meets them: the prefill scheduler (allocation,
+then build_connector_meta per chunk until the save leaves), the decode scheduler's allocation
+and the notify it sends, the prefill `MoRIIOWrapper._handle_message` (-> `RemoteAllocInfo`), the
+statements of `MoRIIOConnectorWorker.__init__` that build its layer maps (whatever a patch put
+there), `_write_blocks_for_req` (a `WriteTask` per layer) and `MoRIIOWriter._prepare_transfer_plan`
+for each. The offsets computation returns the block ids themselves, so each plan says which
+blocks it writes, also when it reuses offsets another layer computed (0.28.0 caches them by
+tensor geometry alone, and K3's KDA groups share their layer tensors). Prefill block ids are
+`100 * (group + 1) + chunk`, decode ones 1000 more: `402` is MLA group 3's block of chunk 2.
+On upstream 0.31.0+ (native) it checks upstream's group split and, where the writer indexes
+per-group lists (0.33.0+), its plan for K3's MLA layers.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+import re
+import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from k3patch.model import ProbeOutcome
-from k3patch.probekit import Swap
+from k3patch.probekit import Always, Checks, Stub, Swap, run_statements, source_of, stand_in
+from k3patch.shapes import match
 
 PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
 COMMON = f"{PACKAGE}.moriio_common"
@@ -64,65 +53,61 @@ TWO_GROUP_LAYOUT: Layout = (
     ("attention", ("model.layers.0.attn", "model.layers.2.attn")),
     ("mamba", ("model.layers.1.kda", "model.layers.3.kda")),
 )
+# Upstream's checks keep the layer names and block numbers they had before the fork drive was
+# written (group g's block 10g+1, decode 100 more), so their lines read as they always did.
+UPSTREAM_LAYOUT: Layout = (
+    ("mamba", ("model.layers.0.kda", "model.layers.3.kda")),
+    ("mamba", ("model.layers.1.kda", "model.layers.4.kda")),
+    ("mamba", ("model.layers.2.kda", "model.layers.5.kda")),
+    ("mla", ("model.layers.6.mla", "model.layers.7.mla")),
+)
+KIND_NAMES = {"mamba": "KDA", "mla": "MLA"}
 
 
 @dataclass(frozen=True)
 class Case:
-    """One request: its layout, its prefill chunks (tokens each) and which groups gain a block at
-    every chunk after the first (at the first, every group gets one)."""
+    """One request: its layout, prefill chunks (tokens each) and the kinds whose groups gain a
+    block at every chunk after the first (at the first, every group gets one). `gate_may_hold`:
+    a block-count chunk gate (the fork's counts group 0, a KDA group that never grows) may hold
+    the save forever: "not exercised", not a routing failure. `fork_peer`: the decode node runs
+    the unfixed fork and notifies only its lists [0] and [1]; a layer may refuse or happen to be
+    right, but one written silently into another group's blocks is the older fix's fallback."""
 
     label: str
     layout: Layout
     chunks: tuple[int, ...]
-    growing: frozenset[str]  # kinds that allocate a block per chunk
-    # A case whose save a block-count chunk gate may hold forever (the fork's gate counts group
-    # 0's blocks, a KDA group that never grows): held is "not exercised", not a routing failure.
+    growing: frozenset[str] = frozenset()
     gate_may_hold: bool = False
-    # The decode node runs the fork with no routing fix: its notify carries only the fork's two
-    # lists ([0] and [1]). A layer may refuse the transfer or happen to be right; a layer
-    # written silently into another group's blocks is the bug the older fix's fallback keeps.
     fork_peer: bool = False
-
-    @property
-    def prompt(self) -> int:
-        return sum(self.chunks)
 
     def prefill_blocks(self, chunk: int) -> list[list[int]]:
         """The blocks each group allocates at `chunk` (1-based)."""
         return [
-            [_block(g, chunk)] if chunk == 1 or kind in self.growing else []
+            [100 * (g + 1) + chunk] if chunk == 1 or kind in self.growing else []
             for g, (kind, _) in enumerate(self.layout)
         ]
 
     def all_prefill_blocks(self) -> list[list[int]]:
-        per_group: list[list[int]] = [[] for _ in self.layout]
-        for chunk in range(1, len(self.chunks) + 1):
-            for g, blocks in enumerate(self.prefill_blocks(chunk)):
-                per_group[g] += blocks
-        return per_group
+        chunks = [self.prefill_blocks(c) for c in range(1, len(self.chunks) + 1)]
+        return [
+            [b for blocks in per_chunk for b in blocks] for per_chunk in zip(*chunks, strict=True)
+        ]
 
     def decode_blocks(self) -> list[list[int]]:
         # The decode node allocates the whole prompt at once, one block per prefill block.
         return [[DECODE_OFFSET + b for b in g] for g in self.all_prefill_blocks()]
 
-    def group_of(self) -> dict[str, int]:
-        return {name: g for g, (_, names) in enumerate(self.layout) for name in names}
-
-
-def _block(group: int, chunk: int) -> int:
-    return 100 * (group + 1) + chunk
-
 
 CASES = (
-    Case("K3, 1 chunk", K3_LAYOUT, (12,), frozenset()),
+    Case("K3, 1 chunk", K3_LAYOUT, (12,)),
     # Without prefix caching a KDA group holds one state block per request; only MLA grows.
     Case("K3, 3 chunks", K3_LAYOUT, (16, 16, 8), frozenset({"mla"}), gate_may_hold=True),
     # Every group gains a block per chunk (as with Mamba prefix caching), so even a block-count
     # gate on group 0 lets the save leave at the final chunk and chunked routing is exercised.
     Case("K3, 3 chunks, every group grows", K3_LAYOUT, (16, 16, 8), frozenset({"mamba", "mla"})),
-    Case("two-group, 1 chunk", TWO_GROUP_LAYOUT, (12,), frozenset()),
+    Case("two-group, 1 chunk", TWO_GROUP_LAYOUT, (12,)),
     Case("two-group, 3 chunks", TWO_GROUP_LAYOUT, (16, 16, 8), frozenset({"attention"})),
-    Case("K3, 1 chunk, decode node without the fix", K3_LAYOUT, (12,), frozenset(), fork_peer=True),
+    Case("K3, 1 chunk, decode node without the fix", K3_LAYOUT, (12,), fork_peer=True),
 )
 
 
@@ -132,11 +117,12 @@ class ProbeSetupError(Exception):
 
 @dataclass
 class Route:
-    """What one layer's transfer plan would write: its block ids on both nodes."""
+    """What one layer's transfer plan would write: its block ids on both nodes, and the layer
+    whose offsets call produced them (None: not recorded)."""
 
     local: list[int]
     remote: list[int]
-    computed_by: str | None  # the layer whose offsets call produced these; None: not recorded
+    computed_by: str | None
 
 
 @dataclass
@@ -150,48 +136,34 @@ class Drive:
     errors: dict[str, str] = field(default_factory=dict)
 
 
-# ---------------------------------------------------------------------------------------------
-# Entry point
-
-
 def probe_routing() -> ProbeOutcome | None:
     connector = importlib.import_module(CONNECTOR)
     if hasattr(connector, "_split_kv_cache_group_kinds"):
         return probe_upstream(connector)
     if not hasattr(connector.MoRIIOConnectorScheduler, "update_state_after_alloc"):
         return None
-    return probe_fork()
-
-
-def probe_fork() -> ProbeOutcome:
-    checks: list[str] = []
-    summaries: list[str] = []
+    checks = Checks("routing")
     for case in CASES:
         try:
             drive = drive_write(case)
         except ProbeSetupError as exc:
-            summaries.append(f"{case.label}: cannot drive this tree: {exc}")
+            checks.fail(f"{case.label}: cannot drive this tree: {exc}")
             continue
-        got, bad = check_case(case, drive)
-        checks += got
-        checks += [f"FAIL {case.label}: {line}" for line in bad]
-        if bad:
-            summaries.append(_case_summary(case, bad))
-    if summaries:
-        return ProbeOutcome(False, "; ".join(summaries), tuple(checks))
-    return ProbeOutcome(
-        True,
-        "every layer's KV goes to its own KV-cache group's blocks, all chunks', on both nodes "
-        f"(K3: KDA -> groups 0-2, MLA -> group 3; two groups as before; {len(checks)} checks)",
-        tuple(checks),
+        failures = judge(case, drive, checks)
+        for failure in failures:
+            checks.note(f"FAIL {case.label}: {failure}")
+        if failures:
+            checks.fail(_case_summary(case, failures))
+    return checks.outcome(
+        holds="every layer's KV goes to its own KV-cache group's blocks, all chunks', on both "
+        "nodes (K3: KDA -> groups 0-2, MLA -> group 3; two groups as before; {ran} checks)",
+        broken="{failures}",
     )
 
 
 def _case_summary(case: Case, failures: list[str]) -> str:
-    """One line per case: what failed outright, then the first misrouted layer of each group
-    (the other layers of a group fail the same way; the checks list them all)."""
-    import re
-
+    """What failed outright, then the first misrouted layer of each group (the other layers of
+    a group fail the same way; the checks list them all)."""
     layers = sum(len(names) for _, names in case.layout)
     misrouted = [f for f in failures if f.startswith("model.")]
     parts = [f for f in failures if not f.startswith("model.")]
@@ -207,60 +179,50 @@ def _case_summary(case: Case, failures: list[str]) -> str:
     return f"{case.label}: " + "; ".join(parts)
 
 
-# ---------------------------------------------------------------------------------------------
-# Judging a drive
-
-
-def check_case(case: Case, drive: Drive) -> tuple[list[str], list[str]]:
-    """(checks, failures): a check line per layer; a failure per misrouted layer (starting with
-    its name), naming the blocks it would write and the ones it should, or per case."""
-    label = case.label
-    final = len(case.chunks)
-    steps = [f"{label}: prefill " + "; ".join(drive.steps)]
+def judge(case: Case, drive: Drive, checks: Checks) -> list[str]:
+    """Records a check line per layer (and per prefill); returns the failures: one per
+    misrouted layer (starting with its name), naming the blocks it would write and the ones it
+    should, or per case."""
+    label, final = case.label, len(case.chunks)
+    checks.record(f"{label}: prefill " + "; ".join(drive.steps))
+    if not drive.saves and case.gate_may_hold:
+        checks.record(
+            f"{label}: not exercised, the save never left the prefill scheduler (its "
+            "final-chunk gate is moriio-chunk-gate's; the growing case covers chunks)"
+        )
+        return []
     if not drive.saves:
-        if case.gate_may_hold:
-            return [
-                *steps,
-                f"{label}: not exercised, the save never left the prefill scheduler (its "
-                "final-chunk gate is moriio-chunk-gate's; the growing case covers chunks)",
-            ], []
-        return steps, [f"the save never left the prefill scheduler in {final} chunks"]
+        return [f"the save never left the prefill scheduler in {final} chunks"]
     failures: list[str] = []
     if drive.saves != [final]:
         failures.append(
             f"the save left at chunk(s) {drive.saves} of {final}, expected once at chunk {final}"
         )
     if drive.messages != 1:
-        failures.append(f"decode sent {drive.messages} notify messages, expected 1")
-        return steps, failures
-    local = case.all_prefill_blocks()
-    remote = case.decode_blocks()
-    checks = steps
-    for layer, g in case.group_of().items():
-        kind = {"mamba": "KDA", "mla": "MLA"}.get(case.layout[g][0], case.layout[g][0])
-        head = f"{layer} ({kind} group {g})"
-        if layer in drive.errors:
-            if case.fork_peer:
-                checks.append(f"{label}: {head} refused: {drive.errors[layer]}")
+        return [*failures, f"decode sent {drive.messages} notify messages, expected 1"]
+    local, remote = case.all_prefill_blocks(), case.decode_blocks()
+    for g, (kind, names) in enumerate(case.layout):
+        for layer in names:
+            head = f"{layer} ({KIND_NAMES.get(kind, kind)} group {g})"
+            route = drive.routes.get(layer)
+            if layer in drive.errors and case.fork_peer:
+                checks.record(f"{label}: {head} refused: {drive.errors[layer]}")
+            elif layer in drive.errors or route is None:
+                failures.append(f"{head}: {drive.errors.get(layer, 'no transfer planned')}")
             else:
-                failures.append(f"{head}: {drive.errors[layer]}")
-            continue
-        route = drive.routes.get(layer)
-        if route is None:
-            failures.append(f"{head}: no transfer planned")
-            continue
-        line = f"{head}: local {route.local} -> remote {route.remote}"
-        if route.computed_by not in (None, layer):
-            line += f" (offsets reused from {route.computed_by})"
-        checks.append(f"{label} @chunk {drive.saves[0]}: {line}")
-        if route.local != local[g] or route.remote != remote[g]:
-            whose = _whose(route, g, local[g], remote[g])
-            silently = "silently " if case.fork_peer else ""
-            failures.append(
-                f"{line}, {silently}{whose}; expected local {local[g]} -> remote {remote[g]}"
-                + (" or a refusal" if case.fork_peer else "")
-            )
-    return checks, failures
+                line = f"{head}: local {route.local} -> remote {route.remote}"
+                if route.computed_by not in (None, layer):
+                    line += f" (offsets reused from {route.computed_by})"
+                checks.record(f"{label} @chunk {drive.saves[0]}: {line}")
+                if (route.local, route.remote) != (local[g], remote[g]):
+                    silently, refusal = (
+                        ("silently ", " or a refusal") if case.fork_peer else ("", "")
+                    )
+                    failures.append(
+                        f"{line}, {silently}{_whose(route, g, local[g], remote[g])}; "
+                        f"expected local {local[g]} -> remote {remote[g]}{refusal}"
+                    )
+    return failures
 
 
 def _whose(route: Route, group: int, local: list[int], remote: list[int]) -> str:
@@ -277,100 +239,104 @@ def _whose(route: Route, group: int, local: list[int], remote: list[int]) -> str
     return ", ".join(parts) or "its own group's blocks, not as allocated"
 
 
-# ---------------------------------------------------------------------------------------------
-# Driving the tree's code
-
-
 def drive_write(case: Case) -> Drive:
-    import threading
-    import types
-    import weakref
-    from collections import OrderedDict
-
     common = importlib.import_module(COMMON)
     connector = importlib.import_module(CONNECTOR)
     engine = importlib.import_module(ENGINE)
-    kv_cache_config = _kv_cache_config(case.layout)
     drive = Drive()
+    prompt = sum(case.chunks)
     saved_role = common.get_role()
     try:
         # 1. Prefill scheduler: allocation at chunk 1, then one build_connector_meta per chunk.
         prefill = connector.MoRIIOConnectorScheduler(_vllm_config("kv_producer"), "prefill")
-        request = _request("req-prefill", case.prompt, _side_params("decode"))
-        prefill.update_state_after_alloc(request, _blocks(case.prefill_blocks(1)), 0)
-        meta = None
-        for chunk, scheduled in enumerate(case.chunks, start=1):
-            new = None if chunk == 1 else case.prefill_blocks(chunk)
-            step = prefill.build_connector_meta(_scheduler_output(request, scheduled, new))
-            request.num_computed_tokens += scheduled
-            sent = request.request_id in step.reqs_to_save
+        request = stub_request("req-prefill", prompt, kv_params("decode"))
+        blocks = [case.prefill_blocks(c) for c in range(1, len(case.chunks) + 1)]
+        sent = drive_prefill(prefill, [(request, list(zip(case.chunks, blocks, strict=True)))])
+        for chunk, (tokens, allocated, saves) in enumerate(
+            zip(case.chunks, blocks, sent, strict=True), 1
+        ):
+            held = request.request_id not in saves
             drive.steps.append(
-                f"chunk {chunk} ({scheduled} tokens, blocks {case.prefill_blocks(chunk)}): "
-                + ("save sent" if sent else "held")
+                f"chunk {chunk} ({tokens} tokens, blocks {allocated}): "
+                + ("held" if held else "save sent")
             )
-            if sent:
-                drive.saves.append(chunk)
-                meta = meta or step.reqs_to_save[request.request_id]
-        if meta is None:
+        drive.saves = [c for c, saves in enumerate(sent, 1) if request.request_id in saves]
+        if not drive.saves:
             return drive
+        meta = sent[drive.saves[0] - 1][request.request_id]
 
         # 2. Decode scheduler: its allocation makes it tell the prefill node where to write.
         decode = connector.MoRIIOConnectorScheduler(_vllm_config("kv_consumer"), "decode")
-        socket = _Socket()
-        decode.paths = _AnyPath(socket)
-        decode_request = _request("req-decode", case.prompt, _side_params("prefill"))
-        decode.update_state_after_alloc(decode_request, _blocks(case.decode_blocks()), case.prompt)
-        drive.messages = len(socket.sent)
+        notified: list[bytes] = []
+        decode.paths = Always(Stub(send=notified.append))  # every notify path open already
+        decode_request = stub_request("req-decode", prompt, kv_params("prefill"))
+        decode.update_state_after_alloc(decode_request, block_ids(case.decode_blocks()), prompt)
+        drive.messages = len(notified)
         if drive.messages != 1:
             return drive
 
         # 3. Prefill node: the notify listener stores where decode wants the KV.
         common.set_role(common.ROLE.PRODUCER)
-        wrapper = object.__new__(engine.MoRIIOWrapper)
-        wrapper.lock = threading.Lock()
-        wrapper.done_remote_allocate_req_dict = {}
-        wrapper.done_req_ids = []
-        wrapper.done_write_cache_req_ids = []
-        wrapper._terminal_transfer_ids = OrderedDict()
-        wrapper.paths = {}  # read when the worker is collected (its __del__ shuts it down)
-        wrapper._handle_message(_fork_notify(engine, case) if case.fork_peer else socket.sent[0])
+        wrapper = stand_in(
+            engine.MoRIIOWrapper,
+            lock=threading.Lock(),
+            done_remote_allocate_req_dict={},
+            done_req_ids=[],
+            done_write_cache_req_ids=[],
+            _terminal_transfer_ids=OrderedDict(),
+            paths={},  # read when the worker is collected (its __del__ shuts it down)
+        )
+        if case.fork_peer:  # the keys of the unfixed fork's `send_notify_block`
+            fork_lists = case.decode_blocks()
+            notified[0] = engine.msgpack.dumps(
+                {
+                    "req_id": "req-decode",
+                    "transfer_id": TRANSFER_ID,
+                    "block_notify_list": fork_lists[0],
+                    "mamba_block_notify_list": fork_lists[1] if len(fork_lists) > 1 else [],
+                    "decode_rank": 0,
+                    "type": "remote_blocks",
+                }
+            )
+        wrapper._handle_message(notified[0])
         request_info = wrapper.done_remote_allocate_req_dict[TRANSFER_ID]
 
         # 4. Prefill worker: its own layer maps, then one write task per layer.
-        worker = object.__new__(connector.MoRIIOConnectorWorker)
         vllm_config = _vllm_config("kv_producer")
-        worker.vllm_config = vllm_config
-        worker.kv_transfer_config = vllm_config.kv_transfer_config
-        worker.is_producer = True
-        worker.mode = common.MoRIIOMode.WRITE
-        _run_worker_maps(connector, worker, vllm_config, kv_cache_config)
+        worker = stand_in(
+            connector.MoRIIOConnectorWorker,
+            vllm_config=vllm_config,
+            kv_transfer_config=vllm_config.kv_transfer_config,
+            is_producer=True,
+            mode=common.MoRIIOMode.WRITE,
+        )
+        _run_worker_maps(connector, worker, vllm_config, case.layout)
         layers = [name for _, names in case.layout for name in names]
-        worker.kv_caches = _kv_caches(case.layout)
-        worker.layer_name_to_local_kv_cache_metadata = {name: [b""] for name in layers}
-        worker.moriio_wrapper = wrapper
         tasks: list[Any] = []
-        worker._writer = types.SimpleNamespace(schedule_write=tasks.append)
-        # Offsets lists by identity -> the layer whose call made them; `made` keeps them alive
-        # so no identity is reused while a plan can still return them.
-        made: list[list[int]] = []
-        recorded: dict[int, str] = {}
+        # Offsets lists by identity -> the layer whose call made them; the list is kept alive,
+        # so no identity is reused while a plan can still return it.
+        made: dict[int, tuple[str, list[int]]] = {}
 
         def offsets(layer: str, local: Any, remote: Any, *args: Any, **kw: Any) -> Any:
-            local_ids, remote_ids = list(local), list(remote)
-            made.append(local_ids)
-            recorded[id(local_ids)] = layer
-            return local_ids, remote_ids, [1] * len(local_ids)
+            local_ids = list(local)
+            made[id(local_ids)] = (layer, local_ids)
+            return local_ids, list(remote), [1] * len(local_ids)
 
-        worker._compute_block_transfer_offsets = offsets
+        vars(worker).update(
+            kv_caches=_kv_caches(case.layout),
+            layer_name_to_local_kv_cache_metadata={name: [b""] for name in layers},
+            moriio_wrapper=wrapper,
+            _writer=Stub(schedule_write=tasks.append),
+            _compute_block_transfer_offsets=offsets,
+        )
         with Swap() as swap:
             _stand_in_cuda(swap, connector)
             for name in layers:
                 worker._write_blocks_for_req(request.request_id, meta, name, None)
 
         # 5. The writer's plan for every layer.
-        writer = object.__new__(engine.MoRIIOWriter)
-        writer._worker_ref = weakref.ref(worker)
-        remote_meta = types.SimpleNamespace(
+        writer = stand_in(engine.MoRIIOWriter, _worker_ref=weakref.ref(worker))
+        remote_meta = Stub(
             engine_id="decode", num_blocks=4096, block_len=1, kv_caches_base_addr=[0]
         )
         for task in tasks:
@@ -380,109 +346,88 @@ def drive_write(case: Case) -> Drive:
                 drive.errors[task.layer_name] = f"{type(exc).__name__}: {exc}"
                 continue
             local_off = plan.transfer_local_offsets
+            by = made.get(id(local_off), (None,))[0]
             drive.routes[task.layer_name] = Route(
-                list(local_off), list(plan.transfer_remote_offsets), recorded.get(id(local_off))
+                list(local_off), list(plan.transfer_remote_offsets), by
             )
         return drive
     finally:
         common.set_role(saved_role)
 
 
-def _fork_notify(engine: Any, case: Case) -> bytes:
-    """The notify an unfixed fork decode node sends for `case`: the keys of the fork's
-    `send_notify_block`, group 0's blocks as `block_notify_list`, group 1's as the Mamba list."""
-    blocks = case.decode_blocks()
-    message = {
-        "req_id": "req-decode",
-        "transfer_id": TRANSFER_ID,
-        "block_notify_list": blocks[0],
-        "mamba_block_notify_list": blocks[1] if len(blocks) > 1 else [],
-        "decode_rank": 0,
-        "type": "remote_blocks",
-    }
-    data: bytes = engine.msgpack.dumps(message)
-    return data
-
-
-def _run_worker_maps(connector: Any, worker: Any, vllm_config: Any, kv_cache_config: Any) -> None:
+def _run_worker_maps(connector: Any, worker: Any, vllm_config: Any, layout: Layout) -> None:
     """Run the statements of the tree's `MoRIIOConnectorWorker.__init__` that map layers to
     specs and groups: from `self.layer_to_spec = ...` up to `if self.is_producer:`. The rest of
     `__init__` needs a GPU, the MoRIIO library and a network; this run is the tree's own text,
     so a patch that builds its map there (k3patch's, the older script's) is what gets tested."""
-    import ast
-    import inspect
-    import textwrap
-
     init = connector.MoRIIOConnectorWorker.__init__
-    try:
-        lines, first = inspect.getsourcelines(init)
-        filename = inspect.getsourcefile(init) or "<worker>"
-    except (OSError, TypeError) as exc:
-        raise ProbeSetupError(f"MoRIIOConnectorWorker.__init__ has no source ({exc})") from None
-    func = ast.parse(textwrap.dedent("".join(lines))).body[0]
-    assert isinstance(func, ast.FunctionDef)
+    func = source_of(init)
+    if func is None:
+        raise ProbeSetupError("MoRIIOConnectorWorker.__init__ has no source")
     body = func.body
-    start = next(
-        (
-            i
-            for i, stmt in enumerate(body)
-            if isinstance(stmt, ast.Assign)
-            and [ast.unparse(t) for t in stmt.targets] == ["self.layer_to_spec"]
-        ),
-        None,
-    )
-    if start is None:
+    starts = [i for i, s in enumerate(body) if match("self.layer_to_spec = HOLE_v", s) is not None]
+    if not starts:
         raise ProbeSetupError("MoRIIOConnectorWorker.__init__ sets no self.layer_to_spec")
-    end = next(
-        (
-            i
-            for i, stmt in enumerate(body[start:], start)
-            if isinstance(stmt, ast.If) and ast.unparse(stmt.test) == "self.is_producer"
-        ),
-        None,
-    )
-    if end is None:
+    ends = [
+        i
+        for i, stmt in enumerate(body[starts[0] :], starts[0])
+        if isinstance(stmt, ast.If) and match("self.is_producer", stmt.test) is not None
+    ]
+    if not ends:
         raise ProbeSetupError(
             "MoRIIOConnectorWorker.__init__ has no `if self.is_producer:` after layer_to_spec"
         )
-    func.name = "_k3patch_probe_worker_maps"
-    func.body = body[start:end]
-    func.decorator_list = []
-    module = ast.Module(body=[func], type_ignores=[])
-    ast.increment_lineno(module, first - 1)  # tracebacks point into the tree's file
-    ast.fix_missing_locations(module)
-    namespace = dict(vars(connector))
-    exec(compile(module, filename, "exec"), namespace)
-    namespace["_k3patch_probe_worker_maps"](worker, vllm_config, "prefill", kv_cache_config)
+    try:
+        config = kv_cache_config(layout)
+    except TypeError:  # another version's fields
+        config = kv_cache_stand_in(layout)
+    run_statements(init, body[starts[0] : ends[0]], worker, vllm_config, "prefill", config)
 
 
-def _kv_cache_config(layout: Layout) -> Any:
-    import types
+# ---------------------------------------------------------------------------------------------
+# MoRIIO and vLLM stand-ins (moriio-chunk-gate's probe drives build_connector_meta with them)
 
+
+def _spec(kind: str, bare: bool = False) -> Any:
+    """A KV-cache spec of `kind`; bare (only the class is read), also where this version's
+    fields differ."""
     specs = importlib.import_module("vllm.v1.kv_cache_interface")
     torch = importlib.import_module("torch")
-
-    def spec(kind: str) -> Any:
+    classes = {"mamba": specs.MambaSpec, "mla": specs.MLAAttentionSpec}
+    cls = classes.get(kind, specs.FullAttentionSpec)
+    if kind == "mamba":
+        fields: dict[str, Any] = {"shapes": ((4,), (8,)), "dtypes": (torch.float32,) * 2}
+    else:
+        fields = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.bfloat16}
+    if not bare:
         try:
-            if kind == "mamba":
-                return specs.MambaSpec(
-                    block_size=BLOCK_SIZE, shapes=((4,), (8,)), dtypes=(torch.float32,) * 2
-                )
-            cls = specs.MLAAttentionSpec if kind == "mla" else specs.FullAttentionSpec
-            return cls(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.bfloat16)
+            return cls(block_size=BLOCK_SIZE, **fields)
         except TypeError:  # another version's fields: only the class is read here
-            cls = {
-                "mamba": specs.MambaSpec,
-                "mla": specs.MLAAttentionSpec,
-                "attention": specs.FullAttentionSpec,
-            }[kind]
-            return object.__new__(cls)
+            pass
+    return object.__new__(cls)
 
-    groups = [specs.KVCacheGroupSpec(layer_names=list(n), kv_cache_spec=spec(k)) for k, n in layout]
-    try:
-        return specs.KVCacheConfig(num_blocks=4096, kv_cache_tensors=[], kv_cache_groups=groups)
-    except TypeError:
-        return types.SimpleNamespace(kv_cache_groups=groups, kv_cache_tensors=[], num_blocks=4096)
+
+def kv_cache_config(layout: Layout, bare_specs: bool = False) -> Any:
+    """`layout` as this version's own KVCacheConfig (TypeError where its fields differ)."""
+    specs = importlib.import_module("vllm.v1.kv_cache_interface")
+    groups = [
+        specs.KVCacheGroupSpec(layer_names=list(names), kv_cache_spec=_spec(kind, bare_specs))
+        for kind, names in layout
+    ]
+    return specs.KVCacheConfig(num_blocks=4096, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def kv_cache_stand_in(layout: Layout, bare_specs: bool = False) -> Stub:
+    """What the connector reads of a KVCacheConfig, where the real one cannot be built."""
+    groups = [
+        Stub(
+            layer_names=list(names), kv_cache_spec=_spec(kind, bare_specs), enable_kv_transfer=True
+        )
+        for kind, names in layout
+    ]
+    return Stub(
+        kv_cache_groups=groups, kv_cache_tensors=[], num_blocks=4096, transfer_groups=tuple(groups)
+    )
 
 
 def _kv_caches(layout: Layout) -> dict[str, Any]:
@@ -500,9 +445,7 @@ def _kv_caches(layout: Layout) -> dict[str, Any]:
     return caches
 
 
-def _vllm_config(role: str) -> Any:
-    import types
-
+def _vllm_config(role: str) -> Stub:
     extra = {
         "handshake_port": "6301",
         "notify_port": "61005",
@@ -511,15 +454,15 @@ def _vllm_config(role: str) -> Any:
         "proxy_ip": "",
         "read_mode": "false",
     }
-    return types.SimpleNamespace(
-        kv_transfer_config=types.SimpleNamespace(
+    return Stub(
+        kv_transfer_config=Stub(
             kv_role=role,
             kv_connector_extra_config=extra,
             is_kv_producer=role == "kv_producer",
             is_kv_consumer=role == "kv_consumer",
         ),
-        cache_config=types.SimpleNamespace(block_size=BLOCK_SIZE),
-        parallel_config=types.SimpleNamespace(
+        cache_config=Stub(block_size=BLOCK_SIZE),
+        parallel_config=Stub(
             tensor_parallel_size=1,
             data_parallel_rank=0,
             data_parallel_size=1,
@@ -528,12 +471,12 @@ def _vllm_config(role: str) -> Any:
     )
 
 
-def _side_params(remote: str) -> dict[str, Any]:
+def kv_params(remote: str, transfer_id: str = TRANSFER_ID) -> dict[str, Any]:
     """kv_transfer_params of a request whose KV goes to (remote "decode") or comes from
     (remote "prefill") the other node."""
     params: dict[str, Any] = {
         "do_remote_decode" if remote == "decode" else "do_remote_prefill": True,
-        "transfer_id": TRANSFER_ID,
+        "transfer_id": transfer_id,
         "remote_host": "127.0.0.1",
         "remote_handshake_port": 6301,
         "remote_notify_port": 61005,
@@ -546,10 +489,8 @@ def _side_params(remote: str) -> dict[str, Any]:
     return params
 
 
-def _request(request_id: str, prompt: int, params: dict[str, Any]) -> Any:
-    import types
-
-    return types.SimpleNamespace(
+def stub_request(request_id: str, prompt: int, params: dict[str, Any] | None) -> Stub:
+    return Stub(
         request_id=request_id,
         req_id=request_id,
         kv_transfer_params=params,
@@ -560,154 +501,97 @@ def _request(request_id: str, prompt: int, params: dict[str, Any]) -> Any:
     )
 
 
-def _blocks(per_group: list[list[int]]) -> Any:
-    import types
-
-    return types.SimpleNamespace(get_block_ids=lambda *a, **k: tuple(list(g) for g in per_group))
-
-
-def _scheduler_output(request: Any, scheduled: int, new_blocks: list[list[int]] | None) -> Any:
-    """The step's SchedulerOutput as bCM reads it: the request is new at chunk 1 (`new_blocks`
-    None), a cached request with the blocks this chunk allocated afterwards."""
-    import types
-
-    cached = new_blocks is not None
-    # vLLM sends None, not a tuple of empty lists, when no group allocated a block this step.
-    new_ids = tuple(new_blocks) if new_blocks is not None and any(new_blocks) else None
-    return types.SimpleNamespace(
-        scheduled_cached_reqs=types.SimpleNamespace(
-            req_ids=[request.request_id] if cached else [],
-            new_block_ids=[new_ids] if cached else [],
-            num_computed_tokens=[request.num_computed_tokens] if cached else [],
-            resumed_req_ids=set(),
-            resumed_from_preemption=[False] if cached else [],
-        ),
-        scheduled_new_reqs=[] if cached else [request],
-        num_scheduled_tokens={request.request_id: scheduled},
-        total_num_scheduled_tokens=scheduled,
-        finished_req_ids=set(),
-        new_block_ids_to_zero=None,
-    )
+def block_ids(per_group: list[list[int]]) -> Stub:
+    """KVCacheBlocks as the connector reads them."""
+    return Stub(get_block_ids=lambda *a, **k: tuple(list(g) for g in per_group))
 
 
-class _Socket:
-    def __init__(self) -> None:
-        self.sent: list[bytes] = []
-
-    def send(self, data: bytes) -> None:
-        self.sent.append(data)
-
-
-class _AnyPath(dict):  # type: ignore[type-arg]
-    """`self.paths` of a scheduler: every notify path is already open, on the recorder."""
-
-    def __init__(self, socket: _Socket) -> None:
-        super().__init__()
-        self.socket = socket
-
-    def __contains__(self, key: object) -> bool:
-        return True
-
-    def __getitem__(self, key: object) -> _Socket:
-        return self.socket
+def drive_prefill(
+    scheduler: Any, plans: list[tuple[Any, list[tuple[int, list[list[int]]]]]]
+) -> list[dict[str, Any]]:
+    """`build_connector_meta` driven as vLLM's scheduler drives it, a step per chunk; `plans`
+    gives each request its (tokens scheduled, blocks allocated per group) per step. At its first
+    step a request is new, its blocks recorded by update_state_after_alloc first; later it is a
+    cached request with the blocks that step allocated (None when none, as vLLM sends it); its
+    computed tokens advance after each step. Returns each step's `reqs_to_save`."""
+    sent = []
+    for step in range(max(len(steps) for _, steps in plans)):
+        live = [(request, *steps[step]) for request, steps in plans if step < len(steps)]
+        new, cached = (live, []) if step == 0 else ([], live)
+        for request, _, blocks in new:
+            scheduler.update_state_after_alloc(request, block_ids(blocks), 0)
+        output = Stub(
+            scheduled_new_reqs=[request for request, _, _ in new],
+            # As the real SchedulerOutput carries them: each request's computed tokens before
+            # this step (the older k3-chunk-gate script reads its progress from here).
+            scheduled_cached_reqs=Stub(
+                req_ids=[request.request_id for request, _, _ in cached],
+                new_block_ids=[tuple(map(list, b)) if any(b) else None for _, _, b in cached],
+                num_computed_tokens=[request.num_computed_tokens for request, _, _ in cached],
+                resumed_req_ids=set(),
+                resumed_from_preemption=[False] * len(cached),
+            ),
+            num_scheduled_tokens={request.request_id: tokens for request, tokens, _ in live},
+            total_num_scheduled_tokens=sum(tokens for _, tokens, _ in live),
+            finished_req_ids=set(),
+            new_block_ids_to_zero=None,
+            kv_connector_block_state=None,
+        )
+        sent.append(dict(scheduler.build_connector_meta(output).reqs_to_save))
+        for request, tokens, _ in live:
+            request.num_computed_tokens += tokens
+    return sent
 
 
 def _stand_in_cuda(swap: Swap, module: Any) -> None:
     """schedule_write_blocks records a CUDA event; without a GPU the connector module's `torch`
     is replaced, for the drive, by an object that only has that event."""
-    import types
-
     if "torch" not in module.__dict__:
         return
-    event = types.SimpleNamespace(record=lambda *a: None, synchronize=lambda: None)
-    cuda = types.SimpleNamespace(current_stream=lambda: None, Event=lambda *a, **k: event)
-    swap.attr(module, "torch", types.SimpleNamespace(cuda=cuda))
+    event = Stub(record=lambda *a: None, synchronize=lambda: None)
+    cuda = Stub(current_stream=lambda: None, Event=lambda *a, **k: event)
+    swap.attr(module, "torch", Stub(cuda=cuda))
 
 
 # ---------------------------------------------------------------------------------------------
-# Upstream 0.31.0+ (satisfied natively): upstream's own split and plan, with K3's groups. These
-# checks keep the layer names and block numbers they had before the fork drive was written
-# (group g's block 10g+1, decode 100 more), so their check lines read as they always did.
-
-UPSTREAM_LAYOUT: Layout = (
-    ("mamba", ("model.layers.0.kda", "model.layers.3.kda")),
-    ("mamba", ("model.layers.1.kda", "model.layers.4.kda")),
-    ("mamba", ("model.layers.2.kda", "model.layers.5.kda")),
-    ("mla", ("model.layers.6.mla", "model.layers.7.mla")),
-)
+# Upstream 0.31.0+ (satisfied natively): upstream's own split and plan, with K3's groups.
 
 
 def probe_upstream(connector: Any) -> ProbeOutcome:
-    import types
-
-    specs = importlib.import_module("vllm.v1.kv_cache_interface")
-
-    def spec(kind: str) -> Any:
-        return object.__new__(specs.MambaSpec if kind == "mamba" else specs.MLAAttentionSpec)
-
-    checks: list[str] = []
+    checks = Checks("upstream")
     try:
         # The real config class, so the worker's map comes from upstream's own property.
-        config: Any = specs.KVCacheConfig(
-            num_blocks=4096,
-            kv_cache_tensors=[],
-            kv_cache_groups=[
-                specs.KVCacheGroupSpec(layer_names=list(names), kv_cache_spec=spec(kind))
-                for kind, names in UPSTREAM_LAYOUT
-            ],
-        )
+        config = kv_cache_config(UPSTREAM_LAYOUT, bare_specs=True)
         layer_to_group = dict(config.transfer_group_index_by_layer)
     except (TypeError, AttributeError) as exc:
-        checks.append(f"KVCacheConfig could not be built here ({exc}); using a stand-in")
-        groups = [
-            types.SimpleNamespace(
-                layer_names=list(n), kv_cache_spec=spec(k), enable_kv_transfer=True
-            )
-            for k, n in UPSTREAM_LAYOUT
-        ]
-        config = types.SimpleNamespace(kv_cache_groups=groups, transfer_groups=tuple(groups))
-        layer_to_group = {n: i for i, g in enumerate(groups) for n in g.layer_names}
-    failures: list[str] = []
+        checks.note(f"KVCacheConfig could not be built here ({exc}); using a stand-in")
+        config = kv_cache_stand_in(UPSTREAM_LAYOUT, bare_specs=True)
+        layer_to_group = {n: g for g, (_, names) in enumerate(UPSTREAM_LAYOUT) for n in names}
     split = connector._split_kv_cache_group_kinds(config)
     line = f"K3: _split_kv_cache_group_kinds -> attention {split[0]}, mamba {split[1]}"
-    checks.append(line)
-    if [list(part) for part in split] != [[3], [0, 1, 2]]:
-        failures.append(f"{line}, expected attention [3], mamba [0, 1, 2]")
+    expected = [list(part) for part in split] == [[3], [0, 1, 2]]
+    checks.record(line, expected, f"{line}, expected attention [3], mamba [0, 1, 2]")
     engine = importlib.import_module(ENGINE)
-    if _plan_indexes_layer_group(engine):
-        checks += _probe_upstream_plan(engine, layer_to_group, failures)
-        checks.append("KDA layers take upstream's separate Mamba plan (not exercised here)")
+    plan = source_of(engine.MoRIIOWriter._prepare_transfer_plan)
+    per_group = "self.worker.layer_to_group[task.layer_name]"
+    if plan is not None and any(match(per_group, n) is not None for n in ast.walk(plan)):
+        _probe_upstream_plan(engine, layer_to_group, checks)
+        checks.note("KDA layers take upstream's separate Mamba plan (not exercised here)")
     else:
-        checks.append(
+        checks.note(
             "WRITE with a Mamba group is refused by register_kv_caches on this version; "
             "its per-layer WRITE plan is single-group and was not exercised"
         )
-    if failures:
-        return ProbeOutcome(False, "; ".join(failures[:4]), tuple(checks))
-    return ProbeOutcome(True, "upstream routes K3's groups by spec, natively", tuple(checks))
+    return checks.outcome(
+        holds="upstream routes K3's groups by spec, natively", broken="{failures}"
+    )
 
 
-def _plan_indexes_layer_group(engine: Any) -> bool:
-    import inspect
-
-    try:
-        source = inspect.getsource(engine.MoRIIOWriter._prepare_transfer_plan)
-    except (OSError, TypeError):
-        return False
-    return "self.worker.layer_to_group[task.layer_name]" in source
-
-
-def _probe_upstream_plan(
-    engine: Any, layer_to_group: dict[str, int], failures: list[str]
-) -> list[str]:
+def _probe_upstream_plan(engine: Any, layer_to_group: dict[str, int], checks: Checks) -> None:
     """0.33.0+: MoRIIOWriter._prepare_transfer_plan for K3's MLA layers."""
-    import types
-    import weakref
-
     common = importlib.import_module(COMMON)
     mla = len(UPSTREAM_LAYOUT) - 1
-    local = [[10 * g + 1] for g in range(len(UPSTREAM_LAYOUT))]
-    local[mla] = [10 * mla + 1, 10 * mla + 2]
+    local = [[10 * g + 1] for g in range(mla)] + [[10 * mla + 1, 10 * mla + 2]]
     remote = [[100 + b for b in blocks] for blocks in local]
     given: dict[str, tuple[list[int], list[int]]] = {}
 
@@ -715,17 +599,17 @@ def _probe_upstream_plan(
         given[layer] = (list(local_ids), list(remote_ids))
         return [0], [0], [1]
 
-    worker = _WeakHolder(
-        kv_caches={name: _Cache() for name in layer_to_group},
+    worker = Stub(
+        kv_caches={
+            name: Stub(shape=(1,), dtype="probe", stride=lambda: (1,)) for name in layer_to_group
+        },
         layer_to_group=layer_to_group,
         _has_mamba=True,
         _check_peer_block_size=lambda *a, **k: None,
         _compute_block_transfer_offsets=offsets,
         _region_session_indices=lambda layer: [0],
     )
-    writer = object.__new__(engine.MoRIIOWriter)
-    writer._worker_ref = weakref.ref(worker)
-    checks = []
+    writer = stand_in(engine.MoRIIOWriter, _worker_ref=weakref.ref(worker))
     for layer in UPSTREAM_LAYOUT[mla][1]:
         task = common.WriteTask(
             request_id="req",
@@ -740,32 +624,14 @@ def _probe_upstream_plan(
         )
         info = common.RemoteAllocInfo(block_ids=remote)
         try:
-            writer._prepare_transfer_plan(task, info, types.SimpleNamespace(num_blocks=4096))
+            writer._prepare_transfer_plan(task, info, Stub(num_blocks=4096))
         except Exception as exc:  # reported, never swallowed
-            failures.append(f"K3 upstream plan for {layer}: {type(exc).__name__}: {exc}")
+            checks.fail(f"K3 upstream plan for {layer}: {type(exc).__name__}: {exc}")
             continue
         got = given.get(layer)
         line = (
             f"K3 upstream plan: {layer} (group {layer_to_group.get(layer)}) -> "
             f"local {got and got[0]} remote {got and got[1]}"
         )
-        checks.append(line)
-        if got != (local[mla], remote[mla]):
-            failures.append(f"{line}, expected local {local[mla]} remote {remote[mla]}")
-    return checks
-
-
-class _Cache:
-    shape = (1,)
-    dtype = "probe"
-
-    def stride(self) -> tuple[int, ...]:
-        return (1,)
-
-
-class _WeakHolder:
-    """A weak-referenceable stand-in for the worker (the writer holds its worker weakly, and a
-    SimpleNamespace cannot be weakly referenced)."""
-
-    def __init__(self, **attributes: Any) -> None:
-        self.__dict__.update(attributes)
+        want = (local[mla], remote[mla])
+        checks.record(line, got == want, f"{line}, expected local {want[0]} remote {want[1]}")
