@@ -1,30 +1,25 @@
 """moriio-chunk-gate: the MoRIIO WRITE producer sends a request's KV after its final prefill chunk.
 
-Symptom: with Kimi-K3 behind a MoRIIO WRITE-mode prefill/decode pair, the decode node answers as
-if the prompt ended after 2,048 tokens (recall dies at exactly max_num_batched_tokens), and a
-request whose final chunk allocates no new KV block is never sent at all and hangs.
-Cause: `MoRIIOConnectorScheduler.build_connector_meta` decides "final prefill chunk, send now" by
-block count (`blocks * block_size >= num_prompt_tokens`) in two gates: G1 in the loop over
-`scheduled_cached_reqs`, G2 in the loop over `_reqs_need_save`. K3's attention pages are padded
-to the mamba page (about 5,760 tokens a block), so one block covers a whole prompt after its first
-2,048-token chunk. G1 also sits under `if new_block_ids is not None:`, so a final chunk that needs
-no new block never reaches it.
+Symptom: behind a MoRIIO WRITE-mode prefill/decode pair, Kimi-K3's decode answers as if the prompt
+ended after 2,048 tokens (recall dies at exactly max_num_batched_tokens), and a request whose
+final chunk allocates no new KV block is never sent and hangs.
+Cause: `MoRIIOConnectorScheduler.build_connector_meta` calls a chunk final by block count
+(`blocks * block_size >= num_prompt_tokens`) in two gates, G1 (loop over `scheduled_cached_reqs`)
+and G2 (loop over `_reqs_need_save`). K3's blocks hold about 5,760 tokens, so one block covers the
+whole prompt after its first chunk; and G1 runs only under `if new_block_ids is not None:`.
 Fix: both gates decide on compute progress, `req.num_computed_tokens +
 scheduler_output.num_scheduled_tokens.get(req_id, 0) >= req.num_prompt_tokens` (bCM runs before
-the scheduler advances `num_computed_tokens`; no slack), and G1 runs for every pending request.
-Only the gate headers change. vLLM 0.32.0 and later carry the same fix
-(`_is_final_prefill_chunk`). A progress gate that compares any other way (`<` where `>=` belongs,
-`==`, `!=`, `>`, sides swapped, a slack) is drift. The older k3-chunk-gate script
-(apply_kimik3_chunk_gate_fix.py) fires up to K3_CHUNK_GATE_SLACK (default 2) tokens early and
-falls back to the block count: pending; apply replaces its three decisions (G1, its post-loop
-sweep, G2) in place by compute progress, without the pristine file (its helper and map stay).
-Verdicts: upstream A (0.14.1-0.23.0), B (0.24.0-0.27.1), C (0.28.0-0.29.0), D (0.30.0-0.31.0)
-pending, 0.32.0 and later satisfied; fork trees a, b, c pending "the fork (shape C gates)", d
-pending "older k3-chunk-gate script (legacy, defective)"; after apply all applied.
-Check: `k3patch verify` drives the tree's real `build_connector_meta` with synthetic steps (a
-2,611-token prompt in one 5,760-token block, chunks of 2,048 and 563, must send once, with the
-second chunk; so must a 3-chunk prompt and one whose last chunk is 2 tokens), then vLLM's own
-`Scheduler.schedule()` with the MoRIIO scheduler side on CPU through the same prompts.
+the scheduler advances `num_computed_tokens`; no slack), G1 for every pending request; only the
+gate headers change. vLLM 0.32.0 and later carry the same fix (`_is_final_prefill_chunk`); a
+progress gate that compares any other way (`<` for `>=`, `==`, `!=`, `>`, swapped, a slack) is
+drift. The older k3-chunk-gate script fires up to K3_CHUNK_GATE_SLACK (default 2) tokens early and
+falls back to the block count: pending, and repaired in place (its three decisions; its helper and
+map stay). Verdicts: A (0.14.1-0.23.0), B (0.24.0-0.27.1), C (0.28.0-0.29.0), D (0.30.0-0.31.0)
+pending, 0.32.0 and later satisfied; fork trees a, b, c "the fork (shape C gates)" and d (the
+older script) pending; after apply all applied.
+Check: `k3patch verify` drives the tree's real `build_connector_meta`, then vLLM's own
+`Scheduler.schedule()`, through chunked prompts in one 5,760-token block (later chunks allocate no
+block): each must be sent once, with its final chunk.
 """
 
 from __future__ import annotations
@@ -137,7 +132,7 @@ UPSTREAM_HELPER = "_is_final_prefill_chunk"
 SATISFIED_UPSTREAM = "upstream fix (_is_final_prefill_chunk, 0.32.0 and later)"
 SATISFIED_INLINE = "upstream-style progress gate (inline)"
 
-# The older k3-chunk-gate script's form (legacy.py): a module-level helper, a per-step map
+# The older k3-chunk-gate script's form (gates.py): a module-level helper, a per-step map
 # `self._k3_prog`, and at each gate a named decision through the helper with a block-count
 # fallback; G1 also gets a sweep over the pending requests after its loop.
 LEGACY_HELPER = "_k3_prefill_done"

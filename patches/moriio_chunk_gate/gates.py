@@ -99,13 +99,19 @@ def classify_sites(src: SourceFile) -> list[SiteResult]:
 
 
 def classify_site(src: SourceFile, context: Context, site: str) -> SiteResult:
+    found = _find(context, site)
+    if isinstance(found, str):
+        return site_result(site, Verdict.DRIFTED, found, line=context.method.lineno)
+    if isinstance(found, list):
+        return classify_chains(context, site, found)
+    return classify_gate(src, context, found)
+
+
+def _find(context: Context, site: str) -> list[Chain] | Gate | str:
+    """The site's decision chains, else its one gate, else why there is none."""
     chains = site_chains(context, site)
-    if chains is not None:
-        return classify_chains(context, site, chains)
-    gate, why = locate(context, site)
-    if gate is None:
-        return site_result(site, Verdict.DRIFTED, why, line=context.method.lineno)
-    return classify_gate(src, context, gate)
+    gate, why = (None, "") if chains else locate(context, site)
+    return chains or gate or why
 
 
 def site_result(
@@ -131,13 +137,9 @@ def rewrite_sites(src: SourceFile, pending: list[str]) -> str:
     for site in pending:
         if classify_site(src, context, site).verdict is not Verdict.PENDING:
             raise ValueError(f"{site} is no longer pending")
-        chains = site_chains(context, site)
-        if chains is not None:
-            edits += repair_edits(text, chains)
-            continue
-        gate, _ = locate(context, site)
-        assert gate is not None
-        edits.append(_gate_edit(text, gate))
+        found = _find(context, site)
+        assert not isinstance(found, str)
+        edits += repair_edits(text, found) if isinstance(found, list) else [_gate_edit(text, found)]
     return apply_edits(src.text, edits)
 
 
@@ -217,8 +219,7 @@ class Context:
 
     @classmethod
     def of(cls, module: ast.Module) -> Context:
-        method = method_of(module)
-        klass = find_scope(module, CLASS)
+        method, klass = method_of(module), find_scope(module, CLASS)
         if method is None or not isinstance(klass, ast.ClassDef):
             raise ValueError(f"{CLASS}.{METHOD} is gone")
         return cls(module, method, klass)
@@ -578,15 +579,6 @@ class Chain:
             return "legacy" if names else "other"
         return "progress" if progress_meaning(value, {}) == FINAL else "other"
 
-    def request_names(self) -> tuple[str, str] | None:
-        """(request, request id) the decision is about."""
-        value = self.decision.value
-        if isinstance(value, ast.Call) and len(value.args) == 3:
-            req_id, req = value.args[1], value.args[2]
-            if isinstance(req_id, ast.Name) and isinstance(req, ast.Name):
-                return req.id, req_id.id
-        return None
-
 
 def _chain_at(block: list[ast.stmt], index: int, part: str) -> Chain | None:
     decision, name = block[index], assigned_name(block[index])
@@ -685,27 +677,20 @@ def _chain_problems(
             pattern = f"if {chain.name} is None:\n    {chain.name} = {expected}"
             if fallback is None or match(pattern, fallback) is None:
                 problems.append(f"its fallback is not the block count `{expected}`")
-    if legacy:
-        problems.extend(_legacy_support_problems(context))
-    return problems + _unbound_problems(context, chains)
-
-
-def _legacy_support_problems(context: Context) -> list[str]:
-    """The helper and the progress map the script's decisions rely on."""
+    # The helper and the progress map the script's decisions rely on.
     helpers = [
-        node
-        for node in context.module.body
-        if isinstance(node, ast.FunctionDef) and node.name == LEGACY_HELPER
+        n for n in context.module.body if isinstance(n, ast.FunctionDef) and n.name == LEGACY_HELPER
     ]
-    problems = []
-    if len(helpers) != 1 or site_fingerprint(helpers[0]) != LEGACY_HELPER_SHAPE.fingerprint:
+    if legacy and (
+        len(helpers) != 1 or site_fingerprint(helpers[0]) != LEGACY_HELPER_SHAPE.fingerprint
+    ):
         problems.append(
             f"the module's {LEGACY_HELPER}() is not the script's (missing, defined twice, or "
             "its comparison edited)"
         )
-    if LEGACY_MAP not in attribute_names([context.method], "self", ast.Store):
+    if legacy and LEGACY_MAP not in attribute_names([context.method], "self", ast.Store):
         problems.append(f"{METHOD} never sets self.{LEGACY_MAP}, which {LEGACY_HELPER}() reads")
-    return problems
+    return problems + _unbound_problems(context, chains)
 
 
 def _unbound_problems(context: Context, chains: list[Chain]) -> list[str]:
@@ -752,10 +737,13 @@ def repair_edits(src: SourceText, chains: list[Chain]) -> list[Edit]:
     fallback goes. Helper, map and debug lines stay: nothing reads them to decide any more."""
     edits = []
     for chain in chains:
-        names = chain.request_names()
-        if names is None:
+        # The script's call is `_k3_prefill_done(self, <request id>, <request>)`.
+        value = chain.decision.value
+        args = value.args if isinstance(value, ast.Call) and len(value.args) == 3 else []
+        if not (args and isinstance(args[1], ast.Name) and isinstance(args[2], ast.Name)):
             raise ValueError(f"{chain.name}: a decision chain without its request names")
-        source = LEGACY_TEMPLATE.format(name=chain.name, req=names[0], req_id=names[1])
+        req, req_id = args[2].id, args[1].id
+        source = LEGACY_TEMPLATE.format(name=chain.name, req=req, req_id=req_id)
         stmts = [chain.decision] if chain.fallback is None else [chain.decision, chain.fallback]
         edits.append(replace(src, stmts, source))
     return edits
