@@ -31,7 +31,7 @@ from k3patch.model import (
 from k3patch.shapes import match, parse_pattern, search
 
 from . import forms
-from .forms import FIELD, FIELD_COMMENT, FIELD_NAME, dedent, indented
+from .forms import FIELD_COMMENT, FIELD_NAME, dedent
 
 PENDING, APPLIED, DRIFTED = Verdict.PENDING, Verdict.APPLIED, Verdict.DRIFTED
 
@@ -76,83 +76,47 @@ class Part:
 
 
 @dataclass(frozen=True)
-class Field(Part):
-    """A dataclass field: the fork's `fork` field is there; k3patch adds FIELD after the last."""
-
-    fork: str  # e.g. "mamba_block_ids: list[int] | None = None"
-    evidence = True
-
-    @staticmethod
-    def _fields(cls: ast.ClassDef) -> dict[str, ast.AnnAssign]:
-        return {
-            s.target.id: s
-            for s in cls.body
-            if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
-        }
-
-    def look(self, src: SourceFile, node: ast.ClassDef, scope: str) -> Look:
-        fields = self._fields(node)
-        mine = fields.get(FIELD_NAME)
-        if mine is None:
-            candidate = fields.get(self.fork.split(":")[0].strip())
-            if candidate is not None and match(self.fork, candidate) is not None:
-                return Look(PENDING, candidate.lineno)
-            return drift(
-                f"{scope} has no `{self.fork}` field (the fork's mamba block ids)",
-                short(src.segment(node)),
-                (f"{scope}.{self.fork} (fork)", f"{scope}.{FIELD} (k3patch)"),
-                node.lineno,
-            )
-        if match(FIELD, mine) is not None:
-            return Look(APPLIED, mine.lineno)
-        why = f"{scope}.{FIELD_NAME} is not k3patch's field"
-        return drift(why, src.segment(mine), (FIELD,), mine.lineno)
-
-    def edits(self, src: SourceFile, text: SourceText, node: ast.ClassDef) -> list[Edit]:
-        last = max(self._fields(node).values(), key=lambda s: s.lineno)
-        return [insert_after(text, last, f"{FIELD_COMMENT}\n{FIELD}\n")]
-
-
-@dataclass(frozen=True)
 class Insert(Part):
     """Statements k3patch adds right after the one statement of the function that `anchor`
-    (shape patterns) picks out, or with no anchor right before its final `return`. Where the
-    anchor has holes, `fork` is the exact form the fork has there."""
+    (shape patterns) picks out, or with no anchor right before its final `return`. With `fork`
+    (the fork's exact assignment there), the anchor is any assignment to the same target."""
 
     added: str
     marker: str  # a name of k3patch's text: used elsewhere in the function, it is drift
     anchor: tuple[str, ...] = ()
-    describe: str = ""
     fork: str | None = None
     evidence: bool = True  # False where the anchor is upstream's own statement
 
+    @property
+    def anchors(self) -> tuple[str, ...]:
+        if self.fork is None:
+            return self.anchor
+        return (self.fork.split(" = ", 1)[0] + " = HOLE_value",)
+
     def _find(self, fn: ast.FunctionDef) -> list[tuple[list[ast.stmt], int]]:
-        if not self.anchor:
+        if not self.anchors:
             return [(fn.body, len(fn.body) - 1)]
-        return [(block, i) for pattern in self.anchor for block, i, _ in search(pattern, fn)]
+        return [(block, i) for pattern in self.anchors for block, i, _ in search(pattern, fn)]
 
     def look(self, src: SourceFile, node: ast.FunctionDef, scope: str) -> Look:
         hits = self._find(node)
-        if self.anchor and len(hits) != 1:
-            return drift(
-                f"{scope}: expected one {self.describe}, found {len(hits)}",
-                short(src.segment(node)),
-                (self.describe,),
-                node.lineno,
-            )
+        describe = f"`{self.anchors[-1].replace('HOLE_value', '...')}`" if self.anchors else ""
+        if self.anchors and len(hits) != 1:
+            why = f"{scope}: expected one {describe}, found {len(hits)}"
+            return drift(why, short(src.segment(node)), (describe,), node.lineno)
         body, i = hits[0]
         at = body[i]
-        if not self.anchor and not isinstance(at, ast.Return):
+        if not self.anchors and not isinstance(at, ast.Return):
             return drift(f"{scope} does not end in a return", src.segment(at), line=at.lineno)
         if self.fork is not None and match(self.fork, at) is None:
-            why = f"{scope}: {self.describe} is not in the fork's shape"
-            return drift(why, src.segment(at), (self.describe,), at.lineno)
+            why = f"{scope}: {describe} is not in the fork's shape"
+            return drift(why, src.segment(at), (self.fork,), at.lineno)
         count = len(parse_pattern(self.added))
         # k3patch puts its statements right after the anchor, but a script that runs again
         # later (the recipe re-runs its scripts at every container start; xfer_probe then
         # inserts its dump after `self.layer_to_spec = ...` once more) may push them down the
         # same block: they still follow the anchor, so they still count.
-        starts = range(i + 1, len(body) - count + 1) if self.anchor else [i - count]
+        starts = range(i + 1, len(body) - count + 1) if self.anchors else [i - count]
         for j in starts:
             if j >= 0 and match(self.added, body[j : j + count]) is not None:
                 return Look(APPLIED, body[j].lineno)
@@ -167,7 +131,7 @@ class Insert(Part):
 
     def edits(self, src: SourceFile, text: SourceText, node: ast.FunctionDef) -> list[Edit]:
         body, i = self._find(node)[0]
-        if self.anchor:
+        if self.anchors:
             return [insert_after(text, body[i], self.added)]
         edit = insert_before(text, body[i], self.added)
         return [Edit(edit.start, edit.end, edit.text + text.newline)]
@@ -178,148 +142,121 @@ def _callee(call: ast.Call) -> str:
     return func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
 
 
-@dataclass(frozen=True)
-class Keyword(Part):
-    """`added` ("name=value"), which k3patch passes to the one call of `callee` in the function
-    that passes the fork's `anchor` ("name=value" too) keyword."""
+# An item as written: its name, and the sources its parts must match (none: only its name counts).
+def _parse(kind: str, text: str) -> tuple[str, list[str]]:
+    if kind == "field":
+        return text.split(":")[0].strip(), [text]
+    name, _, value = text.partition({"param": ":", "keyword": "=", "key": ": "}[kind])
+    if kind == "key":
+        name = ast.literal_eval(name)
+    if kind == "param" and value:
+        return name.strip(), value.rsplit("=", 1)
+    return name.strip(), [value] if value else []
 
-    callee: str
-    anchor: str
-    added: str
-    evidence = True
 
-    def _calls(self, fn: ast.FunctionDef) -> list[ast.Call]:
-        name = self.anchor.split("=")[0]
-        return [
-            c
-            for c in ast.walk(fn)
-            if isinstance(c, ast.Call)
-            and _callee(c) == self.callee
-            and any(k.arg == name for k in c.keywords)
-        ]
+# A holder's items: name -> (the item's node, the line a report names, the nodes its parts are).
+Items = dict[str, tuple[Any, int, list[Any]]]
 
-    def look(self, src: SourceFile, node: ast.FunctionDef, scope: str) -> Look:
-        calls = self._calls(node)
-        (anchor, fork), (name, value) = self.anchor.split("=", 1), self.added.split("=", 1)
-        if len(calls) != 1:
-            return drift(
-                f"{scope}: expected one {self.callee}(..., {anchor}=...) call, found {len(calls)}",
-                short(src.segment(node)),
-                (f"{self.callee}(..., {anchor}=...)",),
-                node.lineno,
-            )
-        call = calls[0]
-        if match(fork, next(k.value for k in call.keywords if k.arg == anchor)) is None:
-            why = f"{scope}: {anchor}= is not passed in the fork's shape"
-            return drift(why, src.segment(call), line=call.lineno)
-        mine = next((k for k in call.keywords if k.arg == name), None)
-        if mine is None or match(value, mine.value) is not None:
-            return Look(PENDING if mine is None else APPLIED, call.lineno)
-        why = f"{scope}: {name}= is passed, but not as k3patch passes it"
-        return drift(why, src.segment(call), (self.added,), call.lineno)
 
-    def edits(self, src: SourceFile, text: SourceText, node: ast.FunctionDef) -> list[Edit]:
-        call = self._calls(node)[0]
-        items: list[Located] = [*call.args, *call.keywords]
-        last = max(items, key=lambda n: (n.end_lineno or 0, n.end_col_offset or 0))
-        return [append_item(text, call, last, last, self.added)]
+def _items(kind: str, holder: Any) -> Items:
+    if kind == "field":
+        body = holder.body
+        return {
+            s.target.id: (s, s.lineno, [s])
+            for s in body
+            if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+        }
+    if kind == "param":
+        params = [*holder.args.posonlyargs, *holder.args.args]
+        defaults = [None] * (len(params) - len(holder.args.defaults)) + holder.args.defaults
+        pairs = zip(params, defaults, strict=True)
+        return {p.arg: (p, holder.lineno, [p.annotation, d]) for p, d in pairs}
+    if kind == "keyword":
+        return {k.arg: (k, holder.lineno, [k.value]) for k in holder.keywords if k.arg}
+    pairs = zip(holder.keys, holder.values, strict=True)
+    return {
+        k.value: (v, holder.lineno, [v])
+        for k, v in pairs
+        if isinstance(k, ast.Constant) and isinstance(k.value, str)
+    }
+
+
+def _same(parts: list[str], nodes: list[Any]) -> bool:
+    return not parts or all(
+        n is not None and match(p, n) is not None for p, n in zip(parts, nodes, strict=True)
+    )
 
 
 @dataclass(frozen=True)
-class Param(Part):
-    """A parameter (`added`: "name: annotation = default") k3patch appends to the function, which
-    takes the fork's `anchor` parameter."""
+class Item(Part):
+    """One item k3patch appends in the one holder of the site that has the fork's item: a
+    dataclass field (`kind` "field": the class), a parameter ("param": the function), a keyword
+    argument ("keyword": a call of `callee`) or a dict entry ("key": a dict literal). `fork` and
+    `added` are written as the code has them ("name: annotation = default", "name=value",
+    '"key": value'); a `fork` without a value only has to be there."""
 
-    anchor: str
+    kind: str
+    fork: str
     added: str
+    callee: str = ""
     evidence = True
 
-    def look(self, src: SourceFile, node: ast.FunctionDef, scope: str) -> Look:
-        args = node.args
-        if args.vararg or args.kwarg or args.kwonlyargs:
+    def _holders(self, node: Any) -> list[Any]:
+        if self.kind in ("field", "param"):
+            return [node]
+        if self.kind == "keyword":
+            calls = [n for n in ast.walk(node) if isinstance(n, ast.Call)]
+            found: list[Any] = [c for c in calls if _callee(c) == self.callee]
+        else:
+            found = [n for n in ast.walk(node) if isinstance(n, ast.Dict)]
+        name = _parse(self.kind, self.fork)[0]
+        return [n for n in found if name in _items(self.kind, n)]
+
+    def look(self, src: SourceFile, node: Any, scope: str) -> Look:
+        args = node.args if self.kind == "param" else None
+        if args is not None and (args.vararg or args.kwarg or args.kwonlyargs):
             why = f"{scope}: unexpected *args/**kwargs/keyword-only parameters"
             return drift(why, src.segment(args), line=node.lineno)
-        params = [*args.posonlyargs, *args.args]
-        by_name = {a.arg: a for a in params}
-        name, rest = self.added.split(":", 1)
-        mine = by_name.get(name.strip())
-        if mine is None:
-            if self.anchor in by_name:
-                return Look(PENDING, node.lineno)
-            return drift(
-                f"{scope} takes no `{self.anchor}` (the fork's mamba block ids)",
-                short(src.segment(node), 12),
-                (f"{scope}(..., {self.anchor}=...)",),
-                node.lineno,
-            )
-        index = params.index(mine) - (len(params) - len(args.defaults))
-        default = args.defaults[index] if index >= 0 else None
-        annotation, value = rest.rsplit("=", 1)
-        if (
-            mine.annotation is not None
-            and match(annotation, mine.annotation) is not None
-            and default is not None
-            and match(value, default) is not None
-        ):
-            return Look(APPLIED, node.lineno)
-        why = f"{scope}: parameter {name.strip()} is not k3patch's"
-        return drift(why, src.segment(mine), (self.added,), node.lineno)
+        holders = self._holders(node)
+        if len(holders) != 1:
+            return self._missing(src, node, scope, len(holders))
+        items = _items(self.kind, holders[0])
+        fork, fork_parts = _parse(self.kind, self.fork)
+        name, parts = _parse(self.kind, self.added)
+        # The fork's keyword picks the call, so it must be the fork's whatever else is there.
+        if self.kind == "keyword" and not _same(fork_parts, items[fork][2]):
+            why = f"{scope}: {fork}= is not passed in the fork's shape"
+            return drift(why, src.segment(holders[0]), line=holders[0].lineno)
+        if name in items:
+            mine, line, mine_parts = items[name]
+            if _same(parts, mine_parts):
+                return Look(APPLIED, line)
+            why = f"{scope}: {self.kind} {name} is not k3patch's"
+            return drift(why, src.segment(mine), (self.added,), line)
+        if fork not in items or not _same(fork_parts, items[fork][2]):
+            return self._missing(src, node, scope, 0)
+        return Look(PENDING, items[fork][1])
 
-    def edits(self, src: SourceFile, text: SourceText, node: ast.FunctionDef) -> list[Edit]:
-        args = node.args
-        last_arg = [*args.posonlyargs, *args.args][-1]
-        last: Located = last_arg
-        if args.defaults and args.args and args.args[-1] is last_arg:
-            last = args.defaults[-1]
-        return [append_item(text, node, last_arg, last, self.added)]
+    def _missing(self, src: SourceFile, node: Any, scope: str, found: int) -> Look:
+        where = {"field": "dataclass", "param": "signature", "key": "dict literal"}
+        what = where.get(self.kind, f"{self.callee}(...) call")
+        why = f"{scope}: expected one {what} with the fork's `{self.fork}`, found {found}"
+        return drift(why, short(src.segment(node)), (self.fork,), node.lineno)
 
-
-@dataclass(frozen=True)
-class DictKey(Part):
-    """A key k3patch adds to the one dict literal in the function that has the fork's `anchor`."""
-
-    anchor: str
-    key: str
-    value: str
-    evidence = True
-
-    def _dicts(self, fn: ast.FunctionDef) -> list[ast.Dict]:
-        return [
-            d
-            for d in ast.walk(fn)
-            if isinstance(d, ast.Dict)
-            and any(isinstance(k, ast.Constant) and k.value == self.anchor for k in d.keys)
-        ]
-
-    def look(self, src: SourceFile, node: ast.FunctionDef, scope: str) -> Look:
-        found = self._dicts(node)
-        if len(found) != 1:
-            return drift(
-                f"{scope}: expected one message dict with {self.anchor!r}, found {len(found)}",
-                short(src.segment(node)),
-                line=node.lineno,
-            )
-        message = found[0]
-        entries = {
-            k.value: v
-            for k, v in zip(message.keys, message.values, strict=True)
-            if isinstance(k, ast.Constant)
-        }
-        mine = entries.get(self.key)
-        if mine is None or match(self.value, mine) is not None:
-            return Look(PENDING if mine is None else APPLIED, message.lineno)
-        return drift(
-            f"{scope}: message key {self.key!r} is not k3patch's",
-            src.segment(message),
-            (f'"{self.key}": {self.value}',),
-            message.lineno,
-        )
-
-    def edits(self, src: SourceFile, text: SourceText, node: ast.FunctionDef) -> list[Edit]:
-        message = self._dicts(node)[0]
-        key = message.keys[-1] or message.values[-1]  # None: a `**mapping` entry
-        item = f'"{self.key}": {self.value}'
-        return [append_item(text, message, key, message.values[-1], item)]
+    def edits(self, src: SourceFile, text: SourceText, node: Any) -> list[Edit]:
+        holder = self._holders(node)[0]
+        if self.kind == "field":
+            last = max(_items("field", holder).values(), key=lambda item: item[1])[0]
+            return [insert_after(text, last, f"{FIELD_COMMENT}\n{self.added}\n")]
+        if self.kind == "param":
+            first = [*holder.args.posonlyargs, *holder.args.args][-1]
+            last = holder.args.defaults[-1] if holder.args.defaults and holder.args.args else first
+        elif self.kind == "keyword":
+            items: list[Located] = [*holder.args, *holder.keywords]
+            first = last = max(items, key=lambda n: (n.end_lineno or 0, n.end_col_offset or 0))
+        else:
+            first, last = holder.keys[-1] or holder.values[-1], holder.values[-1]  # None: `**x`
+        return [append_item(text, holder, first, last, self.added)]
 
 
 @dataclass(frozen=True)
@@ -417,10 +354,8 @@ class Plan(Part):
                 + (f" ({len(found)} candidate regions)" if found else ""),
                 short(src.segment(node), 60),
                 (
-                    f"fork: {dedent(forms.PLAN_HEAD)}if {forms.PLAN_MISS}:\n"
-                    f"{indented(forms.FORK_CHOICE)}    [K3_MAMBA_BC debug block]\n"
-                    f"{indented(forms.PLAN_TAIL)}",
-                    f"older k3-group-routing fix: the same with\n{indented(forms.LEGACY_CHOICE)}",
+                    f"fork: {forms.PLANS['fork', True]}",
+                    f"older k3-group-routing fix: {forms.PLANS['legacy', True]}",
                     f"k3patch: {dedent(forms.K3PATCH_PLAN)}",
                 ),
                 node.lineno,
@@ -462,14 +397,12 @@ class LegacyGrowth(Part):
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
 class Site:
     """One hop the block ids take: its parts look at one class (a field site) or method."""
 
-    name: str
-    file: str
-    what: str  # what k3patch does here, for reports
-    parts: tuple[Part, ...]
+    def __init__(self, name: str, file: str, what: str, *parts: Part) -> None:
+        self.name, self.file, self.parts = name, file, parts
+        self.what = what  # what k3patch does here, for reports
 
     @property
     def scope(self) -> str:
@@ -477,11 +410,8 @@ class Site:
 
     def node(self, src: SourceFile) -> ast.ClassDef | ast.FunctionDef | None:
         node = find_scope(src.tree, self.scope)
-        return (
-            node
-            if isinstance(node, ast.FunctionDef if "." in self.scope else ast.ClassDef)
-            else None
-        )
+        kind = ast.FunctionDef if "." in self.scope else ast.ClassDef
+        return node if isinstance(node, kind) else None
 
     def look(self, src: SourceFile) -> tuple[Look, bool]:
         """The site's verdict, shape and detail as one Look, and whether it is evidence."""
@@ -512,10 +442,8 @@ class Site:
     def result(self, patch_id: str, src: SourceFile) -> tuple[SiteResult, bool]:
         look, evidence = self.look(src)
         verdict = look.verdict or DRIFTED  # a site's look always has one
-        where = (look.line, look.found, look.expected)
-        return SiteResult(
-            patch_id, self.name, self.file, verdict, look.shape, look.why, *where
-        ), evidence
+        fields = (verdict, look.shape, look.why, look.line, look.found, look.expected)
+        return SiteResult(patch_id, self.name, self.file, *fields), evidence
 
     def edits(self, src: SourceFile, text: SourceText) -> list[Edit]:
         node = self.node(src)

@@ -29,27 +29,19 @@ def _has(node: ast.AST | None, expression: str) -> bool:
     )
 
 
-def _native_033(connector: SourceFile, engine: SourceFile) -> bool:
-    fn = function(engine, "MoRIIOWriter._prepare_transfer_plan")
-    return _has(fn, "self.worker.layer_to_group[task.layer_name]")
-
-
-def _native_031(connector: SourceFile, engine: SourceFile) -> bool:
+def _native_031(connector: SourceFile) -> bool:
     init = function(connector, "MoRIIOConnectorWorker.__init__")
     wanted = "self.layer_to_group = dict(kv_cache_config.transfer_group_index_by_layer)"
-    return (
-        find_function(connector.tree, "_split_kv_cache_group_kinds") is not None
-        and init is not None
-        and bool(search(wanted, init))
-    )
+    split = find_function(connector.tree, "_split_kv_cache_group_kinds")
+    return split is not None and init is not None and bool(search(wanted, init))
 
 
-def _hma_sliding_window_030(connector: SourceFile, engine: SourceFile) -> bool:
+def _hma_sliding_window(connector: SourceFile) -> bool:
     init = function(connector, "MoRIIOConnectorScheduler.__init__")
     return init is not None and "_is_hma_required" in mentioned_names(init, everything=True)
 
 
-def _single_group(connector: SourceFile, engine: SourceFile) -> bool:
+def _single_group(connector: SourceFile) -> bool:
     cls = find_class(connector.tree, "MoRIIOConnector")
     if cls is None or "SupportsHMA" in {ast.unparse(b).split(".")[-1] for b in cls.bases}:
         return False
@@ -61,7 +53,10 @@ NATIVE_SHAPES = (
     UpstreamShape(
         "upstream 0.33.0+ native per-group WRITE routing",
         Verdict.SATISFIED,
-        _native_033,
+        lambda connector, engine: _has(
+            function(engine, "MoRIIOWriter._prepare_transfer_plan"),
+            "self.worker.layer_to_group[task.layer_name]",
+        ),
         "MoRIIOWriter._prepare_transfer_plan takes `group = self.worker.layer_to_group"
         "[task.layer_name]` and indexes `task.local_block_ids[group]` / "
         "`request_info.block_ids[group]`; groups are split by spec, not position",
@@ -69,7 +64,7 @@ NATIVE_SHAPES = (
     UpstreamShape(
         "upstream 0.31.0-0.32.0 native per-group routing",
         Verdict.SATISFIED,
-        _native_031,
+        lambda connector, engine: _native_031(connector),
         "groups are classified by spec (`_split_kv_cache_group_kinds`) and the worker maps "
         "`layer_to_group = dict(kv_cache_config.transfer_group_index_by_layer)`; READ mode "
         "routes per group, WRITE with a Mamba group is refused by register_kv_caches, never "
@@ -78,7 +73,7 @@ NATIVE_SHAPES = (
     UpstreamShape(
         "upstream 0.30.0 sliding-window-only HMA",
         Verdict.NOT_APPLICABLE,
-        _hma_sliding_window_030,
+        lambda connector, engine: _hma_sliding_window(connector),
         "MoRIIO supports hybrid KV caches for sliding-window models only (READ mode); a Mamba "
         "group is refused at scheduler init, so Kimi-K3 cannot use MoRIIO on this version",
     ),
@@ -88,7 +83,7 @@ NATIVE_SHAPES = (
 SINGLE_GROUP_SHAPE = UpstreamShape(
     "upstream 0.14.1-0.29.0 single-group connector",
     Verdict.NOT_APPLICABLE,
-    _single_group,
+    lambda connector, engine: _single_group(connector),
     "no hybrid support: MoRIIOConnector does not implement SupportsHMA, so vLLM runs it "
     "with exactly one KV-cache group (the scheduler asserts it) and it reads block ids "
     "[0] only; Kimi-K3 (four groups) cannot use MoRIIO on this version",
