@@ -13,7 +13,7 @@ import stat
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up cost)
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping, Sequence
+    from collections.abc import Iterable, Iterator, Mapping, Sequence
     from typing import Any
 
 JSON_SCHEMA_VERSION = 1
@@ -70,6 +70,68 @@ def load_json(data: bytes) -> Any:
     if text[end:].strip(whitespace):
         raise ValueError(f"extra data after the JSON value at character {end}")
     return value
+
+
+def dump_json(data: Any) -> str:
+    """`json.dumps(data, indent=2)`, byte for byte, without importing `json` (see load_json):
+    the `--json` output of the no-op path, which a Slurm preflight asks every node for. Strings
+    go through the same C escaper `json` uses; anything this does not know goes to `json`."""
+    quote: Any
+    try:
+        from _json import encode_basestring_ascii as quote
+    except ImportError:
+        quote = None
+    if quote is not None:
+        try:
+            return "".join(_encode(data, quote, "\n"))
+        except (TypeError, RecursionError):
+            pass  # a type JSON has no plain form for, or a cycle: let `json` say it
+    import json
+
+    return json.dumps(data, indent=2)
+
+
+def _encode(value: Any, quote: Any, newline: str) -> Iterator[str]:
+    if isinstance(value, str):
+        yield quote(value)
+    elif value is None or value is True or value is False:
+        yield {None: "null", True: "true", False: "false"}[value]
+    elif isinstance(value, int | float):
+        yield _number(value)
+    elif isinstance(value, list | tuple):
+        if not value:
+            yield "[]"
+            return
+        inner = newline + "  "
+        yield "["
+        for i, item in enumerate(value):
+            yield inner if i == 0 else "," + inner
+            yield from _encode(item, quote, inner)
+        yield newline + "]"
+    elif isinstance(value, dict):
+        if not value:
+            yield "{}"
+            return
+        inner = newline + "  "
+        yield "{"
+        for i, (key, item) in enumerate(value.items()):
+            if not isinstance(key, str):
+                raise TypeError("a key JSON would convert")
+            yield (inner if i == 0 else "," + inner) + quote(key) + ": "
+            yield from _encode(item, quote, inner)
+        yield newline + "}"
+    else:
+        raise TypeError(type(value).__name__)
+
+
+def _number(value: int | float) -> str:
+    if isinstance(value, int):
+        return int.__repr__(value)
+    if value != value:
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return "Infinity" if value > 0 else "-Infinity"
+    return float.__repr__(value)
 
 
 class NotPlainFile(OSError):
@@ -293,8 +355,6 @@ def report_json(
 
 
 def envelope(command: str, exit_code: int, payload: Mapping[str, Any]) -> str:
-    import json
-
     from k3patch import __version__
 
     data = {
@@ -304,4 +364,4 @@ def envelope(command: str, exit_code: int, payload: Mapping[str, Any]) -> str:
         "exit_code": exit_code,
         **payload,
     }
-    return json.dumps(data, indent=2) + "\n"
+    return dump_json(data) + "\n"

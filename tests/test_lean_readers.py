@@ -173,3 +173,49 @@ def test_resolve_reads_the_declarations_patches_write():
 def test_resolve_agrees_with_the_regexes(expr, assignments):
     text = "\n" + "\n".join(f"{name} = {value}" for name, value in assignments) + "\n"
     assert formats._resolve(text, expr) == resolve_with_regexes(text, expr)
+
+
+# -- JSON out -----------------------------------------------------------------------------------
+
+out_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(out_values)
+def test_dump_json_writes_what_json_dumps_writes(value):
+    assert formats.dump_json(value) == json.dumps(value, indent=2)
+
+
+@pytest.mark.parametrize("value", [{1: "a"}, {"a": {None: 1}}, [object()], {"s": {1, 2}}])
+def test_dump_json_leaves_what_it_does_not_know_to_json(value):
+    try:
+        expected: object = json.dumps(value, indent=2)
+    except TypeError as exc:
+        expected = type(exc)
+    try:
+        got: object = formats.dump_json(value)
+    except TypeError as exc:
+        got = type(exc)
+    assert got == expected
+
+
+def test_dump_json_of_a_cycle_fails_as_json_does():
+    cycle: list[object] = []
+    cycle.append(cycle)
+    with pytest.raises(ValueError, match="Circular"):
+        formats.dump_json(cycle)
+
+
+def test_dump_json_without_the_c_escaper(monkeypatch):
+    monkeypatch.setitem(sys.modules, "_json", None)
+    assert formats.dump_json({"a": ["é", 1.5, None]}) == json.dumps(
+        {"a": ["é", 1.5, None]}, indent=2
+    )
