@@ -24,7 +24,7 @@ from k3patch.patches import moriio_chunk_gate as gate
 from k3patch.patches.moriio_chunk_gate import gates
 from patch_table import Change, assert_rewrite, assert_untouched
 
-from k3patch.model import Sources, Verdict
+from k3patch.model import Sources, Verdict, find_def
 
 ONLY = ["--only", "moriio-chunk-gate"]
 REL = "vllm/" + gate.FILE
@@ -179,7 +179,7 @@ def test_post_image_reads_only_names_the_method_binds(make_tree):
             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
         }
     assert added == {"req", "req_id", "self", "scheduler_output"}
-    method = gates.method_of(ast.parse(text))
+    method = find_def(ast.parse(text), f"{gate.CLASS}.{gate.METHOD}")
     assert method is not None
     assert "scheduler_output" in {a.arg for a in method.args.args}
 
@@ -426,7 +426,7 @@ def test_legacy_repair_is_in_place_and_changes_only_the_decisions(fork_tree):
     assert "self._k3_prog = {}" in after
     assert after.count("K3_CHUNK_GATE_SLACK") == before.count("K3_CHUNK_GATE_SLACK") == 1
     module = ast.parse(after)
-    method = gates.method_of(module)
+    method = find_def(module, f"{gate.CLASS}.{gate.METHOD}")
     assert method is not None
     # Nothing decides through the helper any more: its only caller is gone.
     calls = [

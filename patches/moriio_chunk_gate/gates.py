@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ from k3patch.model import (
     SourceFile,
     Verdict,
     attribute_names,
+    find_def,
     find_method,
     find_scope,
     loaded_names,
@@ -62,11 +62,6 @@ GATE_WORDS = frozenset({"num_prompt_tokens", UPSTREAM_HELPER, LEGACY_HELPER})
 FINAL, NOT_FINAL, WRONG = "final", "not final", "wrong"
 
 
-def method_of(module: ast.Module) -> ast.FunctionDef | None:
-    found = find_scope(module, f"{CLASS}.{METHOD}")
-    return found if isinstance(found, ast.FunctionDef) else None
-
-
 def loops(method: ast.FunctionDef, over: str) -> list[ast.For]:
     attribute = over.rsplit(".", 1)[-1]
     return [
@@ -91,7 +86,7 @@ def classify_sites(src: SourceFile) -> list[SiteResult]:
     if not src.exists:
         why = "no MoRIIO connector in this vLLM (it first ships in 0.14.1)"
         return [site_result(s, Verdict.NOT_APPLICABLE, why) for s in (G1, G2)]
-    if method_of(src.tree) is None:
+    if find_def(src.tree, f"{CLASS}.{METHOD}") is None:
         why = f"moriio_connector.py has no {CLASS}.{METHOD}; the connector was restructured"
         return [site_result(s, Verdict.DRIFTED, why) for s in (G1, G2)]
     context = Context.of(src.tree)
@@ -219,7 +214,7 @@ class Context:
 
     @classmethod
     def of(cls, module: ast.Module) -> Context:
-        method, klass = method_of(module), find_scope(module, CLASS)
+        method, klass = find_def(module, f"{CLASS}.{METHOD}"), find_scope(module, CLASS)
         if method is None or not isinstance(klass, ast.ClassDef):
             raise ValueError(f"{CLASS}.{METHOD} is gone")
         return cls(module, method, klass)
@@ -587,23 +582,17 @@ def _chain_at(block: list[ast.stmt], index: int, part: str) -> Chain | None:
     value = decision.value
     if not (calls(value, LEGACY_HELPER) or "num_prompt_tokens" in mentioned_names(value)):
         return None
-    rest = block[index + 1 :]
-    fallback = None
-    if rest and isinstance(rest[0], ast.If) and match(f"{name} is None", rest[0].test) is not None:
-        fallback = rest.pop(0)
-    debug = itertools.takewhile(
-        lambda s: (
-            isinstance(s, ast.If) and LEGACY_DEBUG in mentioned_names(s.test, everything=True)
-        ),
-        rest,
-    )
-    gate = rest[len(list(debug)) :][:1]
-    if not (
-        gate and isinstance(gate[0], ast.If) and match(name, negated(gate[0].test)[0]) is not None
-    ):
+    ifs: list[ast.If] = []
+    for stmt in block[index + 1 :]:
+        if not isinstance(stmt, ast.If):
+            break
+        ifs.append(stmt)
+    fallback = ifs.pop(0) if ifs and match(f"{name} is None", ifs[0].test) is not None else None
+    while ifs and LEGACY_DEBUG in mentioned_names(ifs[0].test, everything=True):
+        ifs.pop(0)
+    if not ifs or match(name, negated(ifs[0].test)[0]) is None:
         return None
-    assert fallback is None or isinstance(fallback, ast.If)
-    return Chain(part, block, index, name, decision, fallback, gate[0])
+    return Chain(part, block, index, name, decision, fallback, ifs[0])
 
 
 def _chains_in(roots: list[ast.For], part: str) -> list[Chain]:
