@@ -107,6 +107,9 @@ def main() -> None:
             "--no-deps",
             "--no-compile",
             "--disable-pip-version-check",
+            # The dev venv's k3patch (editable) is visible through bench-deps.pth: install
+            # the measured source anyway, into the bench venv itself.
+            "--ignore-installed",
             args.source,
         ],
         check=True,
