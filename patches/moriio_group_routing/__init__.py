@@ -56,8 +56,8 @@ _MENTIONS = re.compile(r"\b(?:mamba_local_block_ids|mamba_block_notify_list|k3pa
 SCHED = "MoRIIOConnectorScheduler"
 WORKER = "MoRIIOConnectorWorker"
 USAA = f"{SCHED}.update_state_after_alloc"
-NOTIFY = "k3patch_group_block_notify"
-GIVE = f"{FIELD_NAME}={FIELD_NAME}"
+NOTIFY_PARAM = "k3patch_group_block_notify"
+PASS_GROUP_LISTS = f"{FIELD_NAME}={FIELD_NAME}"
 
 # The fork's sites, one per hop the block ids take (SITES.md section 1, "The fork").
 FORK_SITES = (
@@ -95,7 +95,7 @@ FORK_SITES = (
         Item(
             "keyword",
             "mamba_block_notify_list=mamba_block_notify_list",
-            f"{NOTIFY}=_k3patch_group_notify",
+            f"{NOTIFY_PARAM}=_k3patch_group_notify",
             "send_notify_block",
         ),
     ),
@@ -103,8 +103,8 @@ FORK_SITES = (
         f"{SCHED}.send_notify_block",
         CONNECTOR,
         "the notify message has a `k3patch_group_block_ids` key",
-        Item("param", "mamba_block_notify_list", f"{NOTIFY}: list[list[int]] | None = None"),
-        Item("key", '"mamba_block_notify_list"', f'"{FIELD_NAME}": {NOTIFY}'),
+        Item("param", "mamba_block_notify_list", f"{NOTIFY_PARAM}: list[list[int]] | None = None"),
+        Item("key", '"mamba_block_notify_list"', f'"{FIELD_NAME}": {NOTIFY_PARAM}'),
     ),
     Site(
         f"{SCHED}.build_connector_meta",
@@ -134,7 +134,9 @@ FORK_SITES = (
         CONNECTOR,
         "every group's block ids go into the write task",
         Item("param", "mamba_local_block_ids", f"{FIELD_NAME}: list[list[int]] | None = None"),
-        Item("keyword", "mamba_local_block_ids=mamba_local_block_ids", GIVE, "WriteTask"),
+        Item(
+            "keyword", "mamba_local_block_ids=mamba_local_block_ids", PASS_GROUP_LISTS, "WriteTask"
+        ),
     ),
     Site(
         f"{WORKER}._write_blocks_for_req",

@@ -201,17 +201,16 @@ def dedent(source: str) -> str:
     return textwrap.dedent(source).strip("\n") + "\n"
 
 
-def indented(source: str) -> str:
-    return textwrap.indent(dedent(source), "    ")
-
-
 # (kind, debug) -> the pattern of the region with that choice; with `debug`, the two statements
 # of the K3_MAMBA_BC block as holes between the choice and the offsets call (judged by their
 # own rule). k3patch's own region is K3PATCH_PLAN.
 PLANS = {
     (kind, debug): f"{dedent(PLAN_HEAD)}if {PLAN_MISS}:\n"
-    + indented(
-        dedent(choice) + ("HOLE_debug_import\nHOLE_debug_gate\n" if debug else "") + PLAN_TAIL
+    + textwrap.indent(
+        dedent(choice)
+        + ("HOLE_debug_import\nHOLE_debug_gate\n" if debug else "")
+        + dedent(PLAN_TAIL),
+        "    ",
     )
     for kind, choice in (("fork", FORK_CHOICE), ("legacy", LEGACY_CHOICE))
     for debug in (False, True)

@@ -68,7 +68,7 @@ class Part:
     evidence = False
 
     def look(self, src: SourceFile, node: Any, scope: str) -> Look:
-        """`node`: the site's class (for a Field) or function, `scope` its path (for reports)."""
+        """`node`: the site's class (a field site) or function, `scope` its path (for reports)."""
         raise NotImplementedError
 
     def edits(self, src: SourceFile, text: SourceText, node: Any) -> list[Edit]:
@@ -392,9 +392,6 @@ class LegacyGrowth(Part):
             return Look(None, why=why, shape=forms.LEGACY_CHUNKED_SHAPE)
         why = f"older k3-group-routing fix: {forms.FIRST_CHUNK_DEFECT}"
         return Look(None, why=why, shape=forms.LEGACY_SHAPE)
-
-
-# --------------------------------------------------------------------------------------------
 
 
 class Site:
