@@ -199,9 +199,14 @@ def main() -> None:
                 statistics.median(ratios),
             )
         )
-        cold = statistics.median(colds)
-        conc_samples = []
+        conc_samples, conc_ratios = [], []
         for _ in range(rounds):
+            # Paired as above: a cold apply of the same mode right before each round, so that
+            # a drift of the machine's speed between rounds cancels out of the ratio.
+            reset_fresh()
+            cold_before, code, out = timed([*k3, "apply", *mode, "--vllm", str(fresh)], env)
+            if code != 0:
+                raise SystemExit(f"cold apply {label} exited {code}: {out[-500:]}")
             reset_fresh()
             cmd = [*k3, "apply", *mode, "--vllm", str(fresh)]
 
@@ -212,6 +217,7 @@ def main() -> None:
             with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
                 results = list(pool.map(one_apply, range(args.concurrency)))
             conc_samples.append(time.perf_counter() - start)
+            conc_ratios.append(conc_samples[-1] / cold_before)
             codes = [r.returncode for r in results]
             if any(codes):
                 raise SystemExit(f"concurrent apply {label} exit codes: {codes}")
@@ -230,12 +236,13 @@ def main() -> None:
             elif tree != reference_tree:
                 raise SystemExit(f"concurrent apply {label} left other bytes than the first run")
         conc = statistics.median(conc_samples)
+        paired = statistics.median(conc_ratios)
         rows.append(
             (
                 f"{args.concurrency} concurrent apply {label}, one fresh tree (wall)",
                 conc,
-                "one cold apply, same mode",
-                conc / cold,
+                "one cold apply, same mode (paired)",
+                paired,
             )
         )
 
@@ -272,7 +279,8 @@ def main() -> None:
         f"Command: `.venv/bin/python benchmarks/bench.py --version {args.version} --runs {n} "
         f"--rounds {rounds}" + ("" if args.source == str(ROOT) else " --source EXPORT") + "` "
         f"(medians of {n} runs; cold apply {cold_runs} runs per mode, each paired with an "
-        f"`import libcst` right after it; concurrency {rounds} rounds per mode; writers per "
+        f"`import libcst` right after it; concurrency {rounds} rounds per mode, each paired "
+        f"with a cold apply right before it; writers per "
         f"--json round: {writers_seen}). Source measured: "
         + ("this checkout" if args.source == str(ROOT) else f"{args.source}")
         + ". Every k3patch run's stdout is a pipe, as in `docker logs`.",
