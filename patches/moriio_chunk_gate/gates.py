@@ -542,8 +542,9 @@ def _helper_is_progress(context: Context) -> bool:
 
 LEGACY_MAP = "_k3_prog"
 # k3patch's repaired decision about `req`, as a report shows it.
-_REPAIRED = ast.unparse(ast.parse(LEGACY_TEMPLATE.format(name="x", req="req", req_id="req_id")))
-_REPAIRED = _REPAIRED.split(" = ", 1)[1]
+_REPAIRED = ast.unparse(
+    ast.parse(LEGACY_TEMPLATE.format(name="x", req="req", req_id="req_id"))
+).split(" = ", 1)[1]
 LEGACY_DEBUG = "K3_CHUNK_GATE_DEBUG"
 # The block-count fallback each site's older form keeps, as the script writes it.
 LEGACY_FALLBACK = {
