@@ -33,13 +33,13 @@ import re
 from dataclasses import replace
 
 from k3patch.edits import SourceText, apply_edits
-from k3patch.model import Patch, ProbeOutcome, SiteResult, Sources, Verdict, module_binds
+from k3patch.model import Patch, ProbeOutcome, SiteResult, Sources, Verdict, find_def, module_binds
 from k3patch.shapes import match
 
 from . import forms
 from .forms import FIELD_NAME, FORK_FIELDS
 from .sites import Function, Insert, Item, LegacyGrowth, Plan, Requires, Site, short, takes
-from .upstream import NATIVE_SHAPES, SINGLE_GROUP_SHAPE, UPSTREAM_SHAPES, function
+from .upstream import NATIVE_SHAPES, SINGLE_GROUP_SHAPE, UPSTREAM_SHAPES
 
 PACKAGE = "distributed/kv_transfer/kv_connector/v1/moriio"
 COMMON = f"{PACKAGE}/moriio_common.py"
@@ -221,7 +221,7 @@ class MoriioGroupRouting(Patch):
             "the fork's mamba block ids (pending)",
         )
         results = [replace(r, expected=expected) for r in self._each_file(Verdict.DRIFTED, why)]
-        plan = function(engine, "MoRIIOWriter._prepare_transfer_plan")
+        plan = find_def(engine.tree, "MoRIIOWriter._prepare_transfer_plan")
         if plan is not None:
             results[-1] = replace(results[-1], line=plan.lineno, found=short(engine.segment(plan)))
         return results

@@ -21,6 +21,7 @@ from k3patch.model import (
     SiteResult,
     SourceFile,
     Verdict,
+    find_def,
     find_function,
     find_scope,
     mentioned_names,
@@ -50,11 +51,6 @@ def drift(
     why: str, found: str = "", expected: tuple[str, ...] = (), line: int | None = None
 ) -> Look:
     return Look(DRIFTED, line, found, expected, why)
-
-
-def function(src: SourceFile, scope: str) -> ast.FunctionDef | None:
-    node = find_scope(src.tree, scope)
-    return node if isinstance(node, ast.FunctionDef) else None
 
 
 def short(text: str, lines: int = 40) -> str:
@@ -384,7 +380,7 @@ class LegacyGrowth(Part):
     capture_in: str
 
     def look(self, src: SourceFile, node: ast.FunctionDef, scope: str) -> Look:
-        capture = function(src, self.capture_in)
+        capture = find_def(src.tree, self.capture_in)
         if capture is None or not search(forms.LEGACY_CAPTURE, capture):
             return Look(None)
         if search(forms.CHUNKED_ALLGRP, node):

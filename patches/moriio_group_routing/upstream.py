@@ -7,10 +7,8 @@ import ast
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from k3patch.model import SourceFile, Verdict, find_class, find_function, mentioned_names
+from k3patch.model import SourceFile, Verdict, find_class, find_def, find_function, mentioned_names
 from k3patch.shapes import match, parse_pattern, search
-
-from .sites import function
 
 
 @dataclass(frozen=True)
@@ -29,19 +27,24 @@ def _has(node: ast.AST | None, expression: str) -> bool:
     )
 
 
-def _native_031(connector: SourceFile) -> bool:
-    init = function(connector, "MoRIIOConnectorWorker.__init__")
+def _native_033(connector: SourceFile, engine: SourceFile) -> bool:
+    plan = find_def(engine.tree, "MoRIIOWriter._prepare_transfer_plan")
+    return _has(plan, "self.worker.layer_to_group[task.layer_name]")
+
+
+def _native_031(connector: SourceFile, engine: SourceFile) -> bool:
+    init = find_def(connector.tree, "MoRIIOConnectorWorker.__init__")
     wanted = "self.layer_to_group = dict(kv_cache_config.transfer_group_index_by_layer)"
     split = find_function(connector.tree, "_split_kv_cache_group_kinds")
     return split is not None and init is not None and bool(search(wanted, init))
 
 
-def _hma_sliding_window(connector: SourceFile) -> bool:
-    init = function(connector, "MoRIIOConnectorScheduler.__init__")
+def _hma_sliding_window_030(connector: SourceFile, engine: SourceFile) -> bool:
+    init = find_def(connector.tree, "MoRIIOConnectorScheduler.__init__")
     return init is not None and "_is_hma_required" in mentioned_names(init, everything=True)
 
 
-def _single_group(connector: SourceFile) -> bool:
+def _single_group(connector: SourceFile, engine: SourceFile) -> bool:
     cls = find_class(connector.tree, "MoRIIOConnector")
     if cls is None or "SupportsHMA" in {ast.unparse(b).split(".")[-1] for b in cls.bases}:
         return False
@@ -53,10 +56,7 @@ NATIVE_SHAPES = (
     UpstreamShape(
         "upstream 0.33.0+ native per-group WRITE routing",
         Verdict.SATISFIED,
-        lambda connector, engine: _has(
-            function(engine, "MoRIIOWriter._prepare_transfer_plan"),
-            "self.worker.layer_to_group[task.layer_name]",
-        ),
+        _native_033,
         "MoRIIOWriter._prepare_transfer_plan takes `group = self.worker.layer_to_group"
         "[task.layer_name]` and indexes `task.local_block_ids[group]` / "
         "`request_info.block_ids[group]`; groups are split by spec, not position",
@@ -64,7 +64,7 @@ NATIVE_SHAPES = (
     UpstreamShape(
         "upstream 0.31.0-0.32.0 native per-group routing",
         Verdict.SATISFIED,
-        lambda connector, engine: _native_031(connector),
+        _native_031,
         "groups are classified by spec (`_split_kv_cache_group_kinds`) and the worker maps "
         "`layer_to_group = dict(kv_cache_config.transfer_group_index_by_layer)`; READ mode "
         "routes per group, WRITE with a Mamba group is refused by register_kv_caches, never "
@@ -73,7 +73,7 @@ NATIVE_SHAPES = (
     UpstreamShape(
         "upstream 0.30.0 sliding-window-only HMA",
         Verdict.NOT_APPLICABLE,
-        lambda connector, engine: _hma_sliding_window(connector),
+        _hma_sliding_window_030,
         "MoRIIO supports hybrid KV caches for sliding-window models only (READ mode); a Mamba "
         "group is refused at scheduler init, so Kimi-K3 cannot use MoRIIO on this version",
     ),
@@ -83,7 +83,7 @@ NATIVE_SHAPES = (
 SINGLE_GROUP_SHAPE = UpstreamShape(
     "upstream 0.14.1-0.29.0 single-group connector",
     Verdict.NOT_APPLICABLE,
-    lambda connector, engine: _single_group(connector),
+    _single_group,
     "no hybrid support: MoRIIOConnector does not implement SupportsHMA, so vLLM runs it "
     "with exactly one KV-cache group (the scheduler asserts it) and it reads block ids "
     "[0] only; Kimi-K3 (four groups) cannot use MoRIIO on this version",
