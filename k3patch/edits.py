@@ -24,7 +24,8 @@ import tokenize
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from k3patch.model import bindings
+from k3patch.model import module_binds
+from k3patch.shapes import is_docstring
 
 _LINE_END = re.compile(r"\r\n|\r|\n")
 # The rest of an item's line when a trailing comma (and perhaps a comment) ends it.
@@ -234,11 +235,6 @@ def append_item(src: SourceText, opener: Located, first: Located, last: Located,
     return Edit(at, at, f", {item}")
 
 
-def binds(module: ast.Module, name: str) -> bool:
-    """Whether the module binds `name` at top level (import, def, class or assignment)."""
-    return bool(bindings(module.body, name))
-
-
 def _is_stdlib_import(stmt: ast.stmt) -> bool:
     return isinstance(stmt, ast.Import) and all(
         a.name.split(".")[0] in sys.stdlib_module_names for a in stmt.names
@@ -252,11 +248,11 @@ def ensure_import(src: SourceText, module: ast.Module, name: str) -> Edit | None
     after the docstring and `from __future__` imports, with a blank line before the next
     statement unless that is a standard-library import too. Any other module goes after the
     module's last top-level import (or its docstring, or at the top)."""
-    if binds(module, name):
+    if module_binds(module, name):
         return None
     body = module.body
     if name.split(".")[0] in sys.stdlib_module_names:
-        head = 1 if body and _is_docstring(body[0]) else 0
+        head = 1 if body and is_docstring(body[0]) else 0
         while (
             head < len(body)
             and isinstance(body[head], ast.ImportFrom)
@@ -271,17 +267,9 @@ def ensure_import(src: SourceText, module: ast.Module, name: str) -> Edit | None
     imports = [s for s in module.body if isinstance(s, ast.Import | ast.ImportFrom)]
     if imports:
         return insert_after(src, imports[-1], f"import {name}")
-    if body and _is_docstring(body[0]):
+    if body and is_docstring(body[0]):
         return insert_after(src, body[0], f"import {name}")
     return Edit(0, 0, f"import {name}{src.newline}")
-
-
-def _is_docstring(stmt: ast.stmt) -> bool:
-    return (
-        isinstance(stmt, ast.Expr)
-        and isinstance(stmt.value, ast.Constant)
-        and isinstance(stmt.value.value, str)
-    )
 
 
 def _append(src: SourceText, line: str) -> Edit:

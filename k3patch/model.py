@@ -155,12 +155,13 @@ def site_fingerprint(node: ast.AST | list[ast.stmt]) -> str:
 
 def source_fingerprint(source: str) -> str:
     """The fingerprint of a code snippet (a whole definition or a run of statements)."""
-    module = ast.parse(_dedent(source))
+    module = ast.parse(dedent(source))
     body: list[ast.stmt] = module.body
     return site_fingerprint(body[0] if len(body) == 1 else body)
 
 
-def _dedent(source: str) -> str:
+def dedent(source: str) -> str:
+    """A snippet written indented in a triple-quoted string, as the text of a module."""
     import textwrap
 
     return textwrap.dedent(source).strip("\n") + "\n"

@@ -59,7 +59,7 @@ def _is_elision(stmt: ast.stmt) -> bool:
     )
 
 
-def _is_docstring(stmt: ast.stmt) -> bool:
+def is_docstring(stmt: ast.stmt) -> bool:
     return (
         isinstance(stmt, ast.Expr)
         and isinstance(stmt.value, ast.Constant)
@@ -115,7 +115,7 @@ def _match_body(
     """Statement lists: elisions match any run, statement holes one statement; docstrings of
     the target are skipped where the pattern has none."""
     target = list(target)
-    if target and _is_docstring(target[0]) and not (pattern and _is_docstring(pattern[0])):
+    if target and is_docstring(target[0]) and not (pattern and is_docstring(pattern[0])):
         target = target[1:]
 
     def go(i: int, j: int, bound: Bindings) -> Bindings | None:

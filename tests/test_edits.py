@@ -10,7 +10,7 @@ import pytest
 
 from k3patch import edits
 from k3patch.edits import Edit, EditError, SourceText, apply_edits, header_end
-from k3patch.model import SourceFile
+from k3patch.model import SourceFile, module_binds
 
 ODD_CHARS = ["\f", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
 
@@ -102,8 +102,8 @@ def test_ensure_import_only_when_unbound():
     assert apply_edits(text, [third]) == '"""doc"""\nimport sys\nimport torch\n\nx = 1\n'
     bound = "import os as os\n"
     assert edits.ensure_import(SourceText(bound), ast.parse(bound), "os") is None
-    assert edits.binds(ast.parse("os = None\n"), "os")
-    assert not edits.binds(ast.parse("def f():\n    import os\n"), "os")
+    assert module_binds(ast.parse("os = None\n"), "os")
+    assert not module_binds(ast.parse("def f():\n    import os\n"), "os")
 
 
 IMPORT_OS = {
@@ -134,8 +134,8 @@ def test_ensure_import_leaves_a_bound_name(bound):
 
 def test_binding_means_storing_the_bare_name():
     # `os.environ[...] = ...` and `table[os] = ...` read `os`; only a stored name binds it.
-    assert not edits.binds(ast.parse('os.environ["A"] = "1"\ntable[os] = 1\n'), "os")
-    assert edits.binds(ast.parse("a, os = 1, 2\n"), "os")
+    assert not module_binds(ast.parse('os.environ["A"] = "1"\ntable[os] = 1\n'), "os")
+    assert module_binds(ast.parse("a, os = 1, 2\n"), "os")
 
 
 def test_nest_under_leaves_multiline_string_content_alone():

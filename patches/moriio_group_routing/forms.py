@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import textwrap
 
+from k3patch.model import dedent
+
 FIELD_NAME = "k3patch_group_block_ids"
 FIELD = f"{FIELD_NAME}: list[list[int]] | None = None"
 FIELD_COMMENT = "# k3patch moriio-group-routing: block ids of every KV-cache group"
@@ -195,10 +197,6 @@ else:
 # The fork's optional diagnostic between the choice and the offsets call:
 # `import os as X` then `if X.environ.get('K3_MAMBA_BC', '0') == '1': ...` (it logs the choice).
 DEBUG_TEST = "{alias}.environ.get('K3_MAMBA_BC', '0') == '1'"
-
-
-def dedent(source: str) -> str:
-    return textwrap.dedent(source).strip("\n") + "\n"
 
 
 # (kind, debug) -> the pattern of the region with that choice; with `debug`, the two statements

@@ -21,6 +21,7 @@ from k3patch.model import (
     SiteResult,
     SourceFile,
     Verdict,
+    dedent,
     find_def,
     find_function,
     find_scope,
@@ -32,7 +33,7 @@ from k3patch.model import (
 from k3patch.shapes import match, parse_pattern, search
 
 from . import forms
-from .forms import FIELD_COMMENT, FIELD_NAME, dedent
+from .forms import FIELD_COMMENT, FIELD_NAME
 
 PENDING, APPLIED, DRIFTED = Verdict.PENDING, Verdict.APPLIED, Verdict.DRIFTED
 
