@@ -511,6 +511,12 @@ GATES = {
     'os.environ.get("OTHER", "0") == "1"': False,
     'os.environ.get("K3_KDA_GATHER_LOG", "1") == "1"': False,
     'os.getenv("K3_KDA_GATHER_LOG", "1") == "1"': False,
+    # on when the variable is unset, by keyword: not a gate (it was read as one before)
+    'os.getenv("K3_KDA_GATHER_LOG", default="1") == "1"': False,
+    'os.environ.get("K3_KDA_GATHER_LOG", default=flag) == "1"': False,
+    'os.getenv("K3_KDA_GATHER_LOG", default="0") == "1"': True,
+    'os.getenv("K3_KDA_GATHER_LOG", **opts) == "1"': False,
+    'os.getenv("K3_KDA_GATHER_LOG", "0", default="0") == "1"': False,
     'bool(x.any()) and os.environ.get("K3_KDA_GATHER_LOG") == "1"': False,
 }
 

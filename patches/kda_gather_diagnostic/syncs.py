@@ -126,8 +126,12 @@ def is_gate(test: ast.expr) -> bool:
         and _constant(call.args[0]) == ENV
     ):
         return False
-    # A default of "1" (or one that is not a constant) could make the unset variable read as on.
-    if len(call.args) > 1 and _constant(call.args[1], "1") == "1":
+    # A default of "1" (or one that is not a constant) could make the unset variable read as on,
+    # whether it is passed by position or as `default=`; any other keyword is not a gate we know.
+    defaults = call.args[1:] + [k.value for k in call.keywords if k.arg == "default"]
+    if len(defaults) > 1 or any(k.arg != "default" for k in call.keywords):
+        return False
+    if defaults and _constant(defaults[0], "1") == "1":
         return False
     owner = call.func.value
     if call.func.attr == "getenv":
