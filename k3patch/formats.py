@@ -21,17 +21,23 @@ STATE_SCHEMA_VERSION = 1
 _GOOD = ("applied", "satisfied", "not applicable")
 
 
+_SHA256: list[Any] = []  # the constructor, found on first use
+
+
 def sha256(data: bytes = b"") -> Any:
     """A sha256 hasher. The interpreter's built-in one where it has it: `hashlib` loads OpenSSL
-    first (2-3 ms of start-up), and every rank's entrypoint hashes a handful of small files."""
-    try:
-        from _sha2 import sha256 as builtin  # type: ignore[import-not-found]  # 3.12 and later
-    except ImportError:
+    first (2-3 ms of start-up), and every rank's entrypoint hashes a handful of small files.
+    Looked up once: a failed import is not cached and would search sys.path on every call."""
+    if not _SHA256:
         try:
-            from _sha256 import sha256 as builtin  # type: ignore[import-not-found,no-redef]
+            from _sha2 import sha256 as builtin  # type: ignore[import-not-found]  # 3.12 and later
         except ImportError:
-            from hashlib import sha256 as builtin  # type: ignore[assignment]
-    return builtin(data)
+            try:
+                from _sha256 import sha256 as builtin  # type: ignore[import-not-found,no-redef]
+            except ImportError:
+                from hashlib import sha256 as builtin  # type: ignore[assignment]
+        _SHA256.append(builtin)
+    return _SHA256[0](data)
 
 
 class _ScanContext:

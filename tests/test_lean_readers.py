@@ -219,3 +219,16 @@ def test_dump_json_without_the_c_escaper(monkeypatch):
     assert formats.dump_json({"a": ["é", 1.5, None]}) == json.dumps(
         {"a": ["é", 1.5, None]}, indent=2
     )
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=5000), st.integers(1, 7))
+def test_sha256_is_hashlibs(data, pieces):
+    import hashlib
+
+    digest = formats.sha256()
+    step = max(1, len(data) // pieces)
+    for i in range(0, len(data), step):
+        digest.update(data[i : i + step])
+    assert digest.hexdigest() == hashlib.sha256(data).hexdigest()
+    assert formats.sha256(data).hexdigest() == hashlib.sha256(data).hexdigest()
