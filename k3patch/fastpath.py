@@ -14,18 +14,17 @@ output cannot diverge.
 from __future__ import annotations
 
 import os
-import stat
 import sys
 
 from k3patch.formats import (
     _GOOD,
     STATE_SCHEMA_VERSION,
-    NotPlainFile,
     _patch_set,
     envelope,
     file_sha256,
     load_json,
     quiet_line,
+    read_plain,
     report_json,
     state_digest,
 )
@@ -126,7 +125,7 @@ def fresh_record(state_dir: str, package_dir: str) -> dict[str, Any] | None:
 def _fresh_record(state_dir: str, package_dir: str, version: str) -> dict[str, Any] | None:
     if os.path.lexists(os.path.join(state_dir, "journal.json")) or os.path.islink(state_dir):
         return None
-    record = load_json(_read_plain(os.path.join(state_dir, "state.json")))
+    record = load_json(read_plain(os.path.join(state_dir, "state.json")))
     if (
         not isinstance(record, dict)
         or record.get("schema_version") != STATE_SCHEMA_VERSION
@@ -146,16 +145,6 @@ def _fresh_record(state_dir: str, package_dir: str, version: str) -> dict[str, A
         if file_sha256(os.path.join(package_dir, rel)) != record["scan"][rel]:
             return None
     return record
-
-
-def _read_plain(path: str) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NotPlainFile(0, "not a regular file", path)
-        return os.read(fd, 16 << 20)
-    finally:
-        os.close(fd)
 
 
 def _well_formed(record: dict[str, Any]) -> bool:

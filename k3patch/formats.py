@@ -144,18 +144,39 @@ class NotPlainFile(OSError):
     """A target that is a symlink, FIFO, device or directory: never opened for reading."""
 
 
-def file_sha256(path: str) -> str | None:
-    """The sha256 of a regular file, None when absent. Never follows a symlink and never
-    blocks on a FIFO (opened non-blocking, refused by fstat before any read)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise NotPlainFile(exc.errno, exc.strerror, path) from None
+def _open_plain(path: str) -> int:
+    """A read-only fd of the regular file at `path`. Never follows a symlink and never blocks
+    on a FIFO (opened non-blocking, refused by fstat before any read)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise NotPlainFile(0, "not a regular file", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_plain(path: str, limit: int = 16 << 20) -> bytes:
+    """At most `limit` bytes of the regular file at `path` (see _open_plain)."""
+    fd = _open_plain(path)
+    try:
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
+def file_sha256(path: str) -> str | None:
+    """The sha256 of a regular file, None when absent (see _open_plain)."""
+    try:
+        fd = _open_plain(path)
+    except FileNotFoundError:
+        return None
+    except NotPlainFile:
+        raise
+    except OSError as exc:
+        raise NotPlainFile(exc.errno, exc.strerror, path) from None
+    try:
         digest = sha256()
         while chunk := os.read(fd, 1 << 20):
             digest.update(chunk)
