@@ -455,6 +455,54 @@ def test_11_a_fifo_target_is_refused_without_hanging(make_tree):
     assert plugin.preflight_problem(str(site / "vllm")) is not None
 
 
+@pytest.mark.parametrize("swap", ["target", "record"])
+@pytest.mark.parametrize("kind", ["symlink to an identical copy", "fifo", "fifo holding the bytes"])
+def test_11_the_no_op_path_never_vouches_through_a_link_or_a_fifo(make_tree, tmp_path, swap, kind):
+    """A patched target (or the state record) replaced by a symlink to a byte-identical copy
+    outside the tree, or by a FIFO (empty, or with the file's own bytes waiting in it): the
+    no-op path must not answer from the record (the hash would match through the link or the
+    pipe); it answers exactly what the full path answers."""
+    site = make_tree("0.31.0")
+    engine.apply(locate(site))
+    path = site / "vllm" / (ROCM if swap == "target" else f".k3patch/{STATE_FILE}")
+    data = path.read_bytes()
+    pipe = None
+    if kind.startswith("fifo"):
+        path.unlink()
+        os.mkfifo(path)
+        if kind == "fifo holding the bytes":
+            assert len(data) < 65536  # all of it fits in the pipe's buffer
+            pipe = os.open(path, os.O_RDWR | os.O_NONBLOCK)  # keeps a writer: no EOF
+    else:
+        copy = tmp_path / "outside-copy"
+        shutil.copy2(path, copy)
+        path.unlink()
+        path.symlink_to(copy)
+    for args in (["status"], ["status", "--quiet"], ["apply", "--quiet"], ["status", "--json"]):
+        cmd = [sys.executable, "-m", "k3patch", *args, "--vllm", str(site)]
+        if pipe is not None:  # the file's bytes, and only them, wait in the pipe
+            try:
+                while os.read(pipe, 1 << 16):
+                    pass
+            except BlockingIOError:
+                pass
+            assert os.write(pipe, data) == len(data)
+        fast = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        env = {**os.environ, "K3PATCH_NO_FASTPATH": "1"}
+        full = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+        assert (fast.returncode, fast.stdout, fast.stderr) == (
+            full.returncode,
+            full.stdout,
+            full.stderr,
+        ), args
+        if swap == "target":  # refused: a link is not patched through (2), a FIFO not read (3)
+            assert fast.returncode == (2 if kind.startswith("symlink") else 3), (args, fast)
+        elif args[-1] == "--json":  # the tree is read from its code, never from that record
+            assert json.loads(fast.stdout)["from_record"] is False, fast.stdout
+    if pipe is not None:
+        os.close(pipe)
+
+
 def test_11_deep_expressions_are_drift_not_a_traceback(make_tree):
     site = make_tree("0.31.0")
     target = site / "vllm" / AITER
