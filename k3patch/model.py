@@ -443,6 +443,28 @@ def attribute_names(nodes: Iterable[ast.AST], owner: str, ctx: type[ast.expr_con
     }
 
 
+def imported_names(node: ast.AST) -> set[str]:
+    """The names the import statements anywhere under `node` bind: an alias's `as` name, else
+    the first component of the imported name (`import a.b` binds `a`)."""
+    return {
+        (alias.asname or alias.name).split(".")[0]
+        for n in ast.walk(node)
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        for alias in n.names
+    }
+
+
+def parameter_names(
+    func: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda, *, positional: bool = False
+) -> set[str]:
+    """The named parameters of `func` (positional-only, ordinary and keyword-only; not `*args`
+    or `**kwargs`). With `positional`, only those a caller can pass by position."""
+    args = func.args
+    return {
+        a.arg for a in [*args.posonlyargs, *args.args, *([] if positional else args.kwonlyargs)]
+    }
+
+
 def runtime_module_names(module: ast.Module) -> set[str]:
     """The names a module binds when it runs: top-level imports, defs, classes and assignments,
     also inside top-level `if` and `try` blocks, but not under `if TYPE_CHECKING:` (those

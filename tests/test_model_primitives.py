@@ -10,7 +10,9 @@ from k3patch.model import (
     attribute_names,
     bindings,
     find_class,
+    imported_names,
     loaded_names,
+    parameter_names,
     parent_map,
     runtime_module_names,
     stored_names,
@@ -92,3 +94,22 @@ def test_attribute_names_by_owner_and_context():
     assert attribute_names([cls], "self", ast.Store) == {"a"}
     assert attribute_names([cls], "self", ast.Load) == {"b", "d"}
     assert attribute_names([cls], "other", ast.Store) == {"c"}
+
+
+def test_imported_names_anywhere_under_a_node():
+    func = ast.parse(
+        "def f():\n    import os.path\n    import numpy as np\n    if x:\n"
+        "        from a.b import c, d as e\n    def g():\n        import json\n"
+    ).body[0]
+    assert imported_names(func) == {"os", "np", "c", "e", "json"}
+    assert imported_names(ast.parse("x = 1")) == set()
+
+
+def test_parameter_names_all_named_or_only_positional():
+    func = ast.parse("def f(a, /, b, *args, c, d=1, **kw): pass").body[0]
+    assert isinstance(func, ast.FunctionDef)
+    assert parameter_names(func) == {"a", "b", "c", "d"}
+    assert parameter_names(func, positional=True) == {"a", "b"}
+    lam = ast.parse("lambda *, k: k", mode="eval").body
+    assert isinstance(lam, ast.Lambda)
+    assert parameter_names(lam) == {"k"} and parameter_names(lam, positional=True) == set()
