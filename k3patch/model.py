@@ -167,6 +167,15 @@ def dedent(source: str) -> str:
     return textwrap.dedent(source).strip("\n") + "\n"
 
 
+def clip_lines(text: str, limit: int = 40) -> str:
+    """`text` as it is when it has at most `limit` lines, else its first `limit` lines and a
+    line saying how many more there are (a report shows a long function's head)."""
+    lines = text.splitlines()
+    if len(lines) <= limit:
+        return text
+    return "\n".join([*lines[:limit], f"... ({len(lines) - limit} more lines)"])
+
+
 # --------------------------------------------------------------------------------------------
 # The sources a patch reads: a read-only view over the target files of one tree.
 
@@ -463,6 +472,118 @@ def parameter_names(
     return {
         a.arg for a in [*args.posonlyargs, *args.args, *([] if positional else args.kwonlyargs)]
     }
+
+
+def assigned_name(stmt: ast.AST) -> str | None:
+    """The name a plain `name = value` statement binds (one target, a bare name); else None."""
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+        target = stmt.targets[0]
+        return target.id if isinstance(target, ast.Name) else None
+    return None
+
+
+def named_values(stmts: Iterable[ast.AST]) -> dict[str, ast.expr]:
+    """name -> value of the plain `name = value` statements among `stmts` (the last one wins)."""
+    return {
+        name: s.value for s in stmts if (name := assigned_name(s)) and isinstance(s, ast.Assign)
+    }
+
+
+def resolve_name(expr: ast.expr, values: Mapping[str, ast.expr], limit: int = 4) -> ast.expr:
+    """`expr`, or, when it is a bare name in `values`, the value it names, followed through
+    further names at most `limit` times in all (a cycle stops there)."""
+    while limit > 0 and isinstance(expr, ast.Name) and expr.id in values:
+        expr, limit = values[expr.id], limit - 1
+    return expr
+
+
+def temporaries_before(block: Sequence[ast.stmt], index: int, expr: ast.AST) -> list[ast.Assign]:
+    """The run of plain `name = value` statements right before `block[index]` that `expr` reads,
+    directly or through one another, in source order: it ends at the first statement that is
+    not such a temporary."""
+    wanted = loaded_names([expr])
+    temps: list[ast.Assign] = []
+    for stmt in reversed(block[:index]):
+        if not isinstance(stmt, ast.Assign) or assigned_name(stmt) not in wanted:
+            break
+        temps.insert(0, stmt)
+        wanted |= loaded_names([stmt.value])
+    return temps
+
+
+def strip_nots(expr: ast.expr) -> tuple[ast.expr, int]:
+    """`expr` without its leading `not`s, and how many there were."""
+    count = 0
+    while isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Not):
+        expr, count = expr.operand, count + 1
+    return expr, count
+
+
+def attribute_owner(expr: ast.AST, attr: str) -> str | None:
+    """The bare name `x` of an `x.<attr>` expression, else None."""
+    if isinstance(expr, ast.Attribute) and expr.attr == attr and isinstance(expr.value, ast.Name):
+        return expr.value.id
+    return None
+
+
+def ancestors(
+    node: ast.AST, parents: Mapping[int, ast.AST], stop: ast.AST | None = None
+) -> list[ast.AST]:
+    """The nodes that enclose `node`, innermost first, from a parent_map: up to its root, or up
+    to (not including) `stop`."""
+    found = []
+    parent = parents.get(id(node))
+    while parent is not None and parent is not stop:
+        found.append(parent)
+        parent = parents.get(id(parent))
+    return found
+
+
+def loops_over(node: ast.AST, name: str) -> list[ast.For]:
+    """The `for` loops under `node` (itself included) whose iterable mentions `name` (as a
+    name, an attribute or a keyword, as mentioned_names reads it)."""
+    return [n for n in ast.walk(node) if isinstance(n, ast.For) and name in mentioned_names(n.iter)]
+
+
+def expression_dump(source: str) -> str:
+    """normalised_dump of the expression written in `source`."""
+    return normalised_dump(ast.parse(source, mode="eval").body)
+
+
+def callee_name(call: ast.Call) -> str:
+    """The name a call calls: `f` for `f(...)`, `m` for `a.b.m(...)`; "" for anything else
+    (`f()()`, `table[k](...)`)."""
+    func = call.func
+    return func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+
+
+def named_items(holder: ast.AST) -> dict[str, tuple[ast.AST, ast.expr | None]]:
+    """The named items of a holder, name -> (the node that names the item, its value): a
+    class's annotated fields (the AnnAssign, its value), a function's positional parameters
+    (the ast.arg, its default), a call's keyword arguments (not `**x`) and a dict literal's
+    string keys (the key, its value). None where there is no value; a name written twice is
+    its last item; any other node has none."""
+    if isinstance(holder, ast.ClassDef):
+        body = holder.body
+        return {
+            s.target.id: (s, s.value)
+            for s in body
+            if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+        }
+    if isinstance(holder, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+        params = [*holder.args.posonlyargs, *holder.args.args]
+        defaults: list[ast.expr | None] = [None] * (len(params) - len(holder.args.defaults))
+        pairs = zip(params, [*defaults, *holder.args.defaults], strict=True)
+        return {p.arg: (p, d) for p, d in pairs}
+    if isinstance(holder, ast.Call):
+        return {k.arg: (k, k.value) for k in holder.keywords if k.arg}
+    if isinstance(holder, ast.Dict):
+        return {
+            k.value: (k, v)
+            for k, v in zip(holder.keys, holder.values, strict=True)
+            if isinstance(k, ast.Constant) and isinstance(k.value, str)
+        }
+    return {}
 
 
 def runtime_module_names(module: ast.Module) -> set[str]:

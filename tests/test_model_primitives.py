@@ -7,15 +7,28 @@ import ast
 from k3patch.model import (
     Shape,
     Verdict,
+    ancestors,
+    assigned_name,
     attribute_names,
+    attribute_owner,
     bindings,
+    callee_name,
+    clip_lines,
+    expression_dump,
     find_class,
     imported_names,
     loaded_names,
+    loops_over,
+    named_items,
+    named_values,
+    normalised_dump,
     parameter_names,
     parent_map,
+    resolve_name,
     runtime_module_names,
     stored_names,
+    strip_nots,
+    temporaries_before,
     walk_scope,
 )
 from k3patch.shapes import VersionRange
@@ -113,3 +126,98 @@ def test_parameter_names_all_named_or_only_positional():
     lam = ast.parse("lambda *, k: k", mode="eval").body
     assert isinstance(lam, ast.Lambda)
     assert parameter_names(lam) == {"k"} and parameter_names(lam, positional=True) == set()
+
+
+def test_clip_lines_keeps_a_short_text_and_counts_what_it_cuts():
+    assert clip_lines("a\nb\n", 2) == "a\nb\n"
+    assert clip_lines("", 0) == ""
+    assert clip_lines("a\nb\nc", 2) == "a\nb\n... (1 more lines)"
+    assert clip_lines("\n".join(map(str, range(50)))).splitlines()[-1] == "... (10 more lines)"
+
+
+def test_callee_name_of_names_attributes_and_anything_else():
+    calls = [ast.parse(s, mode="eval").body for s in ("f(1)", "a.b.m()", "f()()", "t[k]()")]
+    assert [callee_name(c) for c in calls if isinstance(c, ast.Call)] == ["f", "m", "", ""]
+
+
+def test_named_items_of_each_holder():
+    cls, func = ast.parse(
+        "class C:\n    a: int = 1\n    b: str\n    c = 2\n    a: float = 3\n    self.x: int = 4\n"
+        "def f(p, /, q: int, r=1, *s, t=2, **u): pass\n"
+    ).body
+    fields = named_items(cls)
+    assert list(fields) == ["a", "b"] and fields["b"][1] is None
+    assert [ast.unparse(fields["a"][0]), ast.unparse(fields["a"][1])] == ["a: float = 3", "3"]
+    params = named_items(func)
+    assert list(params) == ["p", "q", "r"]
+    assert params["q"][1] is None and ast.unparse(params["r"][1]) == "1"
+    assert isinstance(params["q"][0], ast.arg) and ast.unparse(params["q"][0].annotation) == "int"
+    call = ast.parse("g(1, k=2, **rest)", mode="eval").body
+    assert {n: ast.unparse(v) for n, (_, v) in named_items(call).items()} == {"k": "2"}
+    literal = ast.parse("{'a': 1, 2: 3, **more, 'a': 4}", mode="eval").body
+    assert {n: ast.unparse(v) for n, (_, v) in named_items(literal).items()} == {"a": "4"}
+    assert named_items(ast.parse("x + 1", mode="eval").body) == {}
+    lam = ast.parse("lambda a, b=2: a", mode="eval").body
+    assert list(named_items(lam)) == ["a", "b"]
+
+
+def test_assigned_name_and_named_values_take_plain_assignments_only():
+    body = ast.parse("a = 1\nb = c = 2\nd.e = 3\nf: int = 4\ng += 5\n(h, i) = 6, 7\na = 8\n").body
+    assert [assigned_name(s) for s in body] == ["a", None, None, None, None, None, "a"]
+    values = named_values(body)
+    assert list(values) == ["a"] and ast.unparse(values["a"]) == "8"
+
+
+def test_resolve_name_follows_names_a_bounded_number_of_times():
+    values = named_values(ast.parse("a = b\nb = c\nc = d + 1\nx = y\ny = x\n").body)
+    assert ast.unparse(resolve_name(ast.Name("a"), values)) == "d + 1"
+    assert ast.unparse(resolve_name(ast.Name("a"), values, limit=2)) == "c"
+    assert ast.unparse(resolve_name(ast.Name("x"), values)) == "x"  # a cycle stops
+    assert ast.unparse(resolve_name(ast.Name("q"), values)) == "q"
+
+
+def test_temporaries_before_take_the_feeding_run_only():
+    block = ast.parse(
+        "unrelated = 0\nbase = 1\nother = 2\nscaled = base * 3\nif scaled > n:\n    pass\n"
+    ).body
+    # `other` is not read: the run ends there, so `base` (above it) is not taken.
+    assert [assigned_name(s) for s in temporaries_before(block, 4, block[4].test)] == ["scaled"]
+    block = ast.parse("base = 1\nscaled = base * 3\nif scaled:\n    pass\n").body
+    assert [assigned_name(s) for s in temporaries_before(block, 2, block[2])] == ["base", "scaled"]
+    assert temporaries_before(block, 0, block[2]) == []
+
+
+def test_strip_nots_and_attribute_owner():
+    core, times = strip_nots(ast.parse("not not (not x.y)", mode="eval").body)
+    assert ast.unparse(core) == "x.y" and times == 3
+    assert strip_nots(ast.Name("x"))[1] == 0
+    assert attribute_owner(core, "y") == "x"
+    assert attribute_owner(core, "z") is None
+    assert attribute_owner(ast.parse("a.b.y", mode="eval").body, "y") is None
+
+
+def test_ancestors_up_to_the_root_or_a_stop():
+    func = ast.parse("def f():\n    for x in y:\n        if x:\n            z = 1\n").body[0]
+    assert isinstance(func, ast.FunctionDef)
+    loop = func.body[0]
+    assert isinstance(loop, ast.For) and isinstance(loop.body[0], ast.If)
+    stmt = loop.body[0].body[0]
+    parents = parent_map(func)
+    assert ancestors(stmt, parents) == [loop.body[0], loop, func]
+    assert ancestors(stmt, parents, stop=loop) == [loop.body[0]]
+    assert ancestors(func, parents) == []
+
+
+def test_loops_over_a_name_in_the_iterable_only():
+    func = ast.parse(
+        "def f(self):\n    for a in self.items.values():\n        for b in a:\n"
+        "            pass\n    for items in other:\n        pass\n"
+    ).body[0]
+    assert [loop.lineno for loop in loops_over(func, "items")] == [2]
+    assert [loop.lineno for loop in loops_over(func, "a")] == [3]
+
+
+def test_expression_dump_ignores_positions_and_parentheses():
+    assert expression_dump("(a  +\n b)") == expression_dump("a + b")
+    assert expression_dump("a + b") == normalised_dump(ast.parse("a + b", mode="eval").body)
+    assert expression_dump("a + b") != expression_dump("b + a")
