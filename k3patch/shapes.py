@@ -208,6 +208,16 @@ def search(pattern: str, node: ast.AST) -> list[tuple[list[ast.stmt], int, Bindi
     return hits
 
 
+def find_expressions(pattern: str, node: ast.AST) -> list[ast.expr]:
+    """Every expression under `node` (itself included), in ast.walk order, that `pattern` (one
+    expression, holes allowed) matches."""
+    stmts = parse_pattern(pattern)
+    if len(stmts) != 1 or not isinstance(stmts[0], ast.Expr):
+        raise ValueError(f"find_expressions: {pattern!r} is not one expression")
+    kind = ast.expr if _hole(stmts[0].value) else type(stmts[0].value)
+    return [n for n in ast.walk(node) if isinstance(n, kind) and match(stmts, n) is not None]
+
+
 # --------------------------------------------------------------------------------------------
 # Version ranges
 

@@ -9,6 +9,7 @@ import pytest
 from k3patch.shapes import (
     VersionRange,
     blocks,
+    find_expressions,
     holes,
     match,
     outside_range,
@@ -147,3 +148,13 @@ def test_a_known_shape_outside_its_versions_is_reported(make_tree):
     proc = run_cli("status", "--vllm", str(plain), "--json", "--only", "aiter-mla-gfx942")
     (result,) = json.loads(proc.stdout)["patches"][0]["sites"]
     assert "seen in vLLM" not in result["detail"]
+
+
+def test_find_expressions_under_a_node_holes_included():
+    tree = ast.parse("x = a.get(k)[0]\nif a.get(j)[0]:\n    b = [a.get(k)[1], c]\n")
+    found = find_expressions("a.get(HOLE_key)[0]", tree)
+    assert [ast.unparse(n) for n in found] == ["a.get(k)[0]", "a.get(j)[0]"]
+    assert find_expressions("a.get(k)[2]", tree) == []
+    assert len(find_expressions("HOLE_any", ast.parse("f(x)", mode="eval").body)) == 3
+    with pytest.raises(ValueError):
+        find_expressions("x = 1", tree)
