@@ -95,6 +95,11 @@ class Swap:
         sys.modules[name] = module
         return module
 
+    def on_exit(self, func: Callable[..., object], *args: Any) -> None:
+        """Call `func(*args)` on exit, in turn with the other undos: state only a setter puts
+        back (`swap.on_exit(set_role, get_role())`)."""
+        self._undo.append(lambda: func(*args))
+
 
 class Stub(types.SimpleNamespace):
     """A stand-in holding the attributes it is given that behaves as the objects it stands for
@@ -133,6 +138,15 @@ def call_accepted(func: Callable[..., T], **kwargs: Any) -> T:
     releases of the code a probe drives)."""
     params = inspect.signature(func).parameters
     return func(**{k: v for k, v in kwargs.items() if k in params})
+
+
+def attempt(func: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T | None, str | None]:
+    """`(func(*args, **kwargs), None)`, or `(None, "Type: message")` when the call raised an
+    Exception: a probe reports the failure of one call of the tree's code and goes on."""
+    try:
+        return func(*args, **kwargs), None
+    except Exception as exc:  # reported by the caller, never swallowed
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 def source_of(func: Callable[..., Any]) -> ast.FunctionDef | None:

@@ -133,3 +133,27 @@ def test_source_of_keeps_file_lines_and_run_statements_runs_a_stretch():
         probekit.run_statements(worker_init, ast.parse("1 / 0").body, holder, [], "")
     frame = raised.traceback[-1]
     assert frame.path == Path(__file__), "tracebacks point into the function's own file"
+
+
+def test_on_exit_calls_run_in_turn_with_the_other_undos_also_when_the_probe_raises():
+    state = {"role": "consumer"}
+    order: list[str] = []
+    with pytest.raises(RuntimeError), Swap() as swap:
+        swap.attr(Child, "own", 2)
+        swap.on_exit(lambda role: (order.append("role"), state.update(role=role)), state["role"])
+        swap.on_exit(order.append, "last in")
+        state["role"] = "producer"
+        raise RuntimeError("probe failed half way")
+    assert state["role"] == "consumer" and Child.own == 1
+    assert order == ["last in", "role"], "undone in reverse order"
+
+
+def test_attempt_returns_the_result_or_the_exception_as_type_and_message():
+    assert probekit.attempt(divmod, 7, 2) == ((3, 1), None)
+    assert probekit.attempt(int, "x", base=10) == (
+        None,
+        "ValueError: invalid literal for int() with base 10: 'x'",
+    )
+    assert probekit.attempt(lambda: None) == (None, None), "a None result is no failure"
+    with pytest.raises(KeyboardInterrupt):  # not an Exception: never turned into a report
+        probekit.attempt(lambda: (_ for _ in ()).throw(KeyboardInterrupt))
