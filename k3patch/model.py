@@ -613,6 +613,59 @@ def runtime_module_names(module: ast.Module) -> set[str]:
     return names
 
 
+def string_constants(nodes: Iterable[ast.AST]) -> list[str]:
+    """The values of the string constants among `nodes` (not under them), in order."""
+    return [n.value for n in nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def imported_module(body: Iterable[ast.stmt], name: str) -> str | None:
+    """The module `name` stands for where every statement of `body` (a scope's) that binds it
+    is an `import` of one module: `import os` and `import os.path` bind `os` to "os", `import
+    posix as os` to "posix". "" when anything else binds it too (a def, an assignment, `from m
+    import name`, a second module); None when nothing binds it."""
+    found = bindings(body, name)
+    if not found:
+        return None
+    modules = {
+        alias.name if alias.asname else alias.name.split(".")[0]
+        for stmt in found
+        if isinstance(stmt, ast.Import)
+        for alias in stmt.names
+        if (alias.asname or alias.name.split(".")[0]) == name
+    }
+    plain = len(modules) == 1 and all(isinstance(stmt, ast.Import) for stmt in found)
+    return modules.pop() if plain else ""
+
+
+def walk_code(root: ast.AST) -> Iterator[ast.AST]:
+    """`root` and every node under it except annotations (where `A | B` and `x[...]` are types)
+    and a def's parameter list (its defaults are walked); nested defs are entered."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        yield node
+        for name, value in ast.iter_fields(node):
+            if name not in ("returns", "annotation") and not isinstance(value, ast.arguments):
+                children = value if isinstance(value, list) else [value]
+                stack.extend(c for c in children if isinstance(c, ast.AST))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            args = node.args
+            stack.extend(d for d in [*args.defaults, *args.kw_defaults] if d is not None)
+
+
+def truth_tests(node: ast.AST) -> list[ast.expr]:
+    """The expressions that `node` itself uses as truth values: the test of an `if`, `while`,
+    conditional expression or `assert`, the operands of `and`/`or` and `not`, a comprehension's
+    `if`s."""
+    if isinstance(node, ast.If | ast.While | ast.IfExp | ast.Assert):
+        return [node.test]
+    if isinstance(node, ast.BoolOp):
+        return node.values
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        return [node.operand]
+    return node.ifs if isinstance(node, ast.comprehension) else []
+
+
 def shape_detail(shape: Shape, source: SourceFile) -> str:
     """A matched shape's detail for a report: its origin, and a note when the tree's vLLM is
     outside the versions the shape was seen in (the shape is still known; the tree is unusual)."""

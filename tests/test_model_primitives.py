@@ -16,6 +16,7 @@ from k3patch.model import (
     clip_lines,
     expression_dump,
     find_class,
+    imported_module,
     imported_names,
     loaded_names,
     loops_over,
@@ -27,8 +28,11 @@ from k3patch.model import (
     resolve_name,
     runtime_module_names,
     stored_names,
+    string_constants,
     strip_nots,
     temporaries_before,
+    truth_tests,
+    walk_code,
     walk_scope,
 )
 from k3patch.shapes import VersionRange
@@ -221,3 +225,52 @@ def test_expression_dump_ignores_positions_and_parentheses():
     assert expression_dump("(a  +\n b)") == expression_dump("a + b")
     assert expression_dump("a + b") == normalised_dump(ast.parse("a + b", mode="eval").body)
     assert expression_dump("a + b") != expression_dump("b + a")
+
+
+def test_imported_module_names_the_one_module_every_binding_imports():
+    def of(source: str, name: str = "os") -> str | None:
+        return imported_module(ast.parse(source).body, name)
+
+    assert of("import sys\n") is None
+    assert of("import os\n") == of("import os.path\n") == of("import os as os\n") == "os"
+    assert of("import os\nimport os.path\n") == "os"
+    assert of("import posix as os\n") == "posix"
+    assert of("import os.path as os\n") == "os.path"
+    assert of("import os, sys as _k3os\n", "_k3os") == "sys"
+    for other in ("from x import os\n", "os = 1\n", "def os(): ...\n", "import os\nos = 2\n"):
+        assert of(other) == "", other
+    assert of("import os\nimport posix as os\n") == ""
+    assert of("def f():\n    import os\n") is None, "only the scope's own statements bind"
+
+
+def test_walk_code_leaves_out_annotations_but_not_defaults():
+    func = ast.parse("def f(a: A | B = d, *, k: K = e) -> R[x]:\n    y: Y = z\n").body[0]
+    names = {n.id for n in walk_code(func) if isinstance(n, ast.Name)}
+    assert names == {"d", "e", "y", "z"}
+    lam = ast.parse("lambda a=q: a", mode="eval").body
+    assert {n.id for n in walk_code(lam) if isinstance(n, ast.Name)} == {"q", "a"}
+    nested = ast.parse("def f():\n    def g(v: V = w):\n        u\n").body[0]
+    assert {n.id for n in walk_code(nested) if isinstance(n, ast.Name)} == {"w", "u"}
+
+
+def test_truth_tests_are_the_node_s_own_tests_only():
+    def tests(source: str) -> list[str]:
+        node = ast.parse(source).body[0]
+        node = node.value if isinstance(node, ast.Expr) else node
+        return [ast.unparse(t) for t in truth_tests(node)]
+
+    assert tests("if a:\n    pass\n") == tests("while a:\n    pass\n") == ["a"]
+    assert tests("assert a, m\n") == tests("x if a else y\n") == tests("not a\n") == ["a"]
+    assert tests("a and (b or c)\n") == ["a", "b or c"]
+    assert tests("-a\n") == tests("a == b\n") == tests("f(a)\n") == []
+    comp = ast.parse("[x for x in y if p if q]", mode="eval").body
+    assert isinstance(comp, ast.ListComp)
+    assert [ast.unparse(t) for t in truth_tests(comp.generators[0])] == ["p", "q"]
+    assert truth_tests(comp) == []
+
+
+def test_string_constants_reads_the_nodes_given_not_their_children():
+    call = ast.parse("f('a', b'b', 1, g('c'))", mode="eval").body
+    assert isinstance(call, ast.Call)
+    assert string_constants(call.args) == ["a"]
+    assert string_constants(ast.walk(call)) == ["a", "c"]
