@@ -19,12 +19,17 @@ Runs in the tree's own interpreter, where k3patch is not installed: standard lib
 from __future__ import annotations
 
 import ast
+import contextlib
+import importlib.util
 import inspect
+import logging
+import logging.handlers
 import os
 import sys
 import textwrap
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from k3patch.model import ProbeOutcome
@@ -100,6 +105,18 @@ class Swap:
         back (`swap.on_exit(set_role, get_role())`)."""
         self._undo.append(lambda: func(*args))
 
+    def log(self, name: str, level: int) -> list[logging.LogRecord]:
+        """The records of at least `level` that logger `name` handles from now on, the logger's
+        own level set to `level` meanwhile (a tree may have configured it quieter)."""
+        logger = logging.getLogger(name)
+        handler = logging.handlers.BufferingHandler(capacity=1 << 20)
+        handler.setLevel(level)
+        self.on_exit(logger.setLevel, logger.level)
+        self.on_exit(logger.removeHandler, handler)
+        logger.addHandler(handler)
+        logger.setLevel(level)
+        return handler.buffer
+
 
 class Stub(types.SimpleNamespace):
     """A stand-in holding the attributes it is given that behaves as the objects it stands for
@@ -147,6 +164,84 @@ def attempt(func: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T | None
         return func(*args, **kwargs), None
     except Exception as exc:  # reported by the caller, never swallowed
         return None, f"{type(exc).__name__}: {exc}"
+
+
+def package_dir(name: str) -> Path | None:
+    """The directory of the importable top-level package `name`, found without importing it;
+    None when there is none (absent, or a plain module)."""
+    spec = importlib.util.find_spec(name)
+    locations = spec.submodule_search_locations if spec is not None else None
+    return Path(next(iter(locations))) if locations else None
+
+
+def with_globals(func: Callable[..., T], **names: Any) -> Callable[..., T]:
+    """A copy of the plain function `func` that sees `names` in place of (or beside) its module
+    globals; the module itself is left as it is."""
+    code: Any = func
+    copy = types.FunctionType(
+        code.__code__,
+        {**code.__globals__, **names},
+        code.__name__,
+        code.__defaults__,
+        code.__closure__,
+    )
+    copy.__kwdefaults__ = code.__kwdefaults__
+    return copy
+
+
+class TorchTrace:
+    """A reusable context manager that records what torch runs inside it, both lists restarted
+    on entry: `calls`, the name and positional arguments of every torch function or tensor
+    method (a TorchFunctionMode), and `aten`, every aten op dispatched below them (a
+    TorchDispatchMode). Nothing is recorded inside `paused()` (a stand-in's own work). Imports
+    torch only when entered."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.aten: list[str] = []
+        self._paused = False
+        self._modes: list[Any] = []
+
+    def __enter__(self) -> TorchTrace:
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        trace = self
+
+        class Calls(TorchFunctionMode):
+            def __torch_function__(
+                self, fn: Any, types_: Any, args: Any = (), kwargs: Any = None
+            ) -> Any:
+                if not trace._paused:
+                    trace.calls.append((getattr(fn, "__name__", str(fn)), tuple(args)))
+                return fn(*args, **(kwargs or {}))
+
+        class Aten(TorchDispatchMode):
+            def __torch_dispatch__(
+                self, fn: Any, types_: Any, args: Any = (), kwargs: Any = None
+            ) -> Any:
+                if not trace._paused:
+                    trace.aten.append(str(fn))
+                return fn(*args, **(kwargs or {}))
+
+        self.calls.clear()
+        self.aten.clear()
+        self._modes = [Calls(), Aten()]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        while self._modes:
+            self._modes.pop().__exit__(*exc)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
 
 def source_of(func: Callable[..., Any]) -> ast.FunctionDef | None:

@@ -4,8 +4,11 @@ outcome, and a probe that checked nothing fails."""
 from __future__ import annotations
 
 import ast
+import logging
 import os
+import subprocess
 import sys
+import textwrap
 import types
 from pathlib import Path
 
@@ -157,3 +160,72 @@ def test_attempt_returns_the_result_or_the_exception_as_type_and_message():
     assert probekit.attempt(lambda: None) == (None, None), "a None result is no failure"
     with pytest.raises(KeyboardInterrupt):  # not an Exception: never turned into a report
         probekit.attempt(lambda: (_ for _ in ()).throw(KeyboardInterrupt))
+
+
+def test_log_collects_records_at_the_level_and_puts_the_logger_back():
+    logger = logging.getLogger("k3patch.test.quiet")
+    logger.setLevel(logging.ERROR)
+    before = list(logger.handlers)
+    with pytest.raises(RuntimeError), Swap() as swap:
+        records = swap.log("k3patch.test.quiet", logging.WARNING)
+        logger.info("below the level")
+        logger.warning("seen %d", 9)
+        raise RuntimeError("probe failed half way")
+    assert [r.getMessage() for r in records] == ["seen 9"]
+    assert logger.level == logging.ERROR and logger.handlers == before
+    logger.warning("after the swap")
+    assert len(records) == 1
+
+
+def test_package_dir_finds_a_package_without_importing_it(tmp_path, monkeypatch):
+    (tmp_path / "k3pkg_probe").mkdir()
+    (tmp_path / "k3pkg_probe" / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    (tmp_path / "k3mod_probe.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert probekit.package_dir("k3pkg_probe") == tmp_path / "k3pkg_probe"
+    assert "k3pkg_probe" not in sys.modules
+    assert probekit.package_dir("k3mod_probe") is None, "a plain module is no package"
+    assert probekit.package_dir("k3_no_such_package") is None
+
+
+def _greet(name: str, *, punct: str = "!") -> str:
+    return f"{GREETING} {name}{punct}"  # type: ignore[name-defined]  # noqa: F821
+
+
+def test_with_globals_runs_a_copy_against_other_globals():
+    copy = probekit.with_globals(_greet, GREETING="hello")
+    assert copy("you") == "hello you!", "defaults and keyword-only defaults are kept"
+    assert copy("you", punct="?") == "hello you?"
+    assert "GREETING" not in globals(), "the module is left as it is"
+    with pytest.raises(NameError):
+        _greet("you")
+
+
+@pytest.mark.verify
+def test_torch_trace_records_calls_and_aten_ops_except_while_paused(verify_python):
+    script = textwrap.dedent(
+        """
+        import torch
+        from k3patch.probekit import TorchTrace
+
+        trace, t = TorchTrace(), torch.tensor([1, 2, 3])
+        with trace:
+            bool((t > 1).any())
+            with trace.paused():
+                t.sum()
+        names = [name for name, _ in trace.calls]
+        assert names[-2:] == ["any", "__bool__"] and "sum" not in names, names
+        assert trace.calls[0][1][0] is t, "positional arguments are kept"
+        assert any("_local_scalar_dense" in op for op in trace.aten), trace.aten
+        assert not any("sum" in op for op in trace.aten), trace.aten
+        with trace:
+            pass
+        assert trace.calls == [] and trace.aten == [], "restarted on entry"
+        print("traced")
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(probekit.__file__).parent.parent)}
+    done = subprocess.run(
+        [verify_python, "-c", script], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.stdout.strip() == "traced", done.stderr
