@@ -150,6 +150,20 @@ class Always(dict):  # type: ignore[type-arg]
         return self.value
 
 
+class Calls:
+    """A callable stand-in that answers each call with `answer(*args, **kwargs)` and keeps every
+    call as (args, kwargs, answer), in order."""
+
+    def __init__(self, answer: Callable[..., Any]) -> None:
+        self.answer = answer
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any], Any]] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.answer(*args, **kwargs)
+        self.calls.append((args, kwargs, result))
+        return result
+
+
 def call_accepted(func: Callable[..., T], **kwargs: Any) -> T:
     """`func` called with those of `kwargs` its signature takes (signatures differ between
     releases of the code a probe drives)."""

@@ -229,3 +229,13 @@ def test_torch_trace_records_calls_and_aten_ops_except_while_paused(verify_pytho
         [verify_python, "-c", script], capture_output=True, text=True, env=env, check=False
     )
     assert done.stdout.strip() == "traced", done.stderr
+
+
+def test_calls_answer_and_keep_every_call_in_order():
+    offsets = probekit.Calls(lambda layer, ids, **kw: list(ids))
+    holder = probekit.Stub(compute=offsets)
+    first = holder.compute("a", (1, 2), device="cpu")
+    assert first == [1, 2] and holder.compute("b", ()) == []
+    assert offsets.calls == [(("a", (1, 2)), {"device": "cpu"}, [1, 2]), (("b", ()), {}, [])]
+    assert offsets.calls[0][2] is first, "the answer itself, so a caller can tell it by identity"
+    assert probekit.stand_in(Real, compute=offsets).compute("c", [3]) == [3], "never bound"
