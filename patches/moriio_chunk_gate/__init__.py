@@ -125,13 +125,6 @@ SHAPES = {
     G2: (G2_BLOCK_COUNT, G2_BLOCK_COUNT_D, G2_APPLIED),
 }
 
-# Fixed forms told by predicate rather than by a skeleton (gates.py): a comparison of progress
-# with the prompt that decides exactly "final" (`>=`) or "not yet" (`<`) where the gate needs it,
-# inline or through upstream's helper.
-UPSTREAM_HELPER = "_is_final_prefill_chunk"
-SATISFIED_UPSTREAM = "upstream fix (_is_final_prefill_chunk, 0.32.0 and later)"
-SATISFIED_INLINE = "upstream-style progress gate (inline)"
-
 # The older k3-chunk-gate script's form (gates.py): a module-level helper, a per-step map
 # `self._k3_prog`, and at each gate a named decision through the helper with a block-count
 # fallback; G1 also gets a sweep over the pending requests after its loop.
@@ -150,23 +143,10 @@ LEGACY_HELPER_SHAPE = Shape(
         return (cb + st) >= (int(req.num_prompt_tokens) - slack)
     """,
 )
-LEGACY_PENDING = "older k3-chunk-gate script (legacy, defective)"
 LEGACY_DEFECTS = (
     "fires up to K3_CHUNK_GATE_SLACK (default 2) tokens early",
     "falls back to the block-count gate (the original bug) when its progress map lacks the request",
 )
-LEGACY_APPLIED = "k3patch (the older k3-chunk-gate form, repaired in place)"
-# What a drift report says a site may be in: its shapes, then the forms told by predicate.
-EXPECTED = {
-    site: (
-        *(f"{s.name} ({s.verdict.value})" for s in shapes),
-        f"{SATISFIED_UPSTREAM} (satisfied)",
-        f"{SATISFIED_INLINE} (satisfied)",
-        f"{LEGACY_PENDING} (pending)",
-        f"{LEGACY_APPLIED} (applied)",
-    )
-    for site, shapes in SHAPES.items()
-}
 
 # The post-image: new gate headers (`pass` stands for the gate's own body, which stays), and the
 # older form's repaired decision.

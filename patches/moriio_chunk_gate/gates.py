@@ -1,58 +1,55 @@
 """How moriio-chunk-gate reads and rewrites its two sites (stdlib ast only: classification must
 stay fast). A site is the older script's decision chains where its loop holds them, else the one
 gate `if` in its loop: a known shape, or a fixed form told by what its progress comparison
-decides. The rewrite edits the file's own lines: only the gate headers (with the temporaries that
-fed them) or the older decisions change, and every gate keeps its body where it is."""
+decides. Only the gate headers (with the temporaries that fed them) or the older decisions are
+rewritten; every gate keeps its body where it is."""
 
 from __future__ import annotations
 
 import ast
 import builtins
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from k3patch import model
 from k3patch.edits import Edit, EditError, SourceText, apply_edits, header_end, replace
-from k3patch.model import (
-    Shape,
-    SiteResult,
-    SourceFile,
-    Verdict,
-    attribute_names,
-    find_def,
-    find_method,
-    find_scope,
-    loaded_names,
-    mentioned_names,
-    normalised_dump,
-    parent_map,
-    runtime_module_names,
-    site_fingerprint,
-    stored_names,
-)
+from k3patch.model import SiteResult, SourceFile, Verdict, loaded_names, mentioned_names
 from k3patch.shapes import blocks, match, search
 
 from . import (
     CLASS,
-    EXPECTED,
     FILE,
     FROM_SURROUNDINGS,
     G1,
     G1_TEMPLATE,
     G2,
     G2_TEMPLATE,
-    LEGACY_APPLIED,
     LEGACY_DEFECTS,
     LEGACY_HELPER,
     LEGACY_HELPER_SHAPE,
-    LEGACY_PENDING,
     LEGACY_TEMPLATE,
     METHOD,
-    SATISFIED_INLINE,
-    SATISFIED_UPSTREAM,
     SHAPES,
-    UPSTREAM_HELPER,
 )
 
+# The fixed forms told by predicate rather than by a skeleton: a comparison of progress with the
+# prompt that decides exactly "final" (`>=`) or "not yet" (`<`) where the gate needs it, inline
+# or through upstream's helper; and the older script's form, pending or repaired in place.
+UPSTREAM_HELPER = "_is_final_prefill_chunk"
+SATISFIED_UPSTREAM = "upstream fix (_is_final_prefill_chunk, 0.32.0 and later)"
+SATISFIED_INLINE = "upstream-style progress gate (inline)"
+LEGACY_PENDING = "older k3-chunk-gate script (legacy, defective)"
+LEGACY_APPLIED = "k3patch (the older k3-chunk-gate form, repaired in place)"
+# What a drift report says a site may be in: its shapes, then the forms told by predicate.
+EXPECTED = {
+    site: (
+        *(f"{s.name} ({s.verdict.value})" for s in shapes),
+        f"{SATISFIED_UPSTREAM} (satisfied)",
+        f"{SATISFIED_INLINE} (satisfied)",
+        f"{LEGACY_PENDING} (pending)",
+        f"{LEGACY_APPLIED} (applied)",
+    )
+    for site, shapes in SHAPES.items()
+}
 # The loop each site's gate sits in, and G1's sweep (the older script's), found by the last
 # attribute of what they iterate.
 LOOPS = {G1: "scheduler_output.scheduled_cached_reqs", G2: "self._reqs_need_save"}
@@ -62,31 +59,11 @@ GATE_WORDS = frozenset({"num_prompt_tokens", UPSTREAM_HELPER, LEGACY_HELPER})
 FINAL, NOT_FINAL, WRONG = "final", "not final", "wrong"
 
 
-def loops(method: ast.FunctionDef, over: str) -> list[ast.For]:
-    attribute = over.rsplit(".", 1)[-1]
-    return [
-        n
-        for n in ast.walk(method)
-        if isinstance(n, ast.For) and attribute in mentioned_names(n.iter)
-    ]
-
-
-def assigned_name(stmt: ast.stmt) -> str | None:
-    """The name of a `name = value` statement."""
-    found = match("HOLE_name = HOLE_value", stmt)
-    target = found["HOLE_name"] if found else None
-    return target.id if isinstance(target, ast.Name) else None
-
-
-def _expr_dump(source: str) -> str:
-    return normalised_dump(ast.parse(source, mode="eval").body)
-
-
 def classify_sites(src: SourceFile) -> list[SiteResult]:
     if not src.exists:
         why = "no MoRIIO connector in this vLLM (it first ships in 0.14.1)"
         return [site_result(s, Verdict.NOT_APPLICABLE, why) for s in (G1, G2)]
-    if find_def(src.tree, f"{CLASS}.{METHOD}") is None:
+    if model.find_def(src.tree, f"{CLASS}.{METHOD}") is None:
         why = f"moriio_connector.py has no {CLASS}.{METHOD}; the connector was restructured"
         return [site_result(s, Verdict.DRIFTED, why) for s in (G1, G2)]
     context = Context.of(src.tree)
@@ -110,19 +87,12 @@ def _find(context: Context, site: str) -> list[Chain] | Gate | str:
 
 
 def site_result(
-    site: str,
-    verdict: Verdict,
-    detail: str,
-    shape: str = "",
-    line: int | None = None,
-    found: str = "",
+    site: str, verdict: Verdict, why: str, shape: str = "", line: int | None = None, found: str = ""
 ) -> SiteResult:
     """A drift located at a line says what it found and what was expected."""
     drifted = verdict is Verdict.DRIFTED and line is not None
     found, expected = (found, EXPECTED[site]) if drifted else ("", ())
-    return SiteResult(
-        "moriio-chunk-gate", site, FILE, verdict, shape, detail, line, found, expected
-    )
+    return SiteResult("moriio-chunk-gate", site, FILE, verdict, shape, why, line, found, expected)
 
 
 def rewrite_sites(src: SourceFile, pending: list[str]) -> str:
@@ -138,10 +108,7 @@ def rewrite_sites(src: SourceFile, pending: list[str]) -> str:
     return apply_edits(src.text, edits)
 
 
-# --------------------------------------------------------------------------------------------
 # The gate forms: upstream's, the fork's, k3patch's post-image and upstream's fix.
-
-
 @dataclass
 class Gate:
     """A final-chunk gate: the `if`, the block that holds it, the named temporaries right
@@ -155,45 +122,28 @@ class Gate:
     node: ast.If
     conditions: list[ast.stmt]
 
-    def found(self) -> str:
-        """The gate as a drift report shows it: its conditions, temporaries and header."""
+    def result(self, verdict: Verdict, shape: str, why: str) -> SiteResult:
+        """The site's result, showing the gate as a drift report does: its conditions (one
+        header line each), temporaries and header."""
         heads = [ast.unparse(c).splitlines()[0] for c in self.conditions]
         lines = [f"{'    ' * i}{head}" for i, head in enumerate(heads)]
         pad = "    " * len(self.conditions)
         lines += [f"{pad}{ast.unparse(t)}" for t in self.temps]
-        return "\n".join([*lines, f"{pad}if {ast.unparse(self.node.test)}:", f"{pad}    ..."])
-
-
-def _temps_before(block: list[ast.stmt], index: int, test: ast.expr) -> list[ast.Assign]:
-    """The run of `name = ...` statements right before block[index] that feed its test."""
-    wanted = loaded_names([test])
-    temps: list[ast.Assign] = []
-    for stmt in reversed(block[:index]):
-        if not isinstance(stmt, ast.Assign) or assigned_name(stmt) not in wanted:
-            break
-        temps.insert(0, stmt)
-        wanted |= loaded_names([stmt.value])
-    return temps
+        lines += [f"{pad}if {ast.unparse(self.node.test)}:", f"{pad}    ..."]
+        return site_result(self.site, verdict, why, shape, self.node.lineno, "\n".join(lines))
 
 
 def _gates_in(loop: ast.For, site: str) -> list[Gate]:
-    parents = parent_map(loop)
-    found = []
+    parents, found = model.parent_map(loop), []
     for block in blocks(loop):
         for index, stmt in enumerate(block):
             if not isinstance(stmt, ast.If):
                 continue
-            temps = _temps_before(block, index, stmt.test)
-            words = mentioned_names(stmt.test).union(*(mentioned_names(t.value) for t in temps))
-            if not GATE_WORDS & words:
-                continue
-            conditions: list[ast.stmt] = []
-            node = parents[id(stmt)]
-            while node is not loop:
-                if isinstance(node, ast.stmt):
-                    conditions.insert(0, node)
-                node = parents[id(node)]
-            found.append(Gate(site, loop, block, index, temps, stmt, conditions))
+            temps = model.temporaries_before(block, index, stmt.test)
+            if any(GATE_WORDS & mentioned_names(n) for n in [stmt.test, *temps]):
+                around = model.ancestors(stmt, parents, stop=loop)
+                conditions = [n for n in reversed(around) if isinstance(n, ast.stmt)]
+                found.append(Gate(site, loop, block, index, temps, stmt, conditions))
     return found
 
 
@@ -214,14 +164,13 @@ class Context:
 
     @classmethod
     def of(cls, module: ast.Module) -> Context:
-        method, klass = find_def(module, f"{CLASS}.{METHOD}"), find_scope(module, CLASS)
+        method, klass = model.find_def(module, f"{CLASS}.{METHOD}"), model.find_scope(module, CLASS)
         if method is None or not isinstance(klass, ast.ClassDef):
             raise ValueError(f"{CLASS}.{METHOD} is gone")
         return cls(module, method, klass)
 
-    def params(self) -> set[str]:
-        args = self.method.args
-        return {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]}
+    def loops(self, over: str) -> list[ast.For]:
+        return model.loops_over(self.method, over.rsplit(".", 1)[-1])
 
     def release(self) -> str:
         """Which release (or the fork) block-count gates of A-C come from: the producer branch
@@ -229,26 +178,22 @@ class Context:
         g1, _ = locate(self, G1)
         if g1 is None:
             return _UNKNOWN_RELEASE
-        parents = parent_map(self.method)
-        tests, node = set(), parents.get(id(g1.loop))
-        while node is not None:
-            if isinstance(node, ast.If):
-                tests.add(normalised_dump(node.test))
-            node = parents.get(id(node))
+        around = model.ancestors(g1.loop, model.parent_map(self.method))
+        tests = {model.normalised_dump(n.test) for n in around if isinstance(n, ast.If)}
         write, producer = "self.mode == MoRIIOMode.WRITE", "get_role() == ROLE.PRODUCER"
-        nested = {_expr_dump(write), _expr_dump(producer)} <= tests
-        combined = _expr_dump(f"{write} and {producer}") in tests
+        nested = {model.expression_dump(write), model.expression_dump(producer)} <= tests
+        combined = model.expression_dump(f"{write} and {producer}") in tests
         if search(_SKIPS_NOT_PENDING, g1.loop):
             if not combined:
                 return _UNKNOWN_RELEASE
             return "the fork (shape C gates)" if self._is_fork() else "C (0.28.0-0.29.0)"
-        return (
-            "A (0.14.1-0.23.0)" if nested else "B (0.24.0-0.27.1)" if combined else _UNKNOWN_RELEASE
-        )
+        if nested or combined:
+            return "A (0.14.1-0.23.0)" if nested else "B (0.24.0-0.27.1)"
+        return _UNKNOWN_RELEASE
 
     def _is_fork(self) -> bool:
-        init = find_method(self.cls, "__init__")
-        alloc = find_method(self.cls, "update_state_after_alloc")
+        init = model.find_method(self.cls, "__init__")
+        alloc = model.find_method(self.cls, "update_state_after_alloc")
         if init is None or alloc is None:
             return False
         return any(search(pattern, init) for pattern in _FORK_STARTS_EMPTY) and any(
@@ -260,41 +205,35 @@ class Context:
 def locate(context: Context, site: str) -> tuple[Gate | None, str]:
     """The one gate of a site, or None and why."""
     what = f"a loop over {LOOPS[site]} that holds a final-chunk gate"
-    found = [loop for loop in loops(context.method, LOOPS[site]) if _gates_in(loop, site)]
+    found = [gates for loop in context.loops(LOOPS[site]) if (gates := _gates_in(loop, site))]
     if len(found) != 1:
         return None, f"expected one {what} in {METHOD}, found {len(found)}"
-    gates = _gates_in(found[0], site)
-    if len(gates) != 1:
+    if len(found[0]) != 1:
         return None, (
             f"expected one final-chunk gate (an `if` on num_prompt_tokens) in {what}, "
-            f"found {len(gates)}"
+            f"found {len(found[0])}"
         )
-    return gates[0], ""
+    return found[0][0], ""
 
 
 def classify_gate(src: SourceFile, context: Context, gate: Gate) -> SiteResult:
-    def result(verdict: Verdict, shape: str, detail: str) -> SiteResult:
-        return site_result(gate.site, verdict, detail, shape, gate.node.lineno, gate.found())
-
-    for shape in SHAPES[gate.site]:
-        if shape.match(gate.loop.body) is None:
-            continue
-        problems = _preconditions(src, context, gate, shape)
-        if problems:
-            return result(Verdict.DRIFTED, "", f"{shape.name} gate, but " + "; ".join(problems))
-        name = context.release() if shape.name == FROM_SURROUNDINGS else shape.name
-        return result(shape.verdict, name, shape.origin)
-    return _classify_fixed(context, gate, result)
+    shape = next((s for s in SHAPES[gate.site] if s.match(gate.loop.body) is not None), None)
+    if shape is None:
+        return _classify_fixed(context, gate)
+    problems = _preconditions(src, context, gate, shape)
+    if problems:
+        return gate.result(Verdict.DRIFTED, "", f"{shape.name} gate, but " + "; ".join(problems))
+    name = context.release() if shape.name == FROM_SURROUNDINGS else shape.name
+    return gate.result(shape.verdict, name, shape.origin)
 
 
-def _classify_fixed(
-    context: Context, gate: Gate, result: Callable[[Verdict, str, str], SiteResult]
-) -> SiteResult:
+def _classify_fixed(context: Context, gate: Gate) -> SiteResult:
     """The fixed forms nobody but upstream writes: a progress gate, inline or through
     upstream's helper, that decides exactly what its body needs."""
-    core, times = negated(gate.node.test)
+    core, times = model.strip_nots(gate.node.test)
     upstream = calls(core, UPSTREAM_HELPER)
-    meaning = flip(FINAL, times) if upstream else progress_meaning(gate.node.test, _env(gate.temps))
+    env = model.named_values(gate.temps)
+    meaning = flip(FINAL, times) if upstream else progress_meaning(gate.node.test, env)
     wanted = needed_meaning(gate.node)
     tests = [getattr(c, "test", c) for c in gate.conditions]
     if meaning is None:
@@ -320,32 +259,33 @@ def _classify_fixed(
             "a progress gate, but still only evaluated when the step allocated a new "
             "block: a final chunk without a new block would never send"
         )
-    elif any(normalised_dump(t) == _expr_dump(f"req_id in {SWEEP}") for t in tests):
+    elif any(
+        model.normalised_dump(t) == model.expression_dump(f"req_id in {SWEEP}") for t in tests
+    ):
         problem = "k3patch's gate, edited since k3patch wrote it"
     elif gate.conditions:
-        # Upstream's gates sit directly in their loops; a progress gate that only runs
-        # under some other condition is a form nobody has described.
+        # Upstream's gates sit directly in their loops; nobody has described one nested deeper.
         problem = "a progress gate nested under a condition k3patch does not know"
     else:
         name = SATISFIED_UPSTREAM if upstream else SATISFIED_INLINE
-        return result(Verdict.SATISFIED, name, "gates on compute progress")
-    return result(Verdict.DRIFTED, "", problem)
+        return gate.result(Verdict.SATISFIED, name, "gates on compute progress")
+    return gate.result(Verdict.DRIFTED, "", problem)
 
 
-def _preconditions(src: SourceFile, context: Context, gate: Gate, shape: Shape) -> list[str]:
+def _preconditions(src: SourceFile, context: Context, gate: Gate, shape: model.Shape) -> list[str]:
     """Why a gate in a known shape still cannot take (or does not hold) the post-image."""
     problems = []
     pending = shape.verdict is Verdict.PENDING
     if pending and not _header_editable(src.text, gate):
         problems.append("its header shares lines with other code")
-    if pending and "scheduler_output" not in context.params():
+    if pending and "scheduler_output" not in model.parameter_names(context.method):
         problems.append(f"{METHOD} has no parameter named scheduler_output")
-    bound = stored_names([gate.loop.target])
+    bound = model.stored_names([gate.loop.target])
     needs = {"req_id"} if gate.site == G1 else {"req_id", "req"}
     if not needs <= bound:
         problems.append(f"the loop does not bind {', '.join(sorted(needs - bound))}")
     for temp in gate.temps if pending else ():
-        name = assigned_name(temp)
+        name = model.assigned_name(temp)
         if name in loaded_names(gate.loop.body, skip=[*gate.temps, gate.node.test]):
             problems.append(f"{name} is read outside the gate test; it cannot be dropped")
         if any(s is not temp and s.lineno == temp.lineno for s in gate.block):
@@ -360,7 +300,7 @@ def _preconditions(src: SourceFile, context: Context, gate: Gate, shape: Shape) 
     if pending:
         branch = gate.conditions[0]
         assert isinstance(branch, ast.If)
-        local = stored_names(gate.block[: gate.index]) | loaded_names([branch.test])
+        local = model.stored_names(gate.block[: gate.index]) | loaded_names([branch.test])
     else:
         index = gate.loop.body.index(gate.conditions[0] if gate.conditions else gate.node)
         siblings = [
@@ -368,7 +308,7 @@ def _preconditions(src: SourceFile, context: Context, gate: Gate, shape: Shape) 
             for s in gate.loop.body[:index]
             if isinstance(s, ast.If) and "new_block_ids" in mentioned_names(s.test)
         ]
-        local = stored_names([s for sibling in siblings for s in sibling.body])
+        local = model.stored_names([s for sibling in siblings for s in sibling.body])
     read = loaded_names(gate.node.body + gate.node.orelse) & (local - {"req"})
     if read:
         problems.append(
@@ -411,10 +351,7 @@ def _gate_edit(src: SourceText, gate: Gate) -> Edit:
     return Edit(start, header_end(src, gate.node), new[: -len(src.newline)])
 
 
-# --------------------------------------------------------------------------------------------
 # What a test decides about compute progress.
-
-
 def needed_meaning(gate: ast.If) -> str:
     """What a gate's test must mean: "final" where its body sends the request, "not final"
     where the body defers or skips it (upstream's `if not final: continue`)."""
@@ -426,14 +363,6 @@ def needed_meaning(gate: ast.If) -> str:
     return FINAL if sends else NOT_FINAL
 
 
-def negated(expr: ast.expr) -> tuple[ast.expr, int]:
-    """`expr` without its leading `not`s, and how many there were."""
-    count = 0
-    while isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Not):
-        expr, count = expr.operand, count + 1
-    return expr, count
-
-
 def flip(meaning: str, times: int) -> str:
     if meaning == WRONG or times % 2 == 0:
         return meaning
@@ -442,30 +371,7 @@ def flip(meaning: str, times: int) -> str:
 
 def calls(expr: ast.expr, name: str) -> bool:
     """Whether `expr` calls `name()` or `self.name()`."""
-    return isinstance(expr, ast.Call) and any(
-        match(func, expr.func) is not None for func in (name, f"self.{name}")
-    )
-
-
-def _env(assigns: Sequence[ast.stmt]) -> dict[str, ast.expr]:
-    """The named temporaries among `assigns`: name -> value."""
-    return {
-        name: s.value for s in assigns if (name := assigned_name(s)) and isinstance(s, ast.Assign)
-    }
-
-
-def _resolve(expr: ast.expr, env: dict[str, ast.expr], depth: int = 0) -> ast.expr:
-    """`expr`, or the value of the named temporary it is (followed up to four deep)."""
-    if isinstance(expr, ast.Name) and expr.id in env and depth < 4:
-        return _resolve(env[expr.id], env, depth + 1)
-    return expr
-
-
-def _owner(expr: ast.expr, attr: str) -> str | None:
-    """The name `x` of an `x.<attr>` expression, else None."""
-    if isinstance(expr, ast.Attribute) and expr.attr == attr and isinstance(expr.value, ast.Name):
-        return expr.value.id
-    return None
+    return isinstance(expr, ast.Call) and ast.unparse(expr.func) in (name, f"self.{name}")
 
 
 # This step's scheduled tokens of a request, as vLLM and the older scripts read them.
@@ -478,12 +384,12 @@ _SCHEDULED = (
 
 def _progress_of(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
     """The request name `r` of `r.num_computed_tokens + <this step's scheduled tokens>`."""
-    expr = _resolve(expr, env)
+    expr = model.resolve_name(expr, env)
     if not (isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add)):
         return None
     for computed, scheduled in ((expr.left, expr.right), (expr.right, expr.left)):
-        req = _owner(_resolve(computed, env), "num_computed_tokens")
-        step = _resolve(scheduled, env)
+        req = model.attribute_owner(model.resolve_name(computed, env), "num_computed_tokens")
+        step = model.resolve_name(scheduled, env)
         if req is not None and any(match(p, step) is not None for p in _SCHEDULED):
             return req
     return None
@@ -502,44 +408,44 @@ def progress_meaning(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
     """What a test decides about compute progress: "final" for `progress >= prompt`, "not
     final" for `progress < prompt` (mirrored forms and `not` included), "wrong" for any other
     comparison of progress with the prompt, None when the test is no such comparison."""
-    core, times = negated(expr)
-    core = _resolve(core, env)
+    core, times = model.strip_nots(expr)
+    core = model.resolve_name(core, env)
     if not isinstance(core, ast.Compare):
         return None
+    names = [n for n in ast.walk(core) if isinstance(n, ast.Name)]
     words = mentioned_names(core).union(
-        *(mentioned_names(_resolve(n, env)) for n in ast.walk(core) if isinstance(n, ast.Name))
+        *(mentioned_names(model.resolve_name(n, env)) for n in names)
     )
     wrong = WRONG if {"num_computed_tokens", "num_prompt_tokens"} <= words else None
     if len(core.ops) != 1:
         return wrong
     left, right, mirrored = core.left, core.comparators[0], False
-    req, prompt = _progress_of(left, env), _owner(_resolve(right, env), "num_prompt_tokens")
+    prompt = model.attribute_owner(model.resolve_name(right, env), "num_prompt_tokens")
+    req = _progress_of(left, env)
     if req is None or prompt is None:
-        req, prompt = _progress_of(right, env), _owner(_resolve(left, env), "num_prompt_tokens")
-        mirrored = True
+        req, mirrored = _progress_of(right, env), True
+        prompt = model.attribute_owner(model.resolve_name(left, env), "num_prompt_tokens")
     if req is None or req != prompt:
         return wrong
     return flip(_MEANING.get((type(core.ops[0]), mirrored), WRONG), times)
 
 
 def _helper_is_progress(context: Context) -> bool:
-    helper = find_method(context.cls, UPSTREAM_HELPER)
+    helper = model.find_method(context.cls, UPSTREAM_HELPER)
     if helper is None:
         return False
-    env = _env(helper.body)
+    env = model.named_values(helper.body)
     returns = [n for n in ast.walk(helper) if isinstance(n, ast.Return)]
     return bool(returns) and all(
         n.value is not None and progress_meaning(n.value, env) == FINAL for n in returns
     )
 
 
-# --------------------------------------------------------------------------------------------
 # The older k3-chunk-gate script's form (apply_kimik3_chunk_gate_fix.py). A decision chain is
 # `NAME = <decision>`, an optional `if NAME is None: NAME = <fallback>`, the script's debug
 # `if`s, and the gate `if NAME:` (it sends) or `if not NAME:` (it defers or skips). The decision
 # is the script's helper call (pending: slack and fallback) or k3patch's progress comparison
 # (applied: the repair in place). G1 also has a sweep over the pending requests after its loop.
-
 LEGACY_MAP = "_k3_prog"
 # k3patch's repaired decision about `req`, as a report shows it.
 _REPAIRED = ast.unparse(
@@ -577,7 +483,7 @@ class Chain:
 
 
 def _chain_at(block: list[ast.stmt], index: int, part: str) -> Chain | None:
-    decision, name = block[index], assigned_name(block[index])
+    decision, name = block[index], model.assigned_name(block[index])
     if not isinstance(decision, ast.Assign) or name is None:
         return None
     value = decision.value
@@ -591,25 +497,26 @@ def _chain_at(block: list[ast.stmt], index: int, part: str) -> Chain | None:
     fallback = ifs.pop(0) if ifs and match(f"{name} is None", ifs[0].test) is not None else None
     while ifs and LEGACY_DEBUG in mentioned_names(ifs[0].test, everything=True):
         ifs.pop(0)
-    if not ifs or match(name, negated(ifs[0].test)[0]) is None:
+    if not ifs or match(name, model.strip_nots(ifs[0].test)[0]) is None:
         return None
     return Chain(part, block, index, name, decision, fallback, ifs[0])
-
-
-def _chains_in(roots: list[ast.For], part: str) -> list[Chain]:
-    found = (_chain_at(b, i, part) for root in roots for b in blocks(root) for i in range(len(b)))
-    return [chain for chain in found if chain is not None]
 
 
 def site_chains(context: Context, site: str) -> list[Chain] | None:
     """The site's decision chains (G1: its gate and its sweep; G2: its gate), or None when the
     site's loop holds none (the gate forms of upstream, the fork and k3patch)."""
-    own = loops(context.method, LOOPS[site])
-    gates = _chains_in(own, "gate")
+
+    def chains_in(roots: list[ast.For], part: str) -> list[Chain]:
+        found = (
+            _chain_at(b, i, part) for root in roots for b in blocks(root) for i in range(len(b))
+        )
+        return [chain for chain in found if chain is not None]
+
+    own = context.loops(LOOPS[site])
+    gates = chains_in(own, "gate")
     if not gates or site == G2:
         return gates or None
-    sweeps = [loop for loop in loops(context.method, SWEEP) if loop not in own]
-    return [*gates, *_chains_in(sweeps, "sweep")]
+    return [*gates, *chains_in([loop for loop in context.loops(SWEEP) if loop not in own], "sweep")]
 
 
 def classify_chains(context: Context, site: str, chains: list[Chain]) -> SiteResult:
@@ -651,7 +558,7 @@ def _chain_problems(
     legacy = kinds == {"legacy"}
     for chain in chains:
         wanted = NOT_FINAL if chain.part == "sweep" else needed_meaning(chain.gate)
-        if flip(FINAL, negated(chain.gate.test)[1]) != wanted:
+        if flip(FINAL, model.strip_nots(chain.gate.test)[1]) != wanted:
             problems.append(f"`{ast.unparse(chain.gate.test)}` is inverted for what its body does")
         body = chain.gate.body
         if chain.part == "sweep" and not (len(body) == 1 and isinstance(body[0], ast.Continue)):
@@ -668,17 +575,16 @@ def _chain_problems(
             if fallback is None or match(pattern, fallback) is None:
                 problems.append(f"its fallback is not the block count `{expected}`")
     # The helper and the progress map the script's decisions rely on.
-    helpers = [
-        n for n in context.module.body if isinstance(n, ast.FunctionDef) and n.name == LEGACY_HELPER
-    ]
+    body = context.module.body
+    helpers = [n for n in body if isinstance(n, ast.FunctionDef) and n.name == LEGACY_HELPER]
     if legacy and (
-        len(helpers) != 1 or site_fingerprint(helpers[0]) != LEGACY_HELPER_SHAPE.fingerprint
+        len(helpers) != 1 or model.site_fingerprint(helpers[0]) != LEGACY_HELPER_SHAPE.fingerprint
     ):
         problems.append(
             f"the module's {LEGACY_HELPER}() is not the script's (missing, defined twice, or "
             "its comparison edited)"
         )
-    if legacy and LEGACY_MAP not in attribute_names([context.method], "self", ast.Store):
+    if legacy and LEGACY_MAP not in model.attribute_names([context.method], "self", ast.Store):
         problems.append(f"{METHOD} never sets self.{LEGACY_MAP}, which {LEGACY_HELPER}() reads")
     return problems + _unbound_problems(context, chains)
 
@@ -688,35 +594,26 @@ def _unbound_problems(context: Context, chains: list[Chain]) -> list[str]:
     level, its sweep reads maps that other older scripts add to the scheduler. Either raises
     when a chunked request comes (the sweep's inside its `try`: the request is never sent)."""
     problems = []
-    imported = {
-        (alias.asname or alias.name).split(".")[0]
-        for node in ast.walk(context.method)
-        if isinstance(node, ast.Import | ast.ImportFrom)
-        for alias in node.names
-    }
-    bound = runtime_module_names(context.module) | set(dir(builtins)) | imported
-    bound |= stored_names([context.method]) | context.params()
-    free = loaded_names([s for c in chains for s in c.statements]) - bound
+    method, cls = context.method, context.cls
+    bound = model.runtime_module_names(context.module) | set(dir(builtins))
+    bound |= model.imported_names(method) | model.stored_names([method])
+    free = loaded_names([s for c in chains for s in c.statements])
+    free -= bound | model.parameter_names(method)
     if free:
         problems.append(
             "it reads " + ", ".join(sorted(free)) + ", which moriio_connector.py never binds"
         )
     sweeps: list[ast.AST] = [
         loop
-        for loop in loops(context.method, SWEEP)
+        for loop in context.loops(SWEEP)
         if any(c.part == "sweep" and c.decision in ast.walk(loop) for c in chains)
     ]
-    methods = {
-        n.name for n in context.cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
-    }
-    unset = sorted(
-        attribute_names(sweeps, "self", ast.Load)
-        - attribute_names([context.cls], "self", ast.Store)
-        - methods
-    )
+    methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    unset = model.attribute_names(sweeps, "self", ast.Load)
+    unset -= model.attribute_names([cls], "self", ast.Store) | methods
     if unset:
         problems.append(
-            "its sweep reads self." + ", self.".join(unset) + f", which {CLASS} never sets "
+            "its sweep reads self." + ", self.".join(sorted(unset)) + f", which {CLASS} never sets "
             "(it raises inside the sweep's try and the request is never sent)"
         )
     return problems
