@@ -19,12 +19,9 @@ Check: `k3patch verify` drives the patched scheduler, notify message and transfe
 with K3's layout: every layer's blocks land in its own group's blocks (probe.py).
 
 On the operators' trees (tests/forktree) all pending: (a)/(b) the fork; (c) + the older fix
-(apply_kimik3_moriio_group_routing.py), defective: lists captured at the first chunk only, and
-(d)'s defect; (d) + its chunked companion, defective: block ids chosen inside the geometry-keyed
-cache, silent fallbacks, `K3_GROUP_ROUTING=0` restores the bug. `apply` rewrites each in place;
-the older fix's plumbing stays (unused), so revert is exact without a pristine file. Upstream
-0.14.1-0.30.0 cannot run K3 over MoRIIO (not applicable); 0.31.0+ routes per group natively
-(satisfied): upstream.py.
+(apply_kimik3_moriio_group_routing.py); (d) + its chunked companion (their defects: SITES.md
+section 1). The older fix's plumbing stays (unused), so revert is exact without a pristine file.
+Upstream: not applicable or satisfied (upstream.py).
 """
 
 from __future__ import annotations
@@ -32,13 +29,14 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from k3patch import model
 from k3patch.edits import SourceText, apply_edits
-from k3patch.model import Patch, ProbeOutcome, SiteResult, Sources, Verdict, find_def, module_binds
+from k3patch.model import Patch, ProbeOutcome, SiteResult, Sources, Verdict
 from k3patch.shapes import match
 
 from . import forms
 from .forms import FIELD_NAME, FORK_FIELDS
-from .sites import Function, Insert, Item, LegacyGrowth, Plan, Requires, Site, short, takes
+from .sites import Function, Insert, Item, LegacyGrowth, Plan, Requires, Site, takes
 from .upstream import NATIVE_SHAPES, SINGLE_GROUP_SHAPE, UPSTREAM_SHAPES
 
 PACKAGE = "distributed/kv_transfer/kv_connector/v1/moriio"
@@ -48,15 +46,13 @@ ENGINE = f"{PACKAGE}/moriio_engine.py"
 FILES = (COMMON, CONNECTOR, ENGINE)
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
 
-# Words whose absence from all three files proves that neither the fork's statements nor
-# k3patch's are there: a cheap gate that keeps upstream trees off a walk of three long ASTs. A
-# hit is only a reason to look at statement shapes, never a verdict (it may be a comment).
+# Without these words in the three files neither the fork's statements nor k3patch's are there:
+# a cheap gate before a walk of three long ASTs; a hit (maybe a comment) is no verdict.
 _MENTIONS = re.compile(r"\b(?:mamba_local_block_ids|mamba_block_notify_list|k3patch_group_)")
 
-SCHED = "MoRIIOConnectorScheduler"
-WORKER = "MoRIIOConnectorWorker"
+SCHED, WORKER = "MoRIIOConnectorScheduler", "MoRIIOConnectorWorker"
 USAA = f"{SCHED}.update_state_after_alloc"
-NOTIFY_PARAM = "k3patch_group_block_notify"
+NOTIFY = "k3patch_group_block_notify"
 PASS_GROUP_LISTS = f"{FIELD_NAME}={FIELD_NAME}"
 
 # The fork's sites, one per hop the block ids take (SITES.md section 1, "The fork").
@@ -95,7 +91,7 @@ FORK_SITES = (
         Item(
             "keyword",
             "mamba_block_notify_list=mamba_block_notify_list",
-            f"{NOTIFY_PARAM}=_k3patch_group_notify",
+            f"{NOTIFY}=_k3patch_group_notify",
             "send_notify_block",
         ),
     ),
@@ -103,8 +99,8 @@ FORK_SITES = (
         f"{SCHED}.send_notify_block",
         CONNECTOR,
         "the notify message has a `k3patch_group_block_ids` key",
-        Item("param", "mamba_block_notify_list", f"{NOTIFY_PARAM}: list[list[int]] | None = None"),
-        Item("key", '"mamba_block_notify_list"', f'"{FIELD_NAME}": {NOTIFY_PARAM}'),
+        Item("param", "mamba_block_notify_list", f"{NOTIFY}: list[list[int]] | None = None"),
+        Item("key", '"mamba_block_notify_list"', f'"{FIELD_NAME}": {NOTIFY}'),
     ),
     Site(
         f"{SCHED}.build_connector_meta",
@@ -133,7 +129,7 @@ FORK_SITES = (
         f"{WORKER}.schedule_write_blocks",
         CONNECTOR,
         "every group's block ids go into the write task",
-        Item("param", "mamba_local_block_ids", f"{FIELD_NAME}: list[list[int]] | None = None"),
+        Item("param", "mamba_local_block_ids", forms.FIELD),
         Item(
             "keyword", "mamba_local_block_ids=mamba_local_block_ids", PASS_GROUP_LISTS, "WriteTask"
         ),
@@ -168,7 +164,7 @@ FORK_SITES = (
         "offsets are cached per layer",
         Requires(
             "MoRIIOError bound in moriio_engine",
-            lambda src, fn: module_binds(src.tree, "MoRIIOError"),
+            lambda src, fn: model.module_binds(src.tree, "MoRIIOError"),
         ),
         Plan(),
     ),
@@ -221,9 +217,11 @@ class MoriioGroupRouting(Patch):
             "the fork's mamba block ids (pending)",
         )
         results = [replace(r, expected=expected) for r in self._each_file(Verdict.DRIFTED, why)]
-        plan = find_def(engine.tree, "MoRIIOWriter._prepare_transfer_plan")
+        plan = model.find_def(engine.tree, "MoRIIOWriter._prepare_transfer_plan")
         if plan is not None:
-            results[-1] = replace(results[-1], line=plan.lineno, found=short(engine.segment(plan)))
+            results[-1] = replace(
+                results[-1], line=plan.lineno, found=model.clip_lines(engine.segment(plan))
+            )
         return results
 
     def _each_file(self, verdict: Verdict, detail: str, shape: str = "") -> list[SiteResult]:
@@ -259,12 +257,9 @@ def _one_change(results: list[SiteResult]) -> list[SiteResult]:
     states = []
     for rel in FILES:
         verdicts = {r.verdict for r in results if r.file == rel}
-        if Verdict.DRIFTED in verdicts:
-            word = "drifted"
-        elif verdicts in ({Verdict.APPLIED}, {Verdict.PENDING}):
+        word = "drifted" if Verdict.DRIFTED in verdicts else "partly applied"
+        if verdicts in ({Verdict.APPLIED}, {Verdict.PENDING}):
             word = verdicts.pop().value
-        else:
-            word = "partly applied"
         states.append(f"{rel.rsplit('/', 1)[-1]} {word}")
     tail = f"; the three files are one change, nothing will be written ({', '.join(states)})"
     drifted = Verdict.DRIFTED

@@ -1,21 +1,16 @@
 """The forms moriio-group-routing knows, as source text a reader can hold against SITES.md
-section 1: k3patch's post-image piece by piece, the fork's (mamba block ids) and the older fix's
-statements it recognises, and the words its reports use. `HOLE_x` and `...` are shape holes
-(k3patch.shapes)."""
+section 1: k3patch's post-image piece by piece (each beside the fork statement it generalises,
+so a fork build that differs elsewhere is still recognised), the fork's (mamba block ids) and
+the older fix's statements it recognises, and its reports' words. `HOLE_x` and `...` are shape
+holes (k3patch.shapes)."""
 
 from __future__ import annotations
-
-import textwrap
 
 from k3patch.model import dedent
 
 FIELD_NAME = "k3patch_group_block_ids"
 FIELD = f"{FIELD_NAME}: list[list[int]] | None = None"
 FIELD_COMMENT = "# k3patch moriio-group-routing: block ids of every KV-cache group"
-
-# ---------------------------------------------------------------------------------------------
-# k3patch's post-image. Each piece is inserted next to the fork statement it generalises, so a
-# fork build that differs elsewhere in these long files is still recognised.
 
 SCHEDULER_DICT = """
 # k3patch moriio-group-routing: every KV-cache group's blocks per request
@@ -36,8 +31,8 @@ _k3patch_group_notify = (
 )
 """
 
-# The probe relies on this map being built between `self.layer_to_spec = ...` and
-# `if self.is_producer:` (it runs exactly those statements of the worker's __init__).
+# The probe runs the worker __init__'s statements from `self.layer_to_spec = ...` to
+# `if self.is_producer:`: this map must be built between them.
 WORKER_MAP = """
 # k3patch moriio-group-routing: each layer's KV-cache group (no position
 # is assumed: K3 has three KDA groups before its MLA group)
@@ -70,8 +65,7 @@ def _k3patch_kv_cache_group_index(
     return group_of_layer, attention_group
 '''
 
-# Inserted before build_connector_meta's final `return meta`, after both chunk gates, so the
-# gates themselves (moriio-chunk-gate's sites) are left exactly as they are.
+# Before build_connector_meta's final `return meta`: moriio-chunk-gate's gates stay untouched.
 SAVE_GROUPS = """
 # k3patch moriio-group-routing: every KV-cache group's blocks travel with
 # the request (K3's MLA group is index 3, not [0]). Blocks a later prefill
@@ -94,7 +88,6 @@ if self._k3patch_save_groups:
         )
 """
 
-# k3patch's replacement of the transfer plan's region (see PLAN below).
 K3PATCH_PLAN = """
 # k3patch moriio-group-routing: each layer's KV goes to its own KV-cache
 # group's blocks on both nodes (K3: KDA groups 0-2, MLA group 3), and its
@@ -122,16 +115,13 @@ if offsets is None:
     request_info.transfer_offsets[geometry_key] = offsets
 """
 
-# ---------------------------------------------------------------------------------------------
 # The fork's statements (apply_kimik3_moriio_mamba_blockids.py on 0.28.0) k3patch anchors on.
-
 FORK_FIELDS = {
     "WriteTask": "mamba_local_block_ids: list[int] | None = None",
     "RemoteAllocInfo": "mamba_block_ids: list[int] | None = None",
     "ReqMeta": "mamba_local_block_ids: list[int] = field(default_factory=list)",
 }
 SCHEDULER_DICT_ANCHOR = ("self._reqs_save_mamba: HOLE_type = {}", "self._reqs_save_mamba = {}")
-# The fork's capture in uSAA (do_remote_decode): the mamba group [1] of `_k3_gbi`.
 FORK_CAPTURE = (
     "self._reqs_save_mamba[request.request_id] = list(_k3_gbi[1]) if len(_k3_gbi) > 1 else []"
 )
@@ -141,75 +131,53 @@ FORK_NOTIFY = (
 )
 LAYER_TO_SPEC = "self.layer_to_spec = build_layer_to_spec(kv_cache_config)"
 
-# The transfer plan (MoRIIOWriter._prepare_transfer_plan). Its region is the three statements
-# that choose and cache the offsets: `geometry_key = ...`, `offsets = ....get(geometry_key)` and
-# `if offsets is None: ...`. Only the choice inside that `if` differs between the forms.
-PLAN_HEAD = """
+# The transfer plan's region: the three statements that choose and cache the offsets. Only the
+# choice under `if offsets is None:` differs: the fork's [attention, mamba]; the older fix's
+# (apply_kimik3_moriio_group_routing.py) the layer's group when the lists travelled and
+# K3_GROUP_ROUTING is on, else the fork's. `debug`: the K3_MAMBA_BC block's two statements.
+PLAN = """
 geometry_key = _get_write_geometry_key(layer_cache)
 offsets = request_info.transfer_offsets.get(geometry_key)
+if offsets is None:
+{choice}{debug}    offsets = self.worker._compute_block_transfer_offsets(
+        task.layer_name, _k3_local, _k3_remote, remote_moriio_meta
+    )
+    request_info.transfer_offsets[geometry_key] = offsets
 """
-PLAN_MISS = "offsets is None"
-PLAN_TAIL = """
-offsets = self.worker._compute_block_transfer_offsets(
-    task.layer_name, _k3_local, _k3_remote, remote_moriio_meta
-)
-request_info.transfer_offsets[geometry_key] = offsets
-"""
-
-# The fork: two lists, [attention, mamba], and the mamba one for any Mamba layer. On K3 that
-# sends MLA (group 3) to group 0's blocks and every KDA group to group 1's.
 FORK_CHOICE = """
-from vllm.v1.kv_cache_interface import MambaSpec as _K3MS_BL
-_k3_mamba = isinstance(self.worker.layer_to_spec.get(task.layer_name), _K3MS_BL)
-if _k3_mamba:
-    _k3_local = task.mamba_local_block_ids or task.local_block_ids
-    _k3_remote = request_info.mamba_block_ids or request_info.block_ids
-else:
-    _k3_local = task.local_block_ids
-    _k3_remote = request_info.block_ids
-"""
-
-# The older fix (apply_kimik3_moriio_group_routing.py): the layer's own group when the lists
-# travelled and K3_GROUP_ROUTING is on, the fork's two-group choice otherwise. Right per layer,
-# but made inside the geometry-keyed cache, so the first KDA layer's offsets serve all three
-# KDA groups.
-LEGACY_CHOICE = """
-from vllm.v1.kv_cache_interface import MambaSpec as _K3MS_BL
-_k3_gr_local = getattr(task, "all_group_block_ids", None)
-_k3_gr_remote = getattr(request_info, "all_group_block_ids", None)
-_k3_gr_on = getattr(self.worker, "_k3_group_routing", False)
-if _k3_gr_on and _k3_gr_local is not None and _k3_gr_remote is not None:
-    _k3_gi = self.worker._layer_group_idx.get(task.layer_name, self.worker._attn_group_idx)
-    if _k3_gi < len(_k3_gr_local) and _k3_gi < len(_k3_gr_remote):
-        _k3_local = _k3_gr_local[_k3_gi]
-        _k3_remote = _k3_gr_remote[_k3_gi]
+    from vllm.v1.kv_cache_interface import MambaSpec as _K3MS_BL
+    _k3_mamba = isinstance(self.worker.layer_to_spec.get(task.layer_name), _K3MS_BL)
+    if _k3_mamba:
+        _k3_local = task.mamba_local_block_ids or task.local_block_ids
+        _k3_remote = request_info.mamba_block_ids or request_info.block_ids
     else:
         _k3_local = task.local_block_ids
         _k3_remote = request_info.block_ids
-elif isinstance(self.worker.layer_to_spec.get(task.layer_name), _K3MS_BL):
-    _k3_local = task.mamba_local_block_ids or task.local_block_ids
-    _k3_remote = request_info.mamba_block_ids or request_info.block_ids
-else:
-    _k3_local = task.local_block_ids
-    _k3_remote = request_info.block_ids
 """
-
-# The fork's optional diagnostic between the choice and the offsets call:
-# `import os as X` then `if X.environ.get('K3_MAMBA_BC', '0') == '1': ...` (it logs the choice).
+LEGACY_CHOICE = """
+    from vllm.v1.kv_cache_interface import MambaSpec as _K3MS_BL
+    _k3_gr_local = getattr(task, "all_group_block_ids", None)
+    _k3_gr_remote = getattr(request_info, "all_group_block_ids", None)
+    _k3_gr_on = getattr(self.worker, "_k3_group_routing", False)
+    if _k3_gr_on and _k3_gr_local is not None and _k3_gr_remote is not None:
+        _k3_gi = self.worker._layer_group_idx.get(task.layer_name, self.worker._attn_group_idx)
+        if _k3_gi < len(_k3_gr_local) and _k3_gi < len(_k3_gr_remote):
+            _k3_local = _k3_gr_local[_k3_gi]
+            _k3_remote = _k3_gr_remote[_k3_gi]
+        else:
+            _k3_local = task.local_block_ids
+            _k3_remote = request_info.block_ids
+    elif isinstance(self.worker.layer_to_spec.get(task.layer_name), _K3MS_BL):
+        _k3_local = task.mamba_local_block_ids or task.local_block_ids
+        _k3_remote = request_info.mamba_block_ids or request_info.block_ids
+    else:
+        _k3_local = task.local_block_ids
+        _k3_remote = request_info.block_ids
+"""
 DEBUG_TEST = "{alias}.environ.get('K3_MAMBA_BC', '0') == '1'"
-
-
-# (kind, debug) -> the pattern of the region with that choice; with `debug`, the two statements
-# of the K3_MAMBA_BC block as holes between the choice and the offsets call (judged by their
-# own rule). k3patch's own region is K3PATCH_PLAN.
+DEBUG_HOLES = "    HOLE_debug_import\n    HOLE_debug_gate\n"
 PLANS = {
-    (kind, debug): f"{dedent(PLAN_HEAD)}if {PLAN_MISS}:\n"
-    + textwrap.indent(
-        dedent(choice)
-        + ("HOLE_debug_import\nHOLE_debug_gate\n" if debug else "")
-        + dedent(PLAN_TAIL),
-        "    ",
-    )
+    (kind, debug): dedent(PLAN.format(choice=choice.lstrip("\n"), debug=DEBUG_HOLES * debug))
     for kind, choice in (("fork", FORK_CHOICE), ("legacy", LEGACY_CHOICE))
     for debug in (False, True)
 }
@@ -233,9 +201,7 @@ except Exception:
     pass
 """
 
-# ---------------------------------------------------------------------------------------------
 # Words of the reports.
-
 FORK_SHAPE = "fork: mamba block ids ([0] attention, [1] mamba)"
 LEGACY_SHAPE = "older k3-group-routing fix (legacy, defective)"
 LEGACY_CHUNKED_SHAPE = "older k3-group-routing fix + k3-chunked-allgrp (legacy, defective)"
@@ -260,8 +226,6 @@ LEGACY_CAVEATS = (
     "its fallbacks are silent (a group map that fails to build is group 0; a task without the "
     "lists takes the two-group choice) and K3_GROUP_ROUTING=0 restores the bug"
 )
-# The older fix replaced the statement that binds `_k3_mamba` but left the fork's debug block
-# that reads it.
 LEGACY_DEBUG_DEFECT = (
     "its K3_MAMBA_BC block still reads `_k3_mamba`, which the older fix no longer binds (a "
     "NameError with K3_MAMBA_BC=1)"

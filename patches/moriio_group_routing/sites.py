@@ -1,11 +1,9 @@
-"""The parts a moriio-group-routing site is made of, over the engine's primitives (scope lookup:
-k3patch.model; shapes and statement search: k3patch.shapes; edits: k3patch.edits).
-
-A part looks at one piece of its site's class or function and says: the fork's shape (pending),
-k3patch's (applied) or neither (drifted); a precondition that holds has no opinion (None). A site
-is pending only when all its parts are the fork's, applied only when all are k3patch's; any
-mixture is drift. A part whose anchor is one of the fork's own statements is `evidence`: only
-such a part seeing the fork's shape (or k3patch's) makes the package a fork package at all.
+"""The parts a moriio-group-routing site is made of. A part looks at one piece of its site's
+class or function and says: the fork's shape (pending), k3patch's (applied) or neither (drifted);
+a precondition that holds has no opinion (None). A site is pending only when all its parts are
+the fork's, applied only when all are k3patch's; any mixture is drift. A part whose anchor is one
+of the fork's own statements is `evidence`: only such a part seeing the fork's shape (or
+k3patch's) makes the package a fork package at all.
 """
 
 from __future__ import annotations
@@ -15,21 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from k3patch import model
 from k3patch.edits import Edit, Located, SourceText, append_item, insert_after, insert_before
 from k3patch.edits import replace as replace_stmts
-from k3patch.model import (
-    SiteResult,
-    SourceFile,
-    Verdict,
-    dedent,
-    find_def,
-    find_function,
-    find_scope,
-    mentioned_names,
-    site_fingerprint,
-    source_fingerprint,
-    stored_names,
-)
+from k3patch.model import SiteResult, SourceFile, Verdict, clip_lines, dedent
 from k3patch.shapes import match, parse_pattern, search
 
 from . import forms
@@ -52,13 +39,6 @@ def drift(
     why: str, found: str = "", expected: tuple[str, ...] = (), line: int | None = None
 ) -> Look:
     return Look(DRIFTED, line, found, expected, why)
-
-
-def short(text: str, lines: int = 40) -> str:
-    parts = text.splitlines()
-    if len(parts) <= lines:
-        return text
-    return "\n".join([*parts[:lines], f"... ({len(parts) - lines} more lines)"])
 
 
 class Part:
@@ -86,9 +66,7 @@ class Insert(Part):
 
     @property
     def anchors(self) -> tuple[str, ...]:
-        if self.fork is None:
-            return self.anchor
-        return (self.fork.split(" = ", 1)[0] + " = HOLE_value",)
+        return self.anchor if self.fork is None else (self.fork.split(" = ")[0] + " = HOLE_value",)
 
     def _find(self, fn: ast.FunctionDef) -> list[tuple[list[ast.stmt], int]]:
         if not self.anchors:
@@ -100,7 +78,7 @@ class Insert(Part):
         describe = f"`{self.anchors[-1].replace('HOLE_value', '...')}`" if self.anchors else ""
         if self.anchors and len(hits) != 1:
             why = f"{scope}: expected one {describe}, found {len(hits)}"
-            return drift(why, short(src.segment(node)), (describe,), node.lineno)
+            return drift(why, clip_lines(src.segment(node)), (describe,), node.lineno)
         body, i = hits[0]
         at = body[i]
         if not self.anchors and not isinstance(at, ast.Return):
@@ -109,21 +87,16 @@ class Insert(Part):
             why = f"{scope}: {describe} is not in the fork's shape"
             return drift(why, src.segment(at), (self.fork,), at.lineno)
         count = len(parse_pattern(self.added))
-        # k3patch puts its statements right after the anchor, but a script that runs again
-        # later (the recipe re-runs its scripts at every container start; xfer_probe then
-        # inserts its dump after `self.layer_to_spec = ...` once more) may push them down the
-        # same block: they still follow the anchor, so they still count.
+        # A script run again later (the recipe re-runs its scripts at every container start;
+        # xfer_probe then inserts its dump after the anchor once more) may push k3patch's
+        # statements down the anchor's block: they still follow it, so they still count.
         starts = range(i + 1, len(body) - count + 1) if self.anchors else [i - count]
         for j in starts:
             if j >= 0 and match(self.added, body[j : j + count]) is not None:
                 return Look(APPLIED, body[j].lineno)
-        if self.marker in src.text and self.marker in mentioned_names(node, everything=True):
-            return drift(
-                f"{scope}: `{self.marker}` is used, but not in k3patch's shape",
-                short(src.segment(node)),
-                (dedent(self.added),),
-                node.lineno,
-            )
+        if self.marker in src.text and self.marker in model.mentioned_names(node, everything=True):
+            why = f"{scope}: `{self.marker}` is used, but not in k3patch's shape"
+            return drift(why, clip_lines(src.segment(node)), (dedent(self.added),), node.lineno)
         return Look(PENDING, at.lineno)
 
     def edits(self, src: SourceFile, text: SourceText, node: ast.FunctionDef) -> list[Edit]:
@@ -134,13 +107,8 @@ class Insert(Part):
         return [Edit(edit.start, edit.end, edit.text + text.newline)]
 
 
-def _callee(call: ast.Call) -> str:
-    func = call.func
-    return func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
-
-
-# An item as written: its name, and the sources its parts must match (none: only its name counts).
 def _parse(kind: str, text: str) -> tuple[str, list[str]]:
+    """An item as written: its name, and the sources its parts match (none: only its name)."""
     if kind == "field":
         return text.split(":")[0].strip(), [text]
     name, _, value = text.partition({"param": ":", "keyword": "=", "key": ": "}[kind])
@@ -149,33 +117,6 @@ def _parse(kind: str, text: str) -> tuple[str, list[str]]:
     if kind == "param" and value:
         return name.strip(), value.rsplit("=", 1)
     return name.strip(), [value] if value else []
-
-
-# A holder's items: name -> (the item's node, the line a report names, the nodes its parts are).
-Items = dict[str, tuple[Any, int, list[Any]]]
-
-
-def _items(kind: str, holder: Any) -> Items:
-    if kind == "field":
-        body = holder.body
-        return {
-            s.target.id: (s, s.lineno, [s])
-            for s in body
-            if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
-        }
-    if kind == "param":
-        params = [*holder.args.posonlyargs, *holder.args.args]
-        defaults = [None] * (len(params) - len(holder.args.defaults)) + holder.args.defaults
-        pairs = zip(params, defaults, strict=True)
-        return {p.arg: (p, holder.lineno, [p.annotation, d]) for p, d in pairs}
-    if kind == "keyword":
-        return {k.arg: (k, holder.lineno, [k.value]) for k in holder.keywords if k.arg}
-    pairs = zip(holder.keys, holder.values, strict=True)
-    return {
-        k.value: (v, holder.lineno, [v])
-        for k, v in pairs
-        if isinstance(k, ast.Constant) and isinstance(k.value, str)
-    }
 
 
 def _same(parts: list[str], nodes: list[Any]) -> bool:
@@ -198,16 +139,26 @@ class Item(Part):
     callee: str = ""
     evidence = True
 
+    def _items(self, holder: Any) -> dict[str, tuple[Any, int, list[Any]]]:
+        """name -> (the item's node, the line a report names, the nodes its parts are)."""
+        items: dict[str, tuple[Any, Any]] = model.named_items(holder)
+        if self.kind == "field":
+            return {k: (node, node.lineno, [node]) for k, (node, _) in items.items()}
+        if self.kind == "param":
+            return {k: (n, holder.lineno, [n.annotation, v]) for k, (n, v) in items.items()}
+        key = self.kind == "key"
+        return {k: (v if key else n, holder.lineno, [v]) for k, (n, v) in items.items()}
+
     def _holders(self, node: Any) -> list[Any]:
         if self.kind in ("field", "param"):
             return [node]
         if self.kind == "keyword":
             calls = [n for n in ast.walk(node) if isinstance(n, ast.Call)]
-            found: list[Any] = [c for c in calls if _callee(c) == self.callee]
+            found: list[Any] = [c for c in calls if model.callee_name(c) == self.callee]
         else:
             found = [n for n in ast.walk(node) if isinstance(n, ast.Dict)]
         name = _parse(self.kind, self.fork)[0]
-        return [n for n in found if name in _items(self.kind, n)]
+        return [n for n in found if name in model.named_items(n)]
 
     def look(self, src: SourceFile, node: Any, scope: str) -> Look:
         args = node.args if self.kind == "param" else None
@@ -217,7 +168,7 @@ class Item(Part):
         holders = self._holders(node)
         if len(holders) != 1:
             return self._missing(src, node, scope, len(holders))
-        items = _items(self.kind, holders[0])
+        items = self._items(holders[0])
         fork, fork_parts = _parse(self.kind, self.fork)
         name, parts = _parse(self.kind, self.added)
         # The fork's keyword picks the call, so it must be the fork's whatever else is there.
@@ -238,12 +189,12 @@ class Item(Part):
         where = {"field": "dataclass", "param": "signature", "key": "dict literal"}
         what = where.get(self.kind, f"{self.callee}(...) call")
         why = f"{scope}: expected one {what} with the fork's `{self.fork}`, found {found}"
-        return drift(why, short(src.segment(node)), (self.fork,), node.lineno)
+        return drift(why, clip_lines(src.segment(node)), (self.fork,), node.lineno)
 
     def edits(self, src: SourceFile, text: SourceText, node: Any) -> list[Edit]:
         holder = self._holders(node)[0]
         if self.kind == "field":
-            last = max(_items("field", holder).values(), key=lambda item: item[1])[0]
+            last = max(self._items(holder).values(), key=lambda item: item[1])[0]
             return [insert_after(text, last, f"{FIELD_COMMENT}\n{self.added}\n")]
         if self.kind == "param":
             first = [*holder.args.posonlyargs, *holder.args.args][-1]
@@ -264,14 +215,14 @@ class Function(Part):
     source: str
 
     def look(self, src: SourceFile, node: ast.AST, scope: str) -> Look:
-        fn = find_function(src.tree, self.name)
+        fn = model.find_function(src.tree, self.name)
         if fn is None:
             return Look(PENDING)
         # A fingerprint, not a shape: the function's docstring is not part of what it does.
-        if site_fingerprint(fn) == source_fingerprint(self.source):
+        if model.site_fingerprint(fn) == model.source_fingerprint(self.source):
             return Look(APPLIED, fn.lineno)
         why = f"{self.name} is not k3patch's function"
-        return drift(why, short(src.segment(fn)), (dedent(self.source),), fn.lineno)
+        return drift(why, clip_lines(src.segment(fn)), (dedent(self.source),), fn.lineno)
 
     def edits(self, src: SourceFile, text: SourceText, node: ast.AST) -> list[Edit]:
         end, nl = len(text.text), text.newline
@@ -294,9 +245,7 @@ class Requires(Part):
 
 def takes(name: str) -> Callable[[SourceFile, ast.FunctionDef | None], bool]:
     """A Requires test: the site's function has a positional parameter `name`."""
-    return lambda src, fn: (
-        fn is not None and name in {a.arg for a in [*fn.args.posonlyargs, *fn.args.args]}
-    )
+    return lambda src, fn: fn is not None and name in model.parameter_names(fn, positional=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,10 +265,7 @@ def _is_debug_block(imp: ast.stmt, gate: ast.stmt) -> bool:
         and not gate.orelse
     ):
         return False
-    imports = [n for n in ast.walk(gate) if isinstance(n, ast.Import | ast.ImportFrom)]
-    bound = stored_names([gate]) | {
-        (a.asname or a.name).split(".")[0] for n in imports for a in n.names
-    }
+    bound = model.stored_names([gate]) | model.imported_names(gate)
     read_later = {"offsets", "geometry_key", "_k3_local", "_k3_remote", "task", "request_info"}
     test = forms.DEBUG_TEST.format(alias=imp.names[0].asname)
     return match(test, gate.test) is not None and not bound & read_later
@@ -349,7 +295,7 @@ class Plan(Part):
             return drift(
                 f"{scope}: the per-layer block-id choice is in no known shape"
                 + (f" ({len(found)} candidate regions)" if found else ""),
-                short(src.segment(node), 60),
+                clip_lines(src.segment(node), 60),
                 (
                     f"fork: {forms.PLANS['fork', True]}",
                     f"older k3-group-routing fix: {forms.PLANS['legacy', True]}",
@@ -381,7 +327,7 @@ class LegacyGrowth(Part):
     capture_in: str
 
     def look(self, src: SourceFile, node: ast.FunctionDef, scope: str) -> Look:
-        capture = find_def(src.tree, self.capture_in)
+        capture = model.find_def(src.tree, self.capture_in)
         if capture is None or not search(forms.LEGACY_CAPTURE, capture):
             return Look(None)
         if search(forms.CHUNKED_ALLGRP, node):
@@ -403,7 +349,7 @@ class Site:
         return self.name.split(" ")[0].removesuffix(f".{FIELD_NAME}")
 
     def node(self, src: SourceFile) -> ast.ClassDef | ast.FunctionDef | None:
-        node = find_scope(src.tree, self.scope)
+        node = model.find_scope(src.tree, self.scope)
         kind = ast.FunctionDef if "." in self.scope else ast.ClassDef
         return node if isinstance(node, kind) else None
 

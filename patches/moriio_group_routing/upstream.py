@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from k3patch.model import SourceFile, Verdict, find_class, find_def, find_function, mentioned_names
-from k3patch.shapes import match, parse_pattern, search
+from k3patch.shapes import find_expressions, search
 
 
 @dataclass(frozen=True)
@@ -19,17 +19,10 @@ class UpstreamShape:
     detail: str
 
 
-def _has(node: ast.AST | None, expression: str) -> bool:
-    """Whether an expression in `expression`'s shape occurs under `node`."""
-    kind = type(parse_pattern(expression)[0].value)  # type: ignore[attr-defined]
-    return node is not None and any(
-        isinstance(n, kind) and match(expression, n) is not None for n in ast.walk(node)
-    )
-
-
 def _native_033(connector: SourceFile, engine: SourceFile) -> bool:
     plan = find_def(engine.tree, "MoRIIOWriter._prepare_transfer_plan")
-    return _has(plan, "self.worker.layer_to_group[task.layer_name]")
+    wanted = "self.worker.layer_to_group[task.layer_name]"
+    return plan is not None and bool(find_expressions(wanted, plan))
 
 
 def _native_031(connector: SourceFile, engine: SourceFile) -> bool:
@@ -48,7 +41,7 @@ def _single_group(connector: SourceFile, engine: SourceFile) -> bool:
     cls = find_class(connector.tree, "MoRIIOConnector")
     if cls is None or "SupportsHMA" in {ast.unparse(b).split(".")[-1] for b in cls.bases}:
         return False
-    return _has(connector.tree, "blocks.get_block_ids()[0]")
+    return bool(find_expressions("blocks.get_block_ids()[0]", connector.tree))
 
 
 # Positive upstream shapes, tried before the fork's: none of them can hold on a fork tree.
