@@ -452,6 +452,22 @@ def attribute_names(nodes: Iterable[ast.AST], owner: str, ctx: type[ast.expr_con
     }
 
 
+def attribute_assignments(nodes: Iterable[ast.AST], owner: str) -> list[tuple[str, ast.expr]]:
+    """(attribute, value) of every one-target `owner.attribute = value` and
+    `owner.attribute: T = value` under `nodes` (nested scopes included), in `ast.walk` order."""
+    found = []
+    for n in (n for node in nodes for n in ast.walk(node)):
+        if isinstance(n, ast.Assign) and len(n.targets) == 1:
+            target, value = n.targets[0], n.value
+        elif isinstance(n, ast.AnnAssign) and n.value is not None:
+            target, value = n.target, n.value
+        else:
+            continue
+        if isinstance(target, ast.Attribute) and attribute_owner(target, target.attr) == owner:
+            found.append((target.attr, value))
+    return found
+
+
 def imported_names(node: ast.AST) -> set[str]:
     """The names the import statements anywhere under `node` bind: an alias's `as` name, else
     the first component of the imported name (`import a.b` binds `a`)."""

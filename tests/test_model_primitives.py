@@ -274,3 +274,24 @@ def test_string_constants_reads_the_nodes_given_not_their_children():
     assert isinstance(call, ast.Call)
     assert string_constants(call.args) == ["a"]
     assert string_constants(ast.walk(call)) == ["a", "c"]
+
+
+def test_attribute_assignments_are_the_owner_s_one_target_assignments_with_their_values():
+    from k3patch.model import attribute_assignments
+
+    init = ast.parse(
+        "def __init__(self, other):\n"
+        "    self.a = {}\n"
+        "    self.b: dict[str, int] = dict()\n"
+        "    self.c: int\n"  # no value: not an assignment
+        "    self.d = self.e = []\n"  # two targets
+        "    other.f = {}\n"
+        "    self.a = 1\n"  # a later assignment is another entry
+        "    x = self.g = 2\n"
+        "    def inner():\n"
+        "        self.h = ()\n"
+    ).body[0]
+    found = [(name, ast.unparse(value)) for name, value in attribute_assignments([init], "self")]
+    assert found == [("a", "{}"), ("b", "dict()"), ("a", "1"), ("h", "()")]
+    assert [n for n, _ in attribute_assignments([init], "other")] == ["f"]
+    assert attribute_assignments([], "self") == []
