@@ -3,20 +3,14 @@
 Symptom: behind a MoRIIO WRITE-mode prefill/decode pair, Kimi-K3's decode answers as if the prompt
 ended after 2,048 tokens (recall dies at exactly max_num_batched_tokens), and a request whose
 final chunk allocates no new KV block is never sent and hangs.
-Cause: `MoRIIOConnectorScheduler.build_connector_meta` calls a chunk final by block count
-(`blocks * block_size >= num_prompt_tokens`) in two gates, G1 (loop over `scheduled_cached_reqs`)
-and G2 (loop over `_reqs_need_save`). K3's blocks hold about 5,760 tokens, so one block covers the
-whole prompt after its first chunk; and G1 runs only under `if new_block_ids is not None:`.
-Fix: both gates decide on compute progress, `req.num_computed_tokens +
-scheduler_output.num_scheduled_tokens.get(req_id, 0) >= req.num_prompt_tokens` (bCM runs before
-the scheduler advances `num_computed_tokens`; no slack), G1 for every pending request; only the
-gate headers change. vLLM 0.32.0 and later carry the same fix (`_is_final_prefill_chunk`); a
-progress gate that compares any other way (`<` for `>=`, `==`, `!=`, `>`, swapped, a slack) is
-drift. The older k3-chunk-gate script fires up to K3_CHUNK_GATE_SLACK (default 2) tokens early and
-falls back to the block count: pending, and repaired in place (its three decisions; its helper and
-map stay). Verdicts: A (0.14.1-0.23.0), B (0.24.0-0.27.1), C (0.28.0-0.29.0), D (0.30.0-0.31.0)
-pending, 0.32.0 and later satisfied; fork trees a, b, c "the fork (shape C gates)" and d (the
-older script) pending; after apply all applied.
+Cause: `MoRIIOConnectorScheduler.build_connector_meta` calls a chunk final by block count in its
+two gates (SITES.md 2); K3's ~5,760-token blocks cover the whole prompt after its first chunk, and
+G1 runs only under `if new_block_ids is not None:`.
+Fix: both gates decide on compute progress (bCM runs before the scheduler advances
+`num_computed_tokens`; no slack), G1 for every pending request; only the gate headers change, as
+in vLLM 0.32.0 and later (`_is_final_prefill_chunk`: satisfied). A progress gate that compares
+any other way is drift; the older k3-chunk-gate script (slack, block-count fallback) is pending
+and repaired in place.
 Check: `k3patch verify` drives the tree's real `build_connector_meta`, then vLLM's own
 `Scheduler.schedule()`, through chunked prompts in one 5,760-token block (later chunks allocate no
 block): each must be sent once, with its final chunk.
@@ -125,9 +119,8 @@ SHAPES = {
     G2: (G2_BLOCK_COUNT, G2_BLOCK_COUNT_D, G2_APPLIED),
 }
 
-# The older k3-chunk-gate script's form (gates.py): a module-level helper, a per-step map
-# `self._k3_prog`, and at each gate a named decision through the helper with a block-count
-# fallback; G1 also gets a sweep over the pending requests after its loop.
+# The older k3-chunk-gate script's form (gates.py): a module-level helper and a progress map that
+# each gate's named decision reads, with a block-count fallback; G1 also gets a sweep.
 LEGACY_HELPER = "_k3_prefill_done"
 LEGACY_HELPER_SHAPE = Shape(
     "k3-chunk-gate helper",
@@ -148,8 +141,7 @@ LEGACY_DEFECTS = (
     "falls back to the block-count gate (the original bug) when its progress map lacks the request",
 )
 
-# The post-image: new gate headers (`pass` stands for the gate's own body, which stays), and the
-# older form's repaired decision.
+# The post-image: new gate headers (`pass` stands for the gate's own body, which stays).
 G1_TEMPLATE = """
 # k3patch moriio-chunk-gate: the prompt is complete when this step's
 # chunk reaches its end (compute progress, no slack), checked for every

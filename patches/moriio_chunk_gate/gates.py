@@ -1,8 +1,6 @@
-"""How moriio-chunk-gate reads and rewrites its two sites (stdlib ast only: classification must
-stay fast). A site is the older script's decision chains where its loop holds them, else the one
-gate `if` in its loop: a known shape, or a fixed form told by what its progress comparison
-decides. Only the gate headers (with the temporaries that fed them) or the older decisions are
-rewritten; every gate keeps its body where it is."""
+"""How moriio-chunk-gate reads and rewrites its two sites (stdlib ast only, to stay fast): the
+older script's decision chains where the site's loop holds them, else its one gate `if`, in a
+known shape or a fixed form told by what its progress comparison decides."""
 
 from __future__ import annotations
 
@@ -31,9 +29,8 @@ from . import (
     SHAPES,
 )
 
-# The fixed forms told by predicate rather than by a skeleton: a comparison of progress with the
-# prompt that decides exactly "final" (`>=`) or "not yet" (`<`) where the gate needs it, inline
-# or through upstream's helper; and the older script's form, pending or repaired in place.
+# The forms told by predicate rather than by a skeleton: a progress comparison that decides
+# exactly what the gate needs, inline or through upstream's helper; the older script's form.
 UPSTREAM_HELPER = "_is_final_prefill_chunk"
 SATISFIED_UPSTREAM = "upstream fix (_is_final_prefill_chunk, 0.32.0 and later)"
 SATISFIED_INLINE = "upstream-style progress gate (inline)"
@@ -50,8 +47,7 @@ EXPECTED = {
     )
     for site, shapes in SHAPES.items()
 }
-# The loop each site's gate sits in, and G1's sweep (the older script's), found by the last
-# attribute of what they iterate.
+# What the loop of each site's gate, and G1's sweep (the older script's), iterate.
 LOOPS = {G1: "scheduler_output.scheduled_cached_reqs", G2: "self._reqs_need_save"}
 SWEEP = "self._reqs_need_pending_save"
 # Names whose appearance in an `if` test makes it a final-chunk gate.
@@ -71,19 +67,13 @@ def classify_sites(src: SourceFile) -> list[SiteResult]:
 
 
 def classify_site(src: SourceFile, context: Context, site: str) -> SiteResult:
-    found = _find(context, site)
-    if isinstance(found, str):
-        return site_result(site, Verdict.DRIFTED, found, line=context.method.lineno)
-    if isinstance(found, list):
-        return classify_chains(context, site, found)
-    return classify_gate(src, context, found)
-
-
-def _find(context: Context, site: str) -> list[Chain] | Gate | str:
-    """The site's decision chains, else its one gate, else why there is none."""
     chains = site_chains(context, site)
-    gate, why = (None, "") if chains else locate(context, site)
-    return chains or gate or why
+    if chains:
+        return classify_chains(context, site, chains)
+    gate, why = locate(context, site)
+    if gate is None:
+        return site_result(site, Verdict.DRIFTED, why, line=context.method.lineno)
+    return gate.classify(src, context)
 
 
 def site_result(
@@ -96,55 +86,15 @@ def site_result(
 
 
 def rewrite_sites(src: SourceFile, pending: list[str]) -> str:
-    context = Context.of(src.tree)
-    text = SourceText(src.text)
+    context, text = Context.of(src.tree), SourceText(src.text)
     edits: list[Edit] = []
     for site in pending:
         if classify_site(src, context, site).verdict is not Verdict.PENDING:
             raise ValueError(f"{site} is no longer pending")
-        found = _find(context, site)
-        assert not isinstance(found, str)
-        edits += repair_edits(text, found) if isinstance(found, list) else [_gate_edit(text, found)]
+        chains = site_chains(context, site)
+        gate = None if chains else locate(context, site)[0]
+        edits += [c.edit(text) for c in chains] if chains else [gate.edit(text)] if gate else []
     return apply_edits(src.text, edits)
-
-
-# The gate forms: upstream's, the fork's, k3patch's post-image and upstream's fix.
-@dataclass
-class Gate:
-    """A final-chunk gate: the `if`, the block that holds it, the named temporaries right
-    before it that feed its test, and the compound statements between its loop and it."""
-
-    site: str
-    loop: ast.For
-    block: list[ast.stmt]
-    index: int
-    temps: list[ast.Assign]
-    node: ast.If
-    conditions: list[ast.stmt]
-
-    def result(self, verdict: Verdict, shape: str, why: str) -> SiteResult:
-        """The site's result, showing the gate as a drift report does: its conditions (one
-        header line each), temporaries and header."""
-        heads = [ast.unparse(c).splitlines()[0] for c in self.conditions]
-        lines = [f"{'    ' * i}{head}" for i, head in enumerate(heads)]
-        pad = "    " * len(self.conditions)
-        lines += [f"{pad}{ast.unparse(t)}" for t in self.temps]
-        lines += [f"{pad}if {ast.unparse(self.node.test)}:", f"{pad}    ..."]
-        return site_result(self.site, verdict, why, shape, self.node.lineno, "\n".join(lines))
-
-
-def _gates_in(loop: ast.For, site: str) -> list[Gate]:
-    parents, found = model.parent_map(loop), []
-    for block in blocks(loop):
-        for index, stmt in enumerate(block):
-            if not isinstance(stmt, ast.If):
-                continue
-            temps = model.temporaries_before(block, index, stmt.test)
-            if any(GATE_WORDS & mentioned_names(n) for n in [stmt.test, *temps]):
-                around = model.ancestors(stmt, parents, stop=loop)
-                conditions = [n for n in reversed(around) if isinstance(n, ast.stmt)]
-                found.append(Gate(site, loop, block, index, temps, stmt, conditions))
-    return found
 
 
 # The fork's mamba-blockids edit (SITES.md 1), as statements: `__init__` starts
@@ -201,11 +151,33 @@ class Context:
             for _, _, found in search(_FORK_FILES_BLOCKS, alloc)
         )
 
+    def helper_is_progress(self) -> bool:
+        helper = model.find_method(self.cls, UPSTREAM_HELPER)
+        if helper is None:
+            return False
+        env = model.named_values(helper.body)
+        returns = [n for n in ast.walk(helper) if isinstance(n, ast.Return)]
+        return bool(returns) and all(
+            n.value is not None and progress_meaning(n.value, env) == FINAL for n in returns
+        )
+
 
 def locate(context: Context, site: str) -> tuple[Gate | None, str]:
     """The one gate of a site, or None and why."""
+    found = []
+    for loop in context.loops(LOOPS[site]):
+        parents, gates = model.parent_map(loop), []
+        for block in blocks(loop):
+            for index, stmt in enumerate(block):
+                if not isinstance(stmt, ast.If):
+                    continue
+                temps = model.temporaries_before(block, index, stmt.test)
+                if any(GATE_WORDS & mentioned_names(n) for n in [stmt.test, *temps]):
+                    around = model.ancestors(stmt, parents, stop=loop)
+                    conditions = [n for n in reversed(around) if isinstance(n, ast.stmt)]
+                    gates.append(Gate(site, loop, block, index, temps, stmt, conditions))
+        found += [gates] if gates else []
     what = f"a loop over {LOOPS[site]} that holds a final-chunk gate"
-    found = [gates for loop in context.loops(LOOPS[site]) if (gates := _gates_in(loop, site))]
     if len(found) != 1:
         return None, f"expected one {what} in {METHOD}, found {len(found)}"
     if len(found[0]) != 1:
@@ -216,157 +188,159 @@ def locate(context: Context, site: str) -> tuple[Gate | None, str]:
     return found[0][0], ""
 
 
-def classify_gate(src: SourceFile, context: Context, gate: Gate) -> SiteResult:
-    shape = next((s for s in SHAPES[gate.site] if s.match(gate.loop.body) is not None), None)
-    if shape is None:
-        return _classify_fixed(context, gate)
-    problems = _preconditions(src, context, gate, shape)
-    if problems:
-        return gate.result(Verdict.DRIFTED, "", f"{shape.name} gate, but " + "; ".join(problems))
-    name = context.release() if shape.name == FROM_SURROUNDINGS else shape.name
-    return gate.result(shape.verdict, name, shape.origin)
+# The gate forms: upstream's, the fork's, k3patch's post-image and upstream's fix.
+@dataclass
+class Gate:
+    """A final-chunk gate: the `if`, the block that holds it, the named temporaries right
+    before it that feed its test, and the compound statements between its loop and it."""
 
+    site: str
+    loop: ast.For
+    block: list[ast.stmt]
+    index: int
+    temps: list[ast.Assign]
+    node: ast.If
+    conditions: list[ast.stmt]
 
-def _classify_fixed(context: Context, gate: Gate) -> SiteResult:
-    """The fixed forms nobody but upstream writes: a progress gate, inline or through
-    upstream's helper, that decides exactly what its body needs."""
-    core, times = model.strip_nots(gate.node.test)
-    upstream = calls(core, UPSTREAM_HELPER)
-    env = model.named_values(gate.temps)
-    meaning = flip(FINAL, times) if upstream else progress_meaning(gate.node.test, env)
-    wanted = needed_meaning(gate.node)
-    tests = [getattr(c, "test", c) for c in gate.conditions]
-    if meaning is None:
-        problem = "the gate is in no shape k3patch knows; nothing will be written"
-    elif upstream and not _helper_is_progress(context):
-        problem = (
-            f"the gate calls self.{UPSTREAM_HELPER}, whose body is no progress comparison "
-            "(num_computed_tokens + num_scheduled_tokens >= num_prompt_tokens)"
-        )
-    elif meaning == WRONG:
-        problem = (
-            "a comparison of progress with the prompt, but not `progress >= num_prompt_tokens` "
-            "(final) or `progress < num_prompt_tokens` (not yet): an inverted, off-by-one or "
-            "slack gate; nothing will be written"
-        )
-    elif meaning != wanted:
-        problem = (
-            f"a progress gate whose test means {meaning!r} where its body needs {wanted!r} "
-            "(inverted); nothing will be written"
-        )
-    elif any("new_block_ids" in mentioned_names(test) for test in tests):
-        problem = (
-            "a progress gate, but still only evaluated when the step allocated a new "
-            "block: a final chunk without a new block would never send"
-        )
-    elif any(
-        model.normalised_dump(t) == model.expression_dump(f"req_id in {SWEEP}") for t in tests
-    ):
-        problem = "k3patch's gate, edited since k3patch wrote it"
-    elif gate.conditions:
-        # Upstream's gates sit directly in their loops; nobody has described one nested deeper.
-        problem = "a progress gate nested under a condition k3patch does not know"
-    else:
-        name = SATISFIED_UPSTREAM if upstream else SATISFIED_INLINE
-        return gate.result(Verdict.SATISFIED, name, "gates on compute progress")
-    return gate.result(Verdict.DRIFTED, "", problem)
+    def result(self, verdict: Verdict, shape: str, why: str) -> SiteResult:
+        """Drift shows the gate's conditions (a header line each), temporaries and header."""
+        heads = [ast.unparse(c).splitlines()[0] for c in self.conditions]
+        lines = [f"{'    ' * i}{head}" for i, head in enumerate(heads)]
+        pad = "    " * len(self.conditions)
+        lines += [f"{pad}{ast.unparse(t)}" for t in self.temps]
+        lines += [f"{pad}if {ast.unparse(self.node.test)}:", f"{pad}    ..."]
+        return site_result(self.site, verdict, why, shape, self.node.lineno, "\n".join(lines))
 
+    def classify(self, src: SourceFile, context: Context) -> SiteResult:
+        shape = next((s for s in SHAPES[self.site] if s.match(self.loop.body) is not None), None)
+        if shape is None:
+            return self.classify_fixed(context)
+        problems = self.preconditions(src, context, shape.verdict is Verdict.PENDING)
+        if problems:
+            return self.result(
+                Verdict.DRIFTED, "", f"{shape.name} gate, but " + "; ".join(problems)
+            )
+        name = context.release() if shape.name == FROM_SURROUNDINGS else shape.name
+        return self.result(shape.verdict, name, shape.origin)
 
-def _preconditions(src: SourceFile, context: Context, gate: Gate, shape: model.Shape) -> list[str]:
-    """Why a gate in a known shape still cannot take (or does not hold) the post-image."""
-    problems = []
-    pending = shape.verdict is Verdict.PENDING
-    if pending and not _header_editable(src.text, gate):
-        problems.append("its header shares lines with other code")
-    if pending and "scheduler_output" not in model.parameter_names(context.method):
-        problems.append(f"{METHOD} has no parameter named scheduler_output")
-    bound = model.stored_names([gate.loop.target])
-    needs = {"req_id"} if gate.site == G1 else {"req_id", "req"}
-    if not needs <= bound:
-        problems.append(f"the loop does not bind {', '.join(sorted(needs - bound))}")
-    for temp in gate.temps if pending else ():
-        name = model.assigned_name(temp)
-        if name in loaded_names(gate.loop.body, skip=[*gate.temps, gate.node.test]):
-            problems.append(f"{name} is read outside the gate test; it cannot be dropped")
-        if any(s is not temp and s.lineno == temp.lineno for s in gate.block):
-            problems.append(f"{name} shares its line with another statement")
-    if gate.site != G1:
+    def classify_fixed(self, context: Context) -> SiteResult:
+        """The fixed forms nobody but upstream writes: a progress gate, inline or through
+        upstream's helper, that decides exactly what its body needs."""
+        core, times = model.strip_nots(self.node.test)
+        upstream = calls(core, UPSTREAM_HELPER)
+        env = model.named_values(self.temps)
+        meaning = flip(FINAL, times) if upstream else progress_meaning(self.node.test, env)
+        wanted = needed_meaning(self.node)
+        tests = [getattr(c, "test", c) for c in self.conditions]
+        if meaning is None:
+            problem = "the gate is in no shape k3patch knows; nothing will be written"
+        elif upstream and not context.helper_is_progress():
+            problem = (
+                f"the gate calls self.{UPSTREAM_HELPER}, whose body is no progress comparison "
+                "(num_computed_tokens + num_scheduled_tokens >= num_prompt_tokens)"
+            )
+        elif meaning == WRONG:
+            problem = (
+                "a comparison of progress with the prompt, but not `progress >= "
+                "num_prompt_tokens` (final) or `progress < num_prompt_tokens` (not yet): an "
+                "inverted, off-by-one or slack gate; nothing will be written"
+            )
+        elif meaning != wanted:
+            problem = (
+                f"a progress gate whose test means {meaning!r} where its body needs {wanted!r} "
+                "(inverted); nothing will be written"
+            )
+        elif any("new_block_ids" in mentioned_names(test) for test in tests):
+            problem = (
+                "a progress gate, but still only evaluated when the step allocated a new "
+                "block: a final chunk without a new block would never send"
+            )
+        elif model.expression_dump(f"req_id in {SWEEP}") in map(model.normalised_dump, tests):
+            problem = "k3patch's gate, edited since k3patch wrote it"
+        elif self.conditions:  # upstream's gates sit directly in their loops
+            problem = "a progress gate nested under a condition k3patch does not know"
+        else:
+            name = SATISFIED_UPSTREAM if upstream else SATISFIED_INLINE
+            return self.result(Verdict.SATISFIED, name, "gates on compute progress")
+        return self.result(Verdict.DRIFTED, "", problem)
+
+    def preconditions(self, src: SourceFile, context: Context, pending: bool) -> list[str]:
+        """Why a gate in a known shape still cannot take (or does not hold) the post-image."""
+        problems = []
+        if pending:
+            try:  # the rewrite replaces whole header lines and leaves the gate's body as it is
+                text = SourceText(src.text)
+                for stmt in [self.node, *self.temps, *self.conditions[:1]]:
+                    text.indent_of(stmt)
+                header_end(text, self.node)
+            except EditError:
+                problems.append("its header shares lines with other code")
+            if "scheduler_output" not in model.parameter_names(context.method):
+                problems.append(f"{METHOD} has no parameter named scheduler_output")
+        bound = model.stored_names([self.loop.target])
+        needs = {"req_id"} if self.site == G1 else {"req_id", "req"}
+        if not needs <= bound:
+            problems.append(f"the loop does not bind {', '.join(sorted(needs - bound))}")
+        for temp in self.temps if pending else ():
+            name = model.assigned_name(temp)
+            if name in loaded_names(self.loop.body, skip=[*self.temps, self.node.test]):
+                problems.append(f"{name} is read outside the gate test; it cannot be dropped")
+            if any(s is not temp and s.lineno == temp.lineno for s in self.block):
+                problems.append(f"{name} shares its line with another statement")
+        if self.site != G1:
+            return problems
+        if pending and self.index == len(self.temps):
+            # The branch keeps the statements before the gate; with none it would be empty.
+            problems.append("it is all that `if new_block_ids is not None:` holds")
+        # G1's body runs outside `if new_block_ids is not None:` after the rewrite, so it must
+        # not read what only that branch binds (`req` is rebound by the post-image).
+        if pending:
+            branch = self.conditions[0]
+            assert isinstance(branch, ast.If)
+            local = model.stored_names(self.block[: self.index]) | loaded_names([branch.test])
+        else:
+            before = self.loop.body[: self.loop.body.index((self.conditions or [self.node])[0])]
+            ifs = [s for s in before if isinstance(s, ast.If)]
+            branches = [s for s in ifs if "new_block_ids" in mentioned_names(s.test)]
+            local = model.stored_names([s for branch in branches for s in branch.body])
+        read = loaded_names(self.node.body + self.node.orelse) & (local - {"req"})
+        if read:
+            problems.append(
+                "its body reads " + ", ".join(sorted(read)) + ", bound only when the step "
+                "allocated a block"
+            )
         return problems
-    if pending and gate.index == len(gate.temps):
-        # The branch keeps the statements before the gate; with none it would be empty.
-        problems.append("it is all that `if new_block_ids is not None:` holds")
-    # G1's body runs outside `if new_block_ids is not None:` after the rewrite, so it must not
-    # read what only that branch binds (`req` is rebound by the post-image).
-    if pending:
-        branch = gate.conditions[0]
-        assert isinstance(branch, ast.If)
-        local = model.stored_names(gate.block[: gate.index]) | loaded_names([branch.test])
-    else:
-        index = gate.loop.body.index(gate.conditions[0] if gate.conditions else gate.node)
-        siblings = [
-            s
-            for s in gate.loop.body[:index]
-            if isinstance(s, ast.If) and "new_block_ids" in mentioned_names(s.test)
-        ]
-        local = model.stored_names([s for sibling in siblings for s in sibling.body])
-    read = loaded_names(gate.node.body + gate.node.orelse) & (local - {"req"})
-    if read:
-        problems.append(
-            "its body reads " + ", ".join(sorted(read)) + ", bound only when the step "
-            "allocated a block"
-        )
-    return problems
 
-
-def _header_editable(text: str, gate: Gate) -> bool:
-    """Whether the gate (and G1's branch) start their lines and the header's `:` can be found:
-    the rewrite replaces whole header lines and leaves the gate's body as it is."""
-    src = SourceText(text)
-    try:
-        for stmt in [gate.node, *gate.temps, *gate.conditions[:1]]:
-            src.indent_of(stmt)
-        header_end(src, gate.node)
-    except EditError:
-        return False
-    return True
-
-
-def _gate_edit(src: SourceText, gate: Gate) -> Edit:
-    """The gate's header, and the temporaries that fed it, replaced by the new header. The
-    comment lines right above the gate stay with it; those above a dropped temporary go."""
-    first = gate.block.index(gate.temps[0] if gate.temps else gate.node)
-    above = gate.block[first - 1].end_lineno if first else None
-    start = src.after_line(above) if above else src.starts[gate.block[first].lineno - 1]
-    kept_from = src.after_line(gate.temps[-1].end_lineno or 0) if gate.temps else start
-    kept = src.text[kept_from : src.starts[gate.node.lineno - 1]]
-    indent = src.indent_of(gate.node)
-    header = (G1_TEMPLATE if gate.site == G1 else G2_TEMPLATE).strip("\n").split("\n")[:-1]
-    if gate.site == G1:
-        # The guard goes where `if new_block_ids is not None:` is; the gate stays in place.
-        at = header.index("    if (")
-        new = src.block("\n".join(header[:at]), src.indent_of(gate.conditions[0]))
-        new += kept + src.block("\n".join(header[at:]), indent)
-    else:
-        new = kept + src.block("\n".join(header), indent)
-    return Edit(start, header_end(src, gate.node), new[: -len(src.newline)])
+    def edit(self, src: SourceText) -> Edit:
+        """The gate's header, and the temporaries that fed it, replaced by the new header. The
+        comment lines right above the gate stay with it; those above a dropped temporary go."""
+        first = self.block.index(self.temps[0] if self.temps else self.node)
+        above = self.block[first - 1].end_lineno if first else None
+        start = src.after_line(above) if above else src.starts[self.block[first].lineno - 1]
+        kept_from = src.after_line(self.temps[-1].end_lineno or 0) if self.temps else start
+        kept = src.text[kept_from : src.starts[self.node.lineno - 1]]
+        indent = src.indent_of(self.node)
+        header = (G1_TEMPLATE if self.site == G1 else G2_TEMPLATE).strip("\n").split("\n")[:-1]
+        if self.site == G1:
+            # The guard goes where `if new_block_ids is not None:` is; the gate stays in place.
+            at = header.index("    if (")
+            new = src.block("\n".join(header[:at]), src.indent_of(self.conditions[0]))
+            new += kept + src.block("\n".join(header[at:]), indent)
+        else:
+            new = kept + src.block("\n".join(header), indent)
+        return Edit(start, header_end(src, self.node), new[: -len(src.newline)])
 
 
 # What a test decides about compute progress.
 def needed_meaning(gate: ast.If) -> str:
-    """What a gate's test must mean: "final" where its body sends the request, "not final"
-    where the body defers or skips it (upstream's `if not final: continue`)."""
-    sends = any(
-        isinstance(n, ast.Call) and match("HOLE_connector.add_new_req", n.func) is not None
-        for stmt in gate.body
-        for n in ast.walk(stmt)
-    )
+    """ "final" where the gate's body sends the request, else "not final" (it defers or skips)."""
+    funcs = [n.func for stmt in gate.body for n in ast.walk(stmt) if isinstance(n, ast.Call)]
+    sends = any(match("HOLE_connector.add_new_req", func) is not None for func in funcs)
     return FINAL if sends else NOT_FINAL
 
 
 def flip(meaning: str, times: int) -> str:
-    if meaning == WRONG or times % 2 == 0:
-        return meaning
-    return NOT_FINAL if meaning == FINAL else FINAL
+    return {FINAL: NOT_FINAL, NOT_FINAL: FINAL}.get(meaning, meaning) if times % 2 else meaning
 
 
 def calls(expr: ast.expr, name: str) -> bool:
@@ -380,6 +354,13 @@ _SCHEDULED = (
     "HOLE_out.num_scheduled_tokens.get(HOLE_key)",
     "HOLE_out.num_scheduled_tokens.get(HOLE_key, 0)",
 )
+# `progress OP prompt` means final for >=, not final for <; `prompt OP progress` the mirror.
+_MEANING: dict[tuple[type[ast.cmpop], bool], str] = {
+    (ast.GtE, False): FINAL,
+    (ast.Lt, False): NOT_FINAL,
+    (ast.LtE, True): FINAL,
+    (ast.Gt, True): NOT_FINAL,
+}
 
 
 def _progress_of(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
@@ -395,27 +376,15 @@ def _progress_of(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
     return None
 
 
-# `progress OP prompt` means final for >=, not final for <; `prompt OP progress` the mirror.
-_MEANING: dict[tuple[type[ast.cmpop], bool], str] = {
-    (ast.GtE, False): FINAL,
-    (ast.Lt, False): NOT_FINAL,
-    (ast.LtE, True): FINAL,
-    (ast.Gt, True): NOT_FINAL,
-}
-
-
 def progress_meaning(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
-    """What a test decides about compute progress: "final" for `progress >= prompt`, "not
-    final" for `progress < prompt` (mirrored forms and `not` included), "wrong" for any other
-    comparison of progress with the prompt, None when the test is no such comparison."""
+    """ "final" for `progress >= prompt`, "not final" for `progress < prompt` (mirrored and
+    negated forms too), "wrong" for another comparison of the two, else None."""
     core, times = model.strip_nots(expr)
     core = model.resolve_name(core, env)
     if not isinstance(core, ast.Compare):
         return None
-    names = [n for n in ast.walk(core) if isinstance(n, ast.Name)]
-    words = mentioned_names(core).union(
-        *(mentioned_names(model.resolve_name(n, env)) for n in names)
-    )
+    resolved = [model.resolve_name(n, env) for n in ast.walk(core) if isinstance(n, ast.Name)]
+    words = mentioned_names(core).union(*map(mentioned_names, resolved))
     wrong = WRONG if {"num_computed_tokens", "num_prompt_tokens"} <= words else None
     if len(core.ops) != 1:
         return wrong
@@ -430,28 +399,16 @@ def progress_meaning(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
     return flip(_MEANING.get((type(core.ops[0]), mirrored), WRONG), times)
 
 
-def _helper_is_progress(context: Context) -> bool:
-    helper = model.find_method(context.cls, UPSTREAM_HELPER)
-    if helper is None:
-        return False
-    env = model.named_values(helper.body)
-    returns = [n for n in ast.walk(helper) if isinstance(n, ast.Return)]
-    return bool(returns) and all(
-        n.value is not None and progress_meaning(n.value, env) == FINAL for n in returns
-    )
-
-
 # The older k3-chunk-gate script's form (apply_kimik3_chunk_gate_fix.py). A decision chain is
 # `NAME = <decision>`, an optional `if NAME is None: NAME = <fallback>`, the script's debug
 # `if`s, and the gate `if NAME:` (it sends) or `if not NAME:` (it defers or skips). The decision
-# is the script's helper call (pending: slack and fallback) or k3patch's progress comparison
-# (applied: the repair in place). G1 also has a sweep over the pending requests after its loop.
+# is the script's helper call (pending) or k3patch's progress comparison (applied: the repair
+# in place). G1 also has a sweep over the pending requests after its loop.
 LEGACY_MAP = "_k3_prog"
 # k3patch's repaired decision about `req`, as a report shows it.
 _REPAIRED = ast.unparse(
     ast.parse(LEGACY_TEMPLATE.format(name="x", req="req", req_id="req_id"))
 ).split(" = ", 1)[1]
-LEGACY_DEBUG = "K3_CHUNK_GATE_DEBUG"
 # The block-count fallback each site's older form keeps, as the script writes it.
 LEGACY_FALLBACK = {
     G1: "len(self._reqs_need_pending_save[req_id][1]) * self.block_size >= req.num_prompt_tokens",
@@ -469,6 +426,24 @@ class Chain:
     fallback: ast.If | None
     gate: ast.If
 
+    @classmethod
+    def at(cls, block: list[ast.stmt], index: int, part: str) -> Chain | None:
+        decision, name = block[index], model.assigned_name(block[index])
+        if not isinstance(decision, ast.Assign) or name is None:
+            return None
+        value = decision.value
+        if not (calls(value, LEGACY_HELPER) or "num_prompt_tokens" in mentioned_names(value)):
+            return None
+        after = block[index + 1 :]
+        end = next((i for i, s in enumerate(after) if not isinstance(s, ast.If)), len(after))
+        ifs = [s for s in after[:end] if isinstance(s, ast.If)]
+        fallback = ifs.pop(0) if ifs and match(f"{name} is None", ifs[0].test) is not None else None
+        while ifs and "K3_CHUNK_GATE_DEBUG" in mentioned_names(ifs[0].test, everything=True):
+            ifs.pop(0)
+        if not ifs or match(name, model.strip_nots(ifs[0].test)[0]) is None:
+            return None
+        return cls(part, block, index, name, decision, fallback, ifs[0])
+
     @property
     def statements(self) -> list[ast.stmt]:
         return self.block[self.index : self.block.index(self.gate) + 1]
@@ -481,25 +456,16 @@ class Chain:
             return "legacy" if names else "other"
         return "progress" if progress_meaning(value, {}) == FINAL else "other"
 
-
-def _chain_at(block: list[ast.stmt], index: int, part: str) -> Chain | None:
-    decision, name = block[index], model.assigned_name(block[index])
-    if not isinstance(decision, ast.Assign) or name is None:
-        return None
-    value = decision.value
-    if not (calls(value, LEGACY_HELPER) or "num_prompt_tokens" in mentioned_names(value)):
-        return None
-    ifs: list[ast.If] = []
-    for stmt in block[index + 1 :]:
-        if not isinstance(stmt, ast.If):
-            break
-        ifs.append(stmt)
-    fallback = ifs.pop(0) if ifs and match(f"{name} is None", ifs[0].test) is not None else None
-    while ifs and LEGACY_DEBUG in mentioned_names(ifs[0].test, everything=True):
-        ifs.pop(0)
-    if not ifs or match(name, model.strip_nots(ifs[0].test)[0]) is None:
-        return None
-    return Chain(part, block, index, name, decision, fallback, ifs[0])
+    def edit(self, src: SourceText) -> Edit:
+        """The decision replaced in place by compute progress; an `is None` fallback goes.
+        Helper, map and debug lines stay: nothing reads them to decide any more."""
+        value = self.decision.value  # `_k3_prefill_done(self, <request id>, <request>)`
+        args = value.args if isinstance(value, ast.Call) and len(value.args) == 3 else []
+        if not (args and isinstance(args[1], ast.Name) and isinstance(args[2], ast.Name)):
+            raise ValueError(f"{self.name}: a decision chain without its request names")
+        source = LEGACY_TEMPLATE.format(name=self.name, req=args[2].id, req_id=args[1].id)
+        stmts = [self.decision] if self.fallback is None else [self.decision, self.fallback]
+        return replace(src, stmts, source)
 
 
 def site_chains(context: Context, site: str) -> list[Chain] | None:
@@ -508,7 +474,7 @@ def site_chains(context: Context, site: str) -> list[Chain] | None:
 
     def chains_in(roots: list[ast.For], part: str) -> list[Chain]:
         found = (
-            _chain_at(b, i, part) for root in roots for b in blocks(root) for i in range(len(b))
+            Chain.at(b, i, part) for root in roots for b in blocks(root) for i in range(len(b))
         )
         return [chain for chain in found if chain is not None]
 
@@ -586,14 +552,9 @@ def _chain_problems(
         )
     if legacy and LEGACY_MAP not in model.attribute_names([context.method], "self", ast.Store):
         problems.append(f"{METHOD} never sets self.{LEGACY_MAP}, which {LEGACY_HELPER}() reads")
-    return problems + _unbound_problems(context, chains)
-
-
-def _unbound_problems(context: Context, chains: list[Chain]) -> list[str]:
-    """Names the chains read that nothing binds: the script's debug `if` reads `os` at module
-    level, its sweep reads maps that other older scripts add to the scheduler. Either raises
-    when a chunked request comes (the sweep's inside its `try`: the request is never sent)."""
-    problems = []
+    # Names the chains read that nothing binds: the script's debug `if` reads `os` at module
+    # level, its sweep reads maps that other older scripts add to the scheduler. Either raises
+    # when a chunked request comes (the sweep's inside its `try`: the request is never sent).
     method, cls = context.method, context.cls
     bound = model.runtime_module_names(context.module) | set(dir(builtins))
     bound |= model.imported_names(method) | model.stored_names([method])
@@ -603,13 +564,10 @@ def _unbound_problems(context: Context, chains: list[Chain]) -> list[str]:
         problems.append(
             "it reads " + ", ".join(sorted(free)) + ", which moriio_connector.py never binds"
         )
-    sweeps: list[ast.AST] = [
-        loop
-        for loop in context.loops(SWEEP)
-        if any(c.part == "sweep" and c.decision in ast.walk(loop) for c in chains)
-    ]
+    decisions = [c.decision for c in chains if c.part == "sweep"]
+    loops = [loop for loop in context.loops(SWEEP) if any(d in ast.walk(loop) for d in decisions)]
     methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
-    unset = model.attribute_names(sweeps, "self", ast.Load)
+    unset = model.attribute_names(loops, "self", ast.Load)
     unset -= model.attribute_names([cls], "self", ast.Store) | methods
     if unset:
         problems.append(
@@ -617,20 +575,3 @@ def _unbound_problems(context: Context, chains: list[Chain]) -> list[str]:
             "(it raises inside the sweep's try and the request is never sent)"
         )
     return problems
-
-
-def repair_edits(src: SourceText, chains: list[Chain]) -> list[Edit]:
-    """The older form's decisions replaced in place by compute progress; each `is None`
-    fallback goes. Helper, map and debug lines stay: nothing reads them to decide any more."""
-    edits = []
-    for chain in chains:
-        # The script's call is `_k3_prefill_done(self, <request id>, <request>)`.
-        value = chain.decision.value
-        args = value.args if isinstance(value, ast.Call) and len(value.args) == 3 else []
-        if not (args and isinstance(args[1], ast.Name) and isinstance(args[2], ast.Name)):
-            raise ValueError(f"{chain.name}: a decision chain without its request names")
-        req, req_id = args[2].id, args[1].id
-        source = LEGACY_TEMPLATE.format(name=chain.name, req=req, req_id=req_id)
-        stmts = [chain.decision] if chain.fallback is None else [chain.decision, chain.fallback]
-        edits.append(replace(src, stmts, source))
-    return edits
