@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import ast
 import importlib
-import importlib.util
 import inspect
 import logging
-import logging.handlers
 import textwrap
 import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from k3patch.model import ProbeOutcome, find_def, find_function
-from k3patch.probekit import Checks, Swap
+from k3patch.probekit import Always, Checks, Swap, TorchTrace, package_dir, with_globals
 
 from . import OPS_FILE, OPS_MODULE, SITES
 from .syncs import ENV, SYNC_TORCH_FUNCTIONS, ungated_sync_points
@@ -25,9 +22,7 @@ from .syncs import ENV, SYNC_TORCH_FUNCTIONS, ungated_sync_points
 
 def probe_no_sync_unless_asked() -> ProbeOutcome:
     checks = Checks(f"no sync reachable with {ENV} unset")
-    spec = importlib.util.find_spec("vllm")
-    locations = spec.submodule_search_locations if spec is not None else None
-    package = Path(next(iter(locations))) if locations else None
+    package = package_dir("vllm")
     ops_func: Callable[..., Any] | None = None
     ops_ast: ast.FunctionDef | None = None
     try:
@@ -61,10 +56,9 @@ def probe_no_sync_unless_asked() -> ProbeOutcome:
 
 
 # Python-level torch calls that read device memory on the host: the AST's list, and the casts
-# and formatting that `bool()`, `int()`, `f"{t}"` turn into.
+# and formatting that `bool()`, `int()`, `f"{t}"` turn into; then the aten ops below them.
 _CASTS = {"__bool__", "__int__", "__float__", "__index__", "__repr__", "__format__"}
 _SYNC_OPS = SYNC_TORCH_FUNCTIONS | _CASTS
-# aten ops that read device memory on the host (seen below the Python layer).
 _SYNC_ATEN = ("_local_scalar_dense", "nonzero", "masked_select")
 
 
@@ -72,12 +66,8 @@ def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Che
     """Run the real function on CPU tensors posing as device tensors, with the Triton launch
     replaced by a host gather, and record every torch op that would sync on a GPU."""
     import torch
-    from torch.overrides import TorchFunctionMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    paused = [False]  # the stubbed kernel's own host work is not the function's
-    python_ops: list[str] = []
-    aten_ops: list[str] = []
+    trace = TorchTrace()
     reached: list[bool] = []  # whether an out-of-range index reached the stubbed kernel
 
     class DeviceLooking(torch.Tensor):
@@ -86,34 +76,8 @@ def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Che
         def is_cuda(self) -> bool:  # type: ignore[override]
             return True
 
-    class PythonTrace(TorchFunctionMode):
-        def __torch_function__(
-            self, fn: Any, types_: Any, args: Any = (), kwargs: Any = None
-        ) -> Any:
-            name = getattr(fn, "__name__", str(fn))
-            if not paused[0] and name in _SYNC_OPS:
-                python_ops.append(name)
-            elif not paused[0] and name in ("__getitem__", "index") and len(args) > 1:
-                items = args[1] if isinstance(args[1], tuple) else (args[1],)
-                if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items):
-                    python_ops.append("boolean-mask indexing")
-            return fn(*args, **(kwargs or {}))
-
-    class AtenTrace(TorchDispatchMode):
-        def __torch_dispatch__(
-            self, fn: Any, types_: Any, args: Any = (), kwargs: Any = None
-        ) -> Any:
-            if not paused[0] and any(s in str(fn) for s in _SYNC_ATEN):
-                aten_ops.append(str(fn))
-            return fn(*args, **(kwargs or {}))
-
-    class KernelStub:
-        def __getitem__(self, grid: Any) -> Callable[..., None]:
-            return launch
-
     def launch(*args: Any, **kwargs: Any) -> None:
-        paused[0] = True
-        try:
+        with trace.paused():  # the stubbed kernel's own host work is not the function's
             src, slots, valid, out = (t.as_subclass(torch.Tensor) for t in args[:4])
             rows = slots.to(torch.int64)
             n = src.shape[0]
@@ -121,24 +85,28 @@ def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Che
             picked = src.reshape(n, -1)[rows.clamp(0, n - 1)].reshape(out.shape)
             mask = valid.reshape(-1, *([1] * (out.ndim - 1)))
             out.copy_(torch.where(mask, picked, torch.zeros_like(picked)))
-        finally:
-            paused[0] = False
 
-    scope = dict(func.__globals__)  # type: ignore[attr-defined]
+    def synced(name: str, args: tuple[Any, ...]) -> str | None:
+        """The sync a traced call makes (its name, or boolean-mask indexing), or None."""
+        if name in _SYNC_OPS:
+            return name
+        items = args[1] if len(args) > 1 and isinstance(args[1], tuple) else args[1:2]
+        masked = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+        return "boolean-mask indexing" if masked and name in ("__getitem__", "index") else None
+
+    scope = func.__globals__  # type: ignore[attr-defined]
+    names: dict[str, Any] = {}
     for node in ast.walk(func_ast):  # the globals launched Triton-style, `kernel[grid](...)`
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
             if isinstance(node.func.value, ast.Name):
-                scope[node.func.value.id] = KernelStub()
+                names[node.func.value.id] = Always(launch)
     if not all(hasattr(scope.get("triton"), a) for a in ("next_power_of_2", "cdiv")):
         # vLLM's Triton placeholder (no Triton on this machine) lacks these host helpers.
-        scope["triton"] = types.SimpleNamespace(
+        names["triton"] = types.SimpleNamespace(
             next_power_of_2=lambda n: 1 << max(int(n) - 1, 0).bit_length(),
             cdiv=lambda a, b: -(a // -b),
         )
-    code: Any = func
-    runnable = types.FunctionType(
-        code.__code__, scope, code.__name__, code.__defaults__, code.__closure__
-    )
+    runnable = with_globals(func, **names)
     pool = 6
     state = torch.arange(pool * 2 * 3, dtype=torch.float32).reshape(pool, 2, 3)
     has = torch.tensor([True, True, False, True])
@@ -147,40 +115,32 @@ def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Che
         # Only the fork's guard clamps; upstream's kernel must never see a bad index.
         cases.append(("index 9 of a pool of 6", [0, 9, 3, 2], None))
         cases.append(("index 9 of a pool of 6", [0, 9, 3, 2], "1"))
-    logger = logging.getLogger(str(scope.get("__name__", "")))
-    saved_level = logger.level
-    handler = logging.handlers.BufferingHandler(capacity=1 << 20)
-    handler.setLevel(logging.WARNING)
-    logger.addHandler(handler)
-    # verify runs with VLLM_LOGGING_LEVEL=ERROR; the diagnostic logs at WARNING.
-    logger.setLevel(logging.WARNING)
-    try:
-        with Swap() as swap:
-            for label, slots, env in cases:
-                swap.env(ENV, env)
-                for log in (python_ops, aten_ops, reached, handler.buffer):
-                    log.clear()
-                indices = torch.tensor(slots, dtype=torch.int32)
-                with PythonTrace(), AtenTrace():
-                    out = runnable(*(t.as_subclass(DeviceLooking) for t in (state, indices, has)))
-                rows = torch.tensor(slots).clamp(0, pool - 1)
-                expected = torch.where(has[:, None, None], state[rows], torch.zeros(2, 3))
-                right = torch.equal(out.as_subclass(torch.Tensor), expected)
-                logged = [r for r in handler.buffer if r.levelno >= logging.WARNING]
-                ops = ", ".join(python_ops + aten_ops) or "none"
-                problems = [] if right else ["the gathered rows are wrong"]
-                if any(reached):
-                    problems.append("an out-of-range index reached the kernel")
-                if env is None and (python_ops or aten_ops):
-                    problems.append(f"sync-capable ops ran: {ops}")
-                if env == "1" and not any("9" in r.getMessage() for r in logged):
-                    problems.append("the diagnostic did not log the out-of-range index")
-                seen = f"sync-capable ops: {ops}; {len(logged)} warning(s); rows "
-                checks.check(
-                    f"gather_initial_states (traced CPU run, {ENV}={env or 'unset'}, {label})",
-                    not problems,
-                    "; ".join([seen + ("right" if right else "WRONG"), *problems]),
-                )
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(saved_level)
+    with Swap() as swap:
+        # verify runs with VLLM_LOGGING_LEVEL=ERROR; the diagnostic logs at WARNING.
+        logged = swap.log(str(scope.get("__name__", "")), logging.WARNING)
+        for label, slots, env in cases:
+            swap.env(ENV, env)
+            reached.clear()
+            logged.clear()
+            indices = torch.tensor(slots, dtype=torch.int32)
+            with trace:
+                out = runnable(*(t.as_subclass(DeviceLooking) for t in (state, indices, has)))
+            rows = torch.tensor(slots).clamp(0, pool - 1)
+            expected = torch.where(has[:, None, None], state[rows], torch.zeros(2, 3))
+            right = torch.equal(out.as_subclass(torch.Tensor), expected)
+            found = [s for name, args in trace.calls if (s := synced(name, args))]
+            found += [op for op in trace.aten if any(s in op for s in _SYNC_ATEN)]
+            ops = ", ".join(found) or "none"
+            problems = [] if right else ["the gathered rows are wrong"]
+            if any(reached):
+                problems.append("an out-of-range index reached the kernel")
+            if env is None and found:
+                problems.append(f"sync-capable ops ran: {ops}")
+            if env == "1" and not any("9" in r.getMessage() for r in logged):
+                problems.append("the diagnostic did not log the out-of-range index")
+            seen = f"sync-capable ops: {ops}; {len(logged)} warning(s); rows "
+            checks.check(
+                f"gather_initial_states (traced CPU run, {ENV}={env or 'unset'}, {label})",
+                not problems,
+                "; ".join([seen + ("right" if right else "WRONG"), *problems]),
+            )

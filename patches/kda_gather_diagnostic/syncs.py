@@ -5,21 +5,27 @@ the probe uses it to prove that every such call sits behind the gate."""
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+
+from k3patch.model import attribute_owner, callee_name, truth_tests, walk_code
+from k3patch.shapes import match
 
 ENV = "K3_KDA_GATHER_LOG"
 
 SYNC_METHODS = frozenset(
-    {"item", "tolist", "cpu", "numpy", "nonzero", "masked_select", "unique", "argwhere"}
-    | {"unique_consecutive"}
+    "item tolist cpu numpy nonzero masked_select unique argwhere unique_consecutive".split()
 )
 SYNC_TORCH_FUNCTIONS = SYNC_METHODS | {"equal", "allclose", "is_nonzero"}
 SCALAR_CASTS = frozenset({"bool", "int", "float"})
-# A tensor reduction used as a truth value is an implicit bool().
-TRUTH_REDUCTIONS = frozenset({"any", "all"})
+TRUTH_REDUCTIONS = frozenset({"any", "all"})  # a tensor's .any() as a truth value is a bool()
 HOST_ATTRIBUTES = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "is_xpu", "layout"})
 HOST_METHODS = frozenset(
-    {"numel", "nelement", "size", "stride", "dim", "element_size", "is_contiguous", "data_ptr"}
+    "numel nelement size stride dim element_size is_contiguous data_ptr".split()
+)
+# The gate: `<os>.environ.get(ENV[, default]) == "1"` or the same through `getenv`.
+GATE_PATTERNS = tuple(
+    f'HOLE_os.{read}("{ENV}"{default}) == "1"'
+    for read in ("environ.get", "getenv")
+    for default in ("", ", HOLE_default", ", default=HOLE_default")
 )
 
 
@@ -32,15 +38,10 @@ def _is_host_value(node: ast.expr) -> bool:
     if isinstance(node, ast.Subscript):
         return _is_host_value(node.value)
     if isinstance(node, ast.Call):
-        func = node.func
-        if isinstance(func, ast.Name):
-            return func.id == "len"
-        return isinstance(func, ast.Attribute) and func.attr in HOST_METHODS
+        return callee_name(node) in ({"len"} if isinstance(node.func, ast.Name) else HOST_METHODS)
     if isinstance(node, ast.BinOp):
         return _is_host_value(node.left) and _is_host_value(node.right)
-    if isinstance(node, ast.UnaryOp):
-        return _is_host_value(node.operand)
-    return False
+    return isinstance(node, ast.UnaryOp) and _is_host_value(node.operand)
 
 
 def _is_mask(node: ast.expr) -> bool:
@@ -54,94 +55,40 @@ def _is_mask(node: ast.expr) -> bool:
     return isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Invert)
 
 
-def _walk_code(root: ast.AST) -> Iterator[ast.AST]:
-    """Every node under `root` that runs as code: annotations (where `A | B` and `x[...]` mean
-    types, not tensors) are left out."""
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        yield node
-        for name, value in ast.iter_fields(node):
-            if name not in ("returns", "annotation") and not isinstance(value, ast.arguments):
-                children = value if isinstance(value, list) else [value]
-                stack.extend(c for c in children if isinstance(c, ast.AST))
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
-            args = node.args
-            stack.extend(d for d in [*args.defaults, *args.kw_defaults] if d is not None)
-
-
-def _truth_tests(node: ast.AST) -> list[ast.expr]:
-    """The expressions that `node` itself uses as truth values."""
-    if isinstance(node, ast.If | ast.While | ast.IfExp | ast.Assert):
-        return [node.test]
-    if isinstance(node, ast.BoolOp):
-        return node.values
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-        return [node.operand]
-    return node.ifs if isinstance(node, ast.comprehension) else []
-
-
 def sync_points(root: ast.AST) -> list[tuple[ast.AST, str]]:
     """Every expression under `root` that can make the host wait for the GPU, with its kind."""
     found: list[tuple[ast.AST, str]] = []
-    for node in _walk_code(root):
+    for node in walk_code(root):
         if isinstance(node, ast.Call):
-            func = node.func
-            if isinstance(func, ast.Name) and func.id in SCALAR_CASTS:
+            name = callee_name(node)
+            if isinstance(node.func, ast.Name) and name in SCALAR_CASTS:
                 if node.args and not _is_host_value(node.args[0]):
-                    found.append((node, f"{func.id}() of a tensor"))
-            elif isinstance(func, ast.Attribute):
-                torch_call = isinstance(func.value, ast.Name) and func.value.id == "torch"
-                if torch_call and func.attr in SYNC_TORCH_FUNCTIONS:
-                    found.append((node, f"torch.{func.attr}()"))
-                elif not torch_call and func.attr in SYNC_METHODS:
-                    found.append((node, f".{func.attr}()"))
+                    found.append((node, f"{name}() of a tensor"))
+            elif attribute_owner(node.func, name) == "torch":
+                if name in SYNC_TORCH_FUNCTIONS:
+                    found.append((node, f"torch.{name}()"))
+            elif isinstance(node.func, ast.Attribute) and name in SYNC_METHODS:
+                found.append((node, f".{name}()"))
         elif isinstance(node, ast.Subscript) and _is_mask(node.slice):
             found.append((node, "boolean-mask indexing"))
-    for test in (test for node in _walk_code(root) for test in _truth_tests(node)):
+    for test in (test for node in walk_code(root) for test in truth_tests(node)):
         called = test.func if isinstance(test, ast.Call) else None
         if isinstance(called, ast.Attribute) and called.attr in TRUTH_REDUCTIONS:
             found.append((test, f"truth value of .{called.attr}()"))
     return found
 
 
-def _constant(node: ast.expr, otherwise: object = None) -> object:
-    return node.value if isinstance(node, ast.Constant) else otherwise
-
-
 def is_gate(test: ast.expr) -> bool:
-    """`<os>.environ.get("K3_KDA_GATHER_LOG"[, default]) == "1"` or the same through `getenv`,
-    default not "1": a test that reads only the environment, so nothing on the device runs
-    before it decides, and that is off when the variable is unset."""
-    if not (
-        isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)
-    ):
-        return False
-    call = test.left
-    if not (
-        _constant(test.comparators[0]) == "1"
-        and isinstance(call, ast.Call)
-        and isinstance(call.func, ast.Attribute)
-        and call.args
-        and _constant(call.args[0]) == ENV
-    ):
-        return False
-    # A default of "1" (or one that is not a constant) could make the unset variable read as on,
-    # whether it is passed by position or as `default=`; any other keyword is not a gate we know.
-    defaults = call.args[1:] + [k.value for k in call.keywords if k.arg == "default"]
-    if len(defaults) > 1 or any(k.arg != "default" for k in call.keywords):
-        return False
-    if defaults and _constant(defaults[0], "1") == "1":
-        return False
-    owner = call.func.value
-    if call.func.attr == "getenv":
-        return isinstance(owner, ast.Name)
-    return (
-        call.func.attr == "get"
-        and isinstance(owner, ast.Attribute)
-        and owner.attr == "environ"
-        and isinstance(owner.value, ast.Name)
-    )
+    """A GATE_PATTERNS test on a bare name (`os`), whose default is a constant other than "1":
+    it reads only the environment, so nothing on the device runs before it decides, and it is
+    off when the variable is unset (any other keyword, or a computed default, is no gate)."""
+    for pattern in GATE_PATTERNS:
+        found = match(pattern, test)
+        if found is not None:
+            default = found.get("HOLE_default", ast.Constant(None))
+            owner_ok = isinstance(found["HOLE_os"], ast.Name)
+            return owner_ok and isinstance(default, ast.Constant) and default.value != "1"
+    return False
 
 
 def ungated_sync_points(func: ast.AST) -> tuple[list[str], list[str]]:
@@ -149,9 +96,7 @@ def ungated_sync_points(func: ast.AST) -> tuple[list[str], list[str]]:
     sits in the body of an `if` whose test is the K3_KDA_GATHER_LOG gate."""
     gates = [n for n in ast.walk(func) if isinstance(n, ast.If) and is_gate(n.test)]
     inside = {id(n) for gate in gates for stmt in gate.body for n in ast.walk(stmt)}
-    gated: list[str] = []
-    ungated: list[str] = []
+    found: tuple[list[str], list[str]] = ([], [])  # gated, ungated
     for node, kind in sync_points(func):
-        where = f"{kind} at line {getattr(node, 'lineno', '?')}"
-        (gated if id(node) in inside else ungated).append(where)
-    return gated, ungated
+        found[id(node) not in inside].append(f"{kind} at line {getattr(node, 'lineno', '?')}")
+    return found
