@@ -11,27 +11,15 @@ Fix: `is_mla_enabled` keeps both flags and also requires a GPU other than gfx942
 Check: `k3patch verify` runs the truth table against the patched module (probe.py).
 Real trees: the wheels 0.15.0-0.33.0 and the fork trees read pending and are patched; 0.14.1
 reads drifted (it lacks what the fixed method calls) and is left alone.
-Not covered: `--attention-backend ROCM_AITER_MLA` selects the backend without asking
-`is_mla_enabled`.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace as with_fields
 
+import k3patch.model as model
 from k3patch.edits import SourceText, apply_edits, replace
-from k3patch.model import (
-    Patch,
-    ProbeOutcome,
-    Shape,
-    SiteResult,
-    Sources,
-    Verdict,
-    find_def,
-    find_function,
-    match_shapes,
-    module_binds,
-)
+from k3patch.model import Patch, ProbeOutcome, Shape, SiteResult, Sources, Verdict
 from k3patch.shapes import VersionRange
 
 FILE = "_aiter_ops.py"
@@ -84,32 +72,28 @@ class AiterMlaGfx942(Patch):
 
     def classify(self, sources: Sources) -> list[SiteResult]:
         src = sources[FILE]
-        if not src.exists:
-            return [self.result(SITE, FILE, Verdict.NOT_APPLICABLE, "vllm/_aiter_ops.py is absent")]
-        method = find_def(src.tree, SITE)
-        if method is None:
-            why = f"{SITE} is absent: no AITER MLA switch"
+        if not src.exists or (method := model.find_def(src.tree, SITE)) is None:
+            why = (
+                f"{SITE} is absent: no AITER MLA switch" if src.exists else f"vllm/{FILE} is absent"
+            )
             return [self.result(SITE, FILE, Verdict.NOT_APPLICABLE, why)]
-        result = match_shapes(self.id, SITE, src, method, SHAPES)
-        missing = self._missing_preconditions(sources) if result.verdict is Verdict.PENDING else []
+        result = model.match_shapes(self.id, SITE, src, method, SHAPES)
+        if result.verdict is not Verdict.PENDING:
+            return [result]
+        # The post-image calls `envs.is_set` and imports `on_gfx942`; both exist from 0.15.1 on.
+        missing, rocm = [], sources[ROCM_FILE]
+        if not model.module_binds(src.tree, "envs"):
+            missing.append("`import vllm.envs as envs` in _aiter_ops.py")
+        if not rocm.exists or model.find_function(rocm.tree, "on_gfx942") is None:
+            missing.append("`on_gfx942()` in vllm/platforms/rocm.py (vLLM 0.15.1 or later)")
         if missing:
             detail = "known buggy shape, but the fix needs " + "; ".join(missing)
             return [with_fields(result, verdict=Verdict.DRIFTED, detail=detail)]
         return [result]
 
-    def _missing_preconditions(self, sources: Sources) -> list[str]:
-        # The post-image calls `envs.is_set` and imports `on_gfx942`; both exist from 0.15.1 on.
-        missing = []
-        if not module_binds(sources[FILE].tree, "envs"):
-            missing.append("`import vllm.envs as envs` in _aiter_ops.py")
-        rocm = sources[ROCM_FILE]
-        if not rocm.exists or find_function(rocm.tree, "on_gfx942") is None:
-            missing.append("`on_gfx942()` in vllm/platforms/rocm.py (vLLM 0.15.1 or later)")
-        return missing
-
     def rewrite(self, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
         src = sources[FILE]
-        method = find_def(src.tree, SITE)
+        method = model.find_def(src.tree, SITE)
         if method is None:
             raise ValueError(f"{SITE} vanished between classification and rewrite")
         return {FILE: apply_edits(src.text, [replace(SourceText(src.text), [method], POST_IMAGE)])}
