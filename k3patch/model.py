@@ -7,6 +7,7 @@ uses the standard library only (no libcst, no typer, no rich).
 from __future__ import annotations
 
 import ast
+import builtins
 import enum
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -564,6 +565,26 @@ def loops_over(node: ast.AST, name: str) -> list[ast.For]:
 def expression_dump(source: str) -> str:
     """normalised_dump of the expression written in `source`."""
     return normalised_dump(ast.parse(source, mode="eval").body)
+
+
+def unbound_names(nodes: Iterable[ast.AST], module: ast.Module, func: ast.FunctionDef) -> set[str]:
+    """The bare names `nodes` (code of `func`, a function of `module`) read that nothing binds:
+    not the module as it runs, not the builtins, not `func`'s parameters, nor an assignment or
+    import anywhere in `func` (coarse: bound somewhere in it counts as bound). Reading one
+    raises NameError."""
+    bound = runtime_module_names(module) | set(dir(builtins)) | parameter_names(func)
+    return loaded_names(nodes) - bound - imported_names(func) - stored_names([func])
+
+
+def unset_attributes(nodes: Iterable[ast.AST], cls: ast.ClassDef) -> set[str]:
+    """The attributes of `self` that `nodes` read but that nothing in `cls` assigns to `self`
+    and that are not methods of `cls`. Reading one raises AttributeError."""
+    methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    return (
+        attribute_names(nodes, "self", ast.Load)
+        - attribute_names([cls], "self", ast.Store)
+        - methods
+    )
 
 
 def callee_name(call: ast.Call) -> str:

@@ -32,6 +32,8 @@ from k3patch.model import (
     strip_nots,
     temporaries_before,
     truth_tests,
+    unbound_names,
+    unset_attributes,
     walk_code,
     walk_scope,
 )
@@ -295,3 +297,28 @@ def test_attribute_assignments_are_the_owner_s_one_target_assignments_with_their
     assert found == [("a", "{}"), ("b", "dict()"), ("a", "1"), ("h", "()")]
     assert [n for n, _ in attribute_assignments([init], "other")] == ["f"]
     assert attribute_assignments([], "self") == []
+
+
+def test_unbound_names_count_module_builtins_parameters_and_function_bindings():
+    module = ast.parse(
+        "import os\nif TYPE_CHECKING:\n    import typing\nLIMIT = 1\n\n"
+        "def f(a, *, b):\n    c = 1\n    if a:\n        import json\n"
+        "    return os, typing, LIMIT, a, b, c, json, len, missing, d\n"
+        "    d = 2\n"
+    )
+    func = module.body[-1]
+    assert isinstance(func, ast.FunctionDef)
+    # `typing` is bound only for the type checker; `d` is bound (later) somewhere in f.
+    assert unbound_names(func.body, module, func) == {"typing", "missing"}
+
+
+def test_unset_attributes_of_self_in_a_class():
+    cls = ast.parse(
+        "class C:\n    def __init__(self):\n        self.a = 1\n"
+        "    def m(self):\n        return self.a, self.b, self.m, self.c.d\n"
+        "    async def n(self):\n        self.e += 1\n"
+    ).body[0]
+    assert isinstance(cls, ast.ClassDef)
+    method = cls.body[1]
+    assert unset_attributes([method], cls) == {"b", "c"}
+    assert unset_attributes([cls.body[2]], cls) == set()  # `self.e += 1` stores e

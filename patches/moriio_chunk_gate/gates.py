@@ -5,7 +5,6 @@ known shape or a fixed form told by what its progress comparison decides."""
 from __future__ import annotations
 
 import ast
-import builtins
 from dataclasses import dataclass
 
 from k3patch import model
@@ -555,20 +554,15 @@ def _chain_problems(
     # Names the chains read that nothing binds: the script's debug `if` reads `os` at module
     # level, its sweep reads maps that other older scripts add to the scheduler. Either raises
     # when a chunked request comes (the sweep's inside its `try`: the request is never sent).
-    method, cls = context.method, context.cls
-    bound = model.runtime_module_names(context.module) | set(dir(builtins))
-    bound |= model.imported_names(method) | model.stored_names([method])
-    free = loaded_names([s for c in chains for s in c.statements])
-    free -= bound | model.parameter_names(method)
+    statements = [s for c in chains for s in c.statements]
+    free = model.unbound_names(statements, context.module, context.method)
     if free:
         problems.append(
             "it reads " + ", ".join(sorted(free)) + ", which moriio_connector.py never binds"
         )
     decisions = [c.decision for c in chains if c.part == "sweep"]
     loops = [loop for loop in context.loops(SWEEP) if any(d in ast.walk(loop) for d in decisions)]
-    methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
-    unset = model.attribute_names(loops, "self", ast.Load)
-    unset -= model.attribute_names([cls], "self", ast.Store) | methods
+    unset = model.unset_attributes(loops, context.cls)
     if unset:
         problems.append(
             "its sweep reads self." + ", self.".join(sorted(unset)) + f", which {CLASS} never sets "
