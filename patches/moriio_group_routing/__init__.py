@@ -9,12 +9,10 @@ into a KDA group's blocks and every KDA layer into group 1's; decode read MLA bl
 written. And 0.28.0 caches transfer offsets under the layer tensor's geometry alone, which K3's
 three KDA groups share, so a per-group choice made inside that cache still misroutes two of them.
 Fix: the worker maps each layer to its KV-cache group (attention: the first that is not a
-MambaSpec); every group's block ids travel end to end (the scheduler's capture plus the blocks
-later chunks add, ReqMeta, WriteTask, the decode node's notify message, RemoteAllocInfo); the
-transfer plan indexes them with the layer's group and caches offsets per layer (as upstream
-0.29.0 keys them). A transfer without the lists (a peer without the fix) fails loudly, never
-falls back to group 0; both nodes need the fix. The fork's K3_MAMBA_BC debug block logs the
-two-group choice and goes with it. Everything k3patch adds is named `k3patch_*` / `_k3patch_*`.
+MambaSpec); every group's block ids travel end to end (FORK_SITES: one site per hop) to the
+transfer plan, which indexes them with the layer's group and caches offsets per layer (as
+upstream 0.29.0 keys them). A transfer without the lists (a peer without the fix) fails loudly,
+never falls back to group 0. Everything k3patch adds is named `k3patch_*` / `_k3patch_*`.
 Check: `k3patch verify` drives the patched scheduler, notify message and transfer plan on CPU
 with K3's layout: every layer's blocks land in its own group's blocks (probe.py).
 
@@ -252,17 +250,17 @@ class MoriioGroupRouting(Patch):
 def _one_change(results: list[SiteResult]) -> list[SiteResult]:
     """The three files are one change: a drifted site refuses them all, and its detail names
     every file's state, so a refusal says what is patched and what drifted."""
-    if not any(r.verdict is Verdict.DRIFTED for r in results):
+    drifted = Verdict.DRIFTED
+    if not any(r.verdict is drifted for r in results):
         return results
     states = []
     for rel in FILES:
         verdicts = {r.verdict for r in results if r.file == rel}
-        word = "drifted" if Verdict.DRIFTED in verdicts else "partly applied"
+        word = "drifted" if drifted in verdicts else "partly applied"
         if verdicts in ({Verdict.APPLIED}, {Verdict.PENDING}):
             word = verdicts.pop().value
         states.append(f"{rel.rsplit('/', 1)[-1]} {word}")
     tail = f"; the three files are one change, nothing will be written ({', '.join(states)})"
-    drifted = Verdict.DRIFTED
     return [replace(r, detail=r.detail + tail) if r.verdict is drifted else r for r in results]
 
 

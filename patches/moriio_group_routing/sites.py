@@ -1,10 +1,8 @@
-"""The parts a moriio-group-routing site is made of. A part looks at one piece of its site's
-class or function and says: the fork's shape (pending), k3patch's (applied) or neither (drifted);
-a precondition that holds has no opinion (None). A site is pending only when all its parts are
-the fork's, applied only when all are k3patch's; any mixture is drift. A part whose anchor is one
-of the fork's own statements is `evidence`: only such a part seeing the fork's shape (or
-k3patch's) makes the package a fork package at all.
-"""
+"""The parts of a moriio-group-routing site. A part looks at one piece of its site's class or
+function: the fork's shape (pending), k3patch's (applied) or neither (drifted); a precondition
+that holds has no opinion (None). A site is pending only when all its parts are the fork's,
+applied only when all are k3patch's; any mixture is drift. Only a part anchored on the fork's
+own statements (`evidence`) seeing either shape makes the package a fork package at all."""
 
 from __future__ import annotations
 
@@ -87,9 +85,8 @@ class Insert(Part):
             why = f"{scope}: {describe} is not in the fork's shape"
             return drift(why, src.segment(at), (self.fork,), at.lineno)
         count = len(parse_pattern(self.added))
-        # A script run again later (the recipe re-runs its scripts at every container start;
-        # xfer_probe then inserts its dump after the anchor once more) may push k3patch's
-        # statements down the anchor's block: they still follow it, so they still count.
+        # A script the recipe re-runs at each container start (xfer_probe inserts its dump after
+        # the anchor again) may push k3patch's statements down the block: they still count.
         starts = range(i + 1, len(body) - count + 1) if self.anchors else [i - count]
         for j in starts:
             if j >= 0 and match(self.added, body[j : j + count]) is not None:
@@ -248,26 +245,17 @@ def takes(name: str) -> Callable[[SourceFile, ast.FunctionDef | None], bool]:
     return lambda src, fn: fn is not None and name in model.parameter_names(fn, positional=True)
 
 
-# --------------------------------------------------------------------------------------------
-# The transfer plan (MoRIIOWriter._prepare_transfer_plan): the per-layer choice of block ids
-# and the offsets cache; and the older fix's first-chunk defect in build_connector_meta.
-
-
 def _is_debug_block(imp: ast.stmt, gate: ast.stmt) -> bool:
     """`import os as X` + `if X.environ.get('K3_MAMBA_BC', '0') == '1': ...` that only logs:
     no else branch, and nothing bound that the offsets call or the cache store reads."""
-    if not (
-        isinstance(imp, ast.Import)
-        and len(imp.names) == 1
-        and imp.names[0].name == "os"
-        and imp.names[0].asname
-        and isinstance(gate, ast.If)
-        and not gate.orelse
-    ):
+    alias = imp.names[0] if isinstance(imp, ast.Import) and len(imp.names) == 1 else None
+    if alias is None or alias.name != "os" or not alias.asname:
+        return False
+    if not isinstance(gate, ast.If) or gate.orelse:
         return False
     bound = model.stored_names([gate]) | model.imported_names(gate)
     read_later = {"offsets", "geometry_key", "_k3_local", "_k3_remote", "task", "request_info"}
-    test = forms.DEBUG_TEST.format(alias=imp.names[0].asname)
+    test = forms.DEBUG_TEST.format(alias=alias.asname)
     return match(test, gate.test) is not None and not bound & read_later
 
 
@@ -320,9 +308,8 @@ class Plan(Part):
 
 @dataclass(frozen=True)
 class LegacyGrowth(Part):
-    """No opinion on the site's state; names the older fix's first-chunk defect where its
-    capture (in `capture_in`) is there and its chunked companion (in the site's function) is
-    not."""
+    """No opinion on the site's state; names the older fix's first-chunk defect where its capture
+    (in `capture_in`) is there and its chunked companion (in the site's function) is not."""
 
     capture_in: str
 
@@ -341,8 +328,7 @@ class Site:
     """One hop the block ids take: its parts look at one class (a field site) or method."""
 
     def __init__(self, name: str, file: str, what: str, *parts: Part) -> None:
-        self.name, self.file, self.parts = name, file, parts
-        self.what = what  # what k3patch does here, for reports
+        self.name, self.file, self.what, self.parts = name, file, what, parts  # what: for reports
 
     @property
     def scope(self) -> str:
@@ -386,5 +372,4 @@ class Site:
         return SiteResult(patch_id, self.name, self.file, *fields), evidence
 
     def edits(self, src: SourceFile, text: SourceText) -> list[Edit]:
-        node = self.node(src)
-        return [edit for part in self.parts for edit in part.edits(src, text, node)]
+        return [edit for part in self.parts for edit in part.edits(src, text, self.node(src))]
