@@ -743,6 +743,28 @@ def match_shapes(
     )
 
 
+def drifted(
+    patch_id: str,
+    site: str,
+    source: SourceFile,
+    nodes: Sequence[ast.AST],
+    why: str,
+    expected: Iterable[str] = (),
+) -> SiteResult:
+    """A drifted site: `why` and that nothing will be written, the source of `nodes` (one or
+    more statements of `source`) as found, at the first one's line, and what was expected."""
+    return SiteResult(
+        patch_id=patch_id,
+        site=site,
+        file=source.rel,
+        verdict=Verdict.DRIFTED,
+        detail=f"{why}; nothing will be written",
+        line=getattr(nodes[0], "lineno", None),
+        found="\n".join(source.segment(node) for node in nodes),
+        expected=tuple(expected),
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # What a patch module provides.
 

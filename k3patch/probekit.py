@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import importlib.util
 import inspect
 import logging
@@ -28,7 +29,7 @@ import os
 import sys
 import textwrap
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -256,6 +257,46 @@ class TorchTrace:
             yield
         finally:
             self._paused = False
+
+
+def cuda_looking(*tensors: Any) -> tuple[Any, ...]:
+    """The CPU tensors as views that answer `is_cuda` True, for code that asserts a device
+    tensor before work a probe runs on the host (`.as_subclass(torch.Tensor)` undoes it)."""
+    return tuple(t.as_subclass(_cuda_looking_class()) for t in tensors)
+
+
+@functools.cache
+def _cuda_looking_class() -> type:
+    import torch
+
+    class CudaLooking(torch.Tensor):
+        @property
+        def is_cuda(self) -> bool:  # type: ignore[override]
+            return True
+
+    return CudaLooking
+
+
+def triton_on_host(
+    func: ast.AST, module_globals: Mapping[str, Any], launch: Callable[..., Any]
+) -> dict[str, Any]:
+    """Globals under which a function that launches Triton kernels runs on the host: every
+    name `func` launches Triton-style (`kernel[grid](...)`) calls `launch` instead, and where
+    the module's `triton` lacks the host helpers `next_power_of_2` and `cdiv` (a placeholder
+    module on a machine without Triton), a `triton` that has them."""
+    names: dict[str, Any] = {
+        node.func.value.id: Always(launch)
+        for node in ast.walk(func)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Subscript)
+        and isinstance(node.func.value, ast.Name)
+    }
+    if not all(hasattr(module_globals.get("triton"), a) for a in ("next_power_of_2", "cdiv")):
+        names["triton"] = types.SimpleNamespace(
+            next_power_of_2=lambda n: 1 << max(int(n) - 1, 0).bit_length(),
+            cdiv=lambda a, b: -(a // -b),
+        )
+    return names
 
 
 def source_of(func: Callable[..., Any]) -> ast.FunctionDef | None:

@@ -221,6 +221,12 @@ def test_torch_trace_records_calls_and_aten_ops_except_while_paused(verify_pytho
         with trace:
             pass
         assert trace.calls == [] and trace.aten == [], "restarted on entry"
+        from k3patch.probekit import cuda_looking
+
+        a, b = cuda_looking(t, t > 1)
+        assert a.is_cuda and b.is_cuda and not t.is_cuda and b.dtype == torch.bool
+        assert torch.equal(a.as_subclass(torch.Tensor), t)
+        assert not a.as_subclass(torch.Tensor).is_cuda
         print("traced")
         """
     )
@@ -239,3 +245,20 @@ def test_calls_answer_and_keep_every_call_in_order():
     assert offsets.calls == [(("a", (1, 2)), {"device": "cpu"}, [1, 2]), (("b", ()), {}, [])]
     assert offsets.calls[0][2] is first, "the answer itself, so a caller can tell it by identity"
     assert probekit.stand_in(Real, compute=offsets).compute("c", [3]) == [3], "never bound"
+
+
+def test_triton_on_host_stands_in_launched_kernels_and_missing_host_helpers():
+    func = ast.parse(
+        "def f(x):\n    grid = (triton.cdiv(8, 4),)\n    kernel[grid](x)\n"
+        "    other[grid, 1](x)\n    table['k'][grid](x)\n    helper(x)\n"
+    )
+    calls: list[tuple] = []
+    names = probekit.triton_on_host(func, {"triton": object()}, lambda *a: calls.append(a))
+    assert set(names) == {"kernel", "other", "triton"}
+    names["kernel"][(1,)](1, 2)
+    assert calls == [(1, 2)]
+    triton = names["triton"]
+    assert [triton.next_power_of_2(n) for n in (0, 1, 5, 8)] == [1, 1, 8, 8]
+    assert [triton.cdiv(a, b) for a, b in ((7, 2), (8, 4), (0, 3))] == [4, 2, 0]
+    real = types.SimpleNamespace(next_power_of_2=None, cdiv=None)
+    assert "triton" not in probekit.triton_on_host(func, {"triton": real}, print)
