@@ -16,8 +16,6 @@ Check: `k3patch verify` drives the tree's real `build_connector_meta`, then vLLM
 block): each must be sent once, with its final chunk.
 """
 
-from __future__ import annotations
-
 from k3patch.model import Patch, ProbeOutcome, Shape, SiteResult, Sources, Verdict
 from k3patch.shapes import VersionRange
 
@@ -28,10 +26,9 @@ METHOD = "build_connector_meta"
 G1 = f"{METHOD} G1 (cached requests)"
 G2 = f"{METHOD} G2 (_reqs_need_save)"
 
-# The shapes, over the body of the loop that holds the gate. `...` stands for any run of
-# statements the patch neither reads nor writes (the gate's body, the block accumulation); a
-# pattern ends where the gate must be last in its block. The gates of A, B, C and the fork are the
-# same statements: a shape named FROM_SURROUNDINGS is reported by the release its loop sits in.
+# The shapes, over the body of the gate's loop: `...` is any run of statements the patch neither
+# reads nor writes; a pattern ends where the gate must be last in its block. The gates of A, B, C
+# and the fork are the same: a FROM_SURROUNDINGS shape is named by the release its loop is in.
 FROM_SURROUNDINGS = "A-C / fork"
 G1_BLOCK_COUNT = Shape(
     FROM_SURROUNDINGS,

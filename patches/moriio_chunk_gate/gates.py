@@ -28,25 +28,20 @@ from . import (
     SHAPES,
 )
 
-# The forms told by predicate rather than by a skeleton: a progress comparison that decides
-# exactly what the gate needs, inline or through upstream's helper; the older script's form.
+# The forms told by predicate, not by a skeleton: upstream's, inline, and the older script's.
 UPSTREAM_HELPER = "_is_final_prefill_chunk"
 SATISFIED_UPSTREAM = "upstream fix (_is_final_prefill_chunk, 0.32.0 and later)"
 SATISFIED_INLINE = "upstream-style progress gate (inline)"
 LEGACY_PENDING = "older k3-chunk-gate script (legacy, defective)"
 LEGACY_APPLIED = "k3patch (the older k3-chunk-gate form, repaired in place)"
-# What a drift report says a site may be in: its shapes, then the forms told by predicate.
-EXPECTED = {
-    site: (
-        *(f"{s.name} ({s.verdict.value})" for s in shapes),
-        f"{SATISFIED_UPSTREAM} (satisfied)",
-        f"{SATISFIED_INLINE} (satisfied)",
-        f"{LEGACY_PENDING} (pending)",
-        f"{LEGACY_APPLIED} (applied)",
-    )
-    for site, shapes in SHAPES.items()
-}
-# What the loop of each site's gate, and G1's sweep (the older script's), iterate.
+# What a drift report says a site may be in, after its shapes.
+FIXED_FORMS = (
+    f"{SATISFIED_UPSTREAM} (satisfied)",
+    f"{SATISFIED_INLINE} (satisfied)",
+    f"{LEGACY_PENDING} (pending)",
+    f"{LEGACY_APPLIED} (applied)",
+)
+# What the loops of the gates, and of G1's sweep (the older script's), iterate.
 LOOPS = {G1: "scheduler_output.scheduled_cached_reqs", G2: "self._reqs_need_save"}
 SWEEP = "self._reqs_need_pending_save"
 # Names whose appearance in an `if` test makes it a final-chunk gate.
@@ -80,7 +75,8 @@ def site_result(
 ) -> SiteResult:
     """A drift located at a line says what it found and what was expected."""
     drifted = verdict is Verdict.DRIFTED and line is not None
-    found, expected = (found, EXPECTED[site]) if drifted else ("", ())
+    shapes = tuple(f"{s.name} ({s.verdict.value})" for s in SHAPES[site])
+    found, expected = (found, (*shapes, *FIXED_FORMS)) if drifted else ("", ())
     return SiteResult("moriio-chunk-gate", site, FILE, verdict, shape, why, line, found, expected)
 
 
@@ -96,13 +92,12 @@ def rewrite_sites(src: SourceFile, pending: list[str]) -> str:
     return apply_edits(src.text, edits)
 
 
-# The fork's mamba-blockids edit (SITES.md 1), as statements: `__init__` starts
-# `self._reqs_save_mamba` empty and `update_state_after_alloc` files each saved request's mamba
-# block ids under it. A name alone decides nothing.
+# The fork's mamba-blockids edit (SITES.md 1) as statements (a name alone decides nothing):
+# `__init__` starts `self._reqs_save_mamba` empty, `update_state_after_alloc` fills it.
 _FORK_STARTS_EMPTY = ("self._reqs_save_mamba = {}", "self._reqs_save_mamba: HOLE_type = {}")
 _FORK_FILES_BLOCKS = "self._reqs_save_mamba[HOLE_key] = HOLE_value"
 _SKIPS_NOT_PENDING = "if req_id not in self._reqs_need_pending_save:\n    continue"
-_UNKNOWN_RELEASE = "block-count gates of A-C, in surroundings of no known release"
+_UNKNOWN = "block-count gates of A-C, in surroundings of no known release"
 
 
 @dataclass
@@ -122,11 +117,11 @@ class Context:
         return model.loops_over(self.method, over.rsplit(".", 1)[-1])
 
     def release(self) -> str:
-        """Which release (or the fork) block-count gates of A-C come from: the producer branch
-        around the G1 loop, and whether that loop skips requests that are not pending."""
+        """Where block-count gates of A-C come from, told by the producer branch around the G1
+        loop and whether that loop skips requests that are not pending."""
         g1, _ = locate(self, G1)
         if g1 is None:
-            return _UNKNOWN_RELEASE
+            return _UNKNOWN
         around = model.ancestors(g1.loop, model.parent_map(self.method))
         tests = {model.normalised_dump(n.test) for n in around if isinstance(n, ast.If)}
         write, producer = "self.mode == MoRIIOMode.WRITE", "get_role() == ROLE.PRODUCER"
@@ -134,11 +129,9 @@ class Context:
         combined = model.expression_dump(f"{write} and {producer}") in tests
         if search(_SKIPS_NOT_PENDING, g1.loop):
             if not combined:
-                return _UNKNOWN_RELEASE
+                return _UNKNOWN
             return "the fork (shape C gates)" if self._is_fork() else "C (0.28.0-0.29.0)"
-        if nested or combined:
-            return "A (0.14.1-0.23.0)" if nested else "B (0.24.0-0.27.1)"
-        return _UNKNOWN_RELEASE
+        return "A (0.14.1-0.23.0)" if nested else "B (0.24.0-0.27.1)" if combined else _UNKNOWN
 
     def _is_fork(self) -> bool:
         init = model.find_method(self.cls, "__init__")
@@ -187,11 +180,10 @@ def locate(context: Context, site: str) -> tuple[Gate | None, str]:
     return found[0][0], ""
 
 
-# The gate forms: upstream's, the fork's, k3patch's post-image and upstream's fix.
 @dataclass
 class Gate:
-    """A final-chunk gate: the `if`, the block that holds it, the named temporaries right
-    before it that feed its test, and the compound statements between its loop and it."""
+    """A final-chunk gate `if` in its block, the temporaries right before it that feed its
+    test, and the compound statements between its loop and it."""
 
     site: str
     loop: ast.For
@@ -223,8 +215,7 @@ class Gate:
         return self.result(shape.verdict, name, shape.origin)
 
     def classify_fixed(self, context: Context) -> SiteResult:
-        """The fixed forms nobody but upstream writes: a progress gate, inline or through
-        upstream's helper, that decides exactly what its body needs."""
+        """A fixed form: a progress gate, inline or upstream's, that decides what its body needs."""
         core, times = model.strip_nots(self.node.test)
         upstream = calls(core, UPSTREAM_HELPER)
         env = model.named_values(self.temps)
@@ -311,8 +302,8 @@ class Gate:
         return problems
 
     def edit(self, src: SourceText) -> Edit:
-        """The gate's header, and the temporaries that fed it, replaced by the new header. The
-        comment lines right above the gate stay with it; those above a dropped temporary go."""
+        """The gate's header and temporaries replaced by the new header; comments right above
+        the gate stay, those above a dropped temporary go."""
         first = self.block.index(self.temps[0] if self.temps else self.node)
         above = self.block[first - 1].end_lineno if first else None
         start = src.after_line(above) if above else src.starts[self.block[first].lineno - 1]
@@ -330,7 +321,6 @@ class Gate:
         return Edit(start, header_end(src, self.node), new[: -len(src.newline)])
 
 
-# What a test decides about compute progress.
 def needed_meaning(gate: ast.If) -> str:
     """ "final" where the gate's body sends the request, else "not final" (it defers or skips)."""
     funcs = [n.func for stmt in gate.body for n in ast.walk(stmt) if isinstance(n, ast.Call)]
@@ -353,31 +343,26 @@ _SCHEDULED = (
     "HOLE_out.num_scheduled_tokens.get(HOLE_key)",
     "HOLE_out.num_scheduled_tokens.get(HOLE_key, 0)",
 )
-# `progress OP prompt` means final for >=, not final for <; `prompt OP progress` the mirror.
-_MEANING: dict[tuple[type[ast.cmpop], bool], str] = {
-    (ast.GtE, False): FINAL,
-    (ast.Lt, False): NOT_FINAL,
-    (ast.LtE, True): FINAL,
-    (ast.Gt, True): NOT_FINAL,
-}
-
-
-def _progress_of(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
-    """The request name `r` of `r.num_computed_tokens + <this step's scheduled tokens>`."""
-    expr = model.resolve_name(expr, env)
-    if not (isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add)):
-        return None
-    for computed, scheduled in ((expr.left, expr.right), (expr.right, expr.left)):
-        req = model.attribute_owner(model.resolve_name(computed, env), "num_computed_tokens")
-        step = model.resolve_name(scheduled, env)
-        if req is not None and any(match(p, step) is not None for p in _SCHEDULED):
-            return req
-    return None
+# `progress OP prompt` decides final for >=, not final for <; `prompt OP progress` the mirror.
+_MEANING = {ast.GtE: FINAL, ast.Lt: NOT_FINAL}
+_MIRRORED = {ast.LtE: ast.GtE, ast.Gt: ast.Lt, ast.GtE: ast.LtE, ast.Lt: ast.Gt}
 
 
 def progress_meaning(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
     """ "final" for `progress >= prompt`, "not final" for `progress < prompt` (mirrored and
     negated forms too), "wrong" for another comparison of the two, else None."""
+
+    def progress_of(side: ast.expr) -> str | None:  # `r` of `r.num_computed_tokens + <step's>`
+        side = model.resolve_name(side, env)
+        if not (isinstance(side, ast.BinOp) and isinstance(side.op, ast.Add)):
+            return None
+        for computed, scheduled in ((side.left, side.right), (side.right, side.left)):
+            req = model.attribute_owner(model.resolve_name(computed, env), "num_computed_tokens")
+            step = model.resolve_name(scheduled, env)
+            if req is not None and any(match(p, step) is not None for p in _SCHEDULED):
+                return req
+        return None
+
     core, times = model.strip_nots(expr)
     core = model.resolve_name(core, env)
     if not isinstance(core, ast.Compare):
@@ -387,22 +372,20 @@ def progress_meaning(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
     wrong = WRONG if {"num_computed_tokens", "num_prompt_tokens"} <= words else None
     if len(core.ops) != 1:
         return wrong
-    left, right, mirrored = core.left, core.comparators[0], False
+    left, right, op = core.left, core.comparators[0], type(core.ops[0])
+    req = progress_of(left)
     prompt = model.attribute_owner(model.resolve_name(right, env), "num_prompt_tokens")
-    req = _progress_of(left, env)
     if req is None or prompt is None:
-        req, mirrored = _progress_of(right, env), True
+        req, op = progress_of(right), _MIRRORED.get(op, op)
         prompt = model.attribute_owner(model.resolve_name(left, env), "num_prompt_tokens")
     if req is None or req != prompt:
         return wrong
-    return flip(_MEANING.get((type(core.ops[0]), mirrored), WRONG), times)
+    return flip(_MEANING.get(op, WRONG), times)
 
 
-# The older k3-chunk-gate script's form (apply_kimik3_chunk_gate_fix.py). A decision chain is
-# `NAME = <decision>`, an optional `if NAME is None: NAME = <fallback>`, the script's debug
-# `if`s, and the gate `if NAME:` (it sends) or `if not NAME:` (it defers or skips). The decision
-# is the script's helper call (pending) or k3patch's progress comparison (applied: the repair
-# in place). G1 also has a sweep over the pending requests after its loop.
+# The older k3-chunk-gate script's form (SITES.md 2). A decision chain is `NAME = <decision>`
+# (the script's helper call, or k3patch's repair), an optional `if NAME is None: NAME =
+# <fallback>`, the script's debug `if`s, and the gate `if NAME:` or `if not NAME:`.
 LEGACY_MAP = "_k3_prog"
 # k3patch's repaired decision about `req`, as a report shows it.
 _REPAIRED = ast.unparse(
@@ -468,8 +451,7 @@ class Chain:
 
 
 def site_chains(context: Context, site: str) -> list[Chain] | None:
-    """The site's decision chains (G1: its gate and its sweep; G2: its gate), or None when the
-    site's loop holds none (the gate forms of upstream, the fork and k3patch)."""
+    """The site's decision chains (G1: its gate and its sweep; G2: its gate), or None."""
 
     def chains_in(roots: list[ast.For], part: str) -> list[Chain]:
         found = (
@@ -540,11 +522,9 @@ def _chain_problems(
             if fallback is None or match(pattern, fallback) is None:
                 problems.append(f"its fallback is not the block count `{expected}`")
     # The helper and the progress map the script's decisions rely on.
-    body = context.module.body
-    helpers = [n for n in body if isinstance(n, ast.FunctionDef) and n.name == LEGACY_HELPER]
-    if legacy and (
-        len(helpers) != 1 or model.site_fingerprint(helpers[0]) != LEGACY_HELPER_SHAPE.fingerprint
-    ):
+    helpers = [n for n in context.module.body if isinstance(n, ast.FunctionDef)]
+    prints = [model.site_fingerprint(n) for n in helpers if n.name == LEGACY_HELPER]
+    if legacy and prints != [LEGACY_HELPER_SHAPE.fingerprint]:
         problems.append(
             f"the module's {LEGACY_HELPER}() is not the script's (missing, defined twice, or "
             "its comparison edited)"
