@@ -262,12 +262,11 @@ def _is_debug_block(imp: ast.stmt, gate: ast.stmt) -> bool:
 def _regions(fn: ast.FunctionDef) -> list[tuple[str, list[ast.stmt], bool]]:
     """(kind, the statements `apply` replaces, whether the K3_MAMBA_BC block is among them) of
     every region in a known form: "k3patch", "fork" or "legacy" (the older fix)."""
-    size = len(parse_pattern(forms.K3PATCH_PLAN))
-    found = [("k3patch", b[i : i + size], False) for b, i, _ in search(forms.K3PATCH_PLAN, fn)]
-    for (kind, debug), pattern in forms.PLANS.items():
+    found = []
+    for (kind, debug), pattern in {("k3patch", False): forms.K3PATCH_PLAN, **forms.PLANS}.items():
         for block, i, holes in search(pattern, fn):
             if not debug or _is_debug_block(holes["HOLE_debug_import"], holes["HOLE_debug_gate"]):
-                found.append((kind, block[i : i + 3], debug))
+                found.append((kind, block[i : i + len(parse_pattern(pattern))], debug))
     return found
 
 
