@@ -1,38 +1,34 @@
 """moriio-group-routing's behaviour probe: the tree's own MoRIIO WRITE path on CPU, in the verify
-child (no GPU, no MoRIIO library, no network). moriio-chunk-gate's probe shares its stand-ins.
+child (no GPU, no MoRIIO library, no network); moriio-chunk-gate's probe shares its stand-ins.
 
-On a fork tree it runs, in the order a request meets them: the prefill scheduler (allocation,
-then build_connector_meta per chunk until the save leaves), the decode scheduler's allocation
-and the notify it sends, the prefill `MoRIIOWrapper._handle_message` (-> `RemoteAllocInfo`), the
-statements of `MoRIIOConnectorWorker.__init__` that build its layer maps (whatever a patch put
-there), `_write_blocks_for_req` (a `WriteTask` per layer) and `MoRIIOWriter._prepare_transfer_plan`
-for each. The offsets computation returns the block ids themselves, so each plan says which
-blocks it writes, also when it reuses offsets another layer computed (0.28.0 caches them by
-tensor geometry alone, and K3's KDA groups share their layer tensors). Prefill block ids are
-`100 * (group + 1) + chunk`, decode ones 1000 more: `402` is MLA group 3's block of chunk 2.
-On upstream 0.31.0+ (native) it checks upstream's group split and, where the writer indexes
-per-group lists (0.33.0+), its plan for K3's MLA layers.
+On a fork tree it drives a request through the prefill scheduler (chunk by chunk), the decode
+scheduler's allocation and notify, the prefill node's `_handle_message`, the worker's own
+layer-map statements of `__init__` (whatever a patch put there), `_write_blocks_for_req` and
+`_prepare_transfer_plan` per layer. The offsets call returns the block ids themselves, so each
+plan says which blocks it writes, also with offsets another layer computed (0.28.0 caches them
+by tensor geometry, which K3's KDA groups share). Prefill block ids are `100 * (group + 1) +
+chunk`, decode ones 1000 more: `402` is MLA group 3's block of chunk 2. On upstream 0.31.0+ it
+checks the group split and, where the writer indexes per-group lists (0.33.0+), the MLA plan.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
-import re
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from k3patch import probekit
 from k3patch.model import ProbeOutcome
-from k3patch.probekit import Always, Checks, Stub, Swap, run_statements, source_of, stand_in
-from k3patch.shapes import match
+from k3patch.probekit import Checks, Stub, Swap, stand_in
+from k3patch.shapes import find_expressions, match
 
 PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
-COMMON = f"{PACKAGE}.moriio_common"
-CONNECTOR = f"{PACKAGE}.moriio_connector"
-ENGINE = f"{PACKAGE}.moriio_engine"
+COMMON, CONNECTOR, ENGINE = (f"{PACKAGE}.moriio_{m}" for m in ("common", "connector", "engine"))
 
 BLOCK_SIZE = 16
 TRANSFER_ID = "tx-k3patch-probe"
@@ -42,36 +38,30 @@ DECODE_OFFSET = 1000
 # MLA layer; vLLM groups the j-th layer of each KDA group together and backs them with one
 # tensor, so same-index KDA layers of different groups have equal geometry.
 Layout = tuple[tuple[str, tuple[str, ...]], ...]
-
-K3_LAYOUT: Layout = (
-    ("mamba", ("model.layers.0.kda", "model.layers.4.kda")),
-    ("mamba", ("model.layers.1.kda", "model.layers.5.kda")),
-    ("mamba", ("model.layers.2.kda", "model.layers.6.kda")),
-    ("mla", ("model.layers.3.mla", "model.layers.7.mla")),
-)
-TWO_GROUP_LAYOUT: Layout = (
-    ("attention", ("model.layers.0.attn", "model.layers.2.attn")),
-    ("mamba", ("model.layers.1.kda", "model.layers.3.kda")),
-)
-# Upstream's checks keep the layer names and block numbers they had before the fork drive was
-# written (group g's block 10g+1, decode 100 more), so their lines read as they always did.
-UPSTREAM_LAYOUT: Layout = (
-    ("mamba", ("model.layers.0.kda", "model.layers.3.kda")),
-    ("mamba", ("model.layers.1.kda", "model.layers.4.kda")),
-    ("mamba", ("model.layers.2.kda", "model.layers.5.kda")),
-    ("mla", ("model.layers.6.mla", "model.layers.7.mla")),
-)
 KIND_NAMES = {"mamba": "KDA", "mla": "MLA"}
+
+
+def _layout(*groups: tuple[str, tuple[int, ...]]) -> Layout:
+    suffix = {"mamba": "kda", "mla": "mla", "attention": "attn"}
+    return tuple((k, tuple(f"model.layers.{n}.{suffix[k]}" for n in ns)) for k, ns in groups)
+
+
+K3_LAYOUT = _layout(("mamba", (0, 4)), ("mamba", (1, 5)), ("mamba", (2, 6)), ("mla", (3, 7)))
+TWO_GROUP_LAYOUT = _layout(("attention", (0, 2)), ("mamba", (1, 3)))
+# Upstream's checks keep the layer names and block numbers (group g's block 10g+1, decode 100
+# more) they had before the fork drive was written, so their lines read as they always did.
+UPSTREAM_LAYOUT = _layout(("mamba", (0, 3)), ("mamba", (1, 4)), ("mamba", (2, 5)), ("mla", (6, 7)))
+Route = tuple[list[int], list[int]]  # the block ids a layer's plan writes: (prefill, decode)
 
 
 @dataclass(frozen=True)
 class Case:
-    """One request: its layout, prefill chunks (tokens each) and the kinds whose groups gain a
-    block at every chunk after the first (at the first, every group gets one). `gate_may_hold`:
-    a block-count chunk gate (the fork's counts group 0, a KDA group that never grows) may hold
-    the save forever: "not exercised", not a routing failure. `fork_peer`: the decode node runs
-    the unfixed fork and notifies only its lists [0] and [1]; a layer may refuse or happen to be
-    right, but one written silently into another group's blocks is the older fix's fallback."""
+    """One request: its layout, prefill chunks (tokens each), the kinds whose groups gain a block
+    at every later chunk. `gate_may_hold`: a block-count chunk gate (the fork's counts group 0,
+    a KDA group that never grows) may hold the save forever: not exercised, no routing failure.
+    `fork_peer`: the decode node runs the unfixed fork, notifying lists [0] and [1] only; a layer
+    may refuse or be right, but one silently written into another group's blocks is the older
+    fix's fallback."""
 
     label: str
     layout: Layout
@@ -80,30 +70,24 @@ class Case:
     gate_may_hold: bool = False
     fork_peer: bool = False
 
-    def prefill_blocks(self, chunk: int) -> list[list[int]]:
-        """The blocks each group allocates at `chunk` (1-based)."""
+    def prefill_blocks(self, *chunks: int) -> list[list[int]]:
+        """Each group's blocks allocated at `chunks` (1-based; none given: at every chunk)."""
+        every = chunks or range(1, len(self.chunks) + 1)
         return [
-            [100 * (g + 1) + chunk] if chunk == 1 or kind in self.growing else []
+            [100 * (g + 1) + c for c in every if c == 1 or kind in self.growing]
             for g, (kind, _) in enumerate(self.layout)
         ]
 
-    def all_prefill_blocks(self) -> list[list[int]]:
-        chunks = [self.prefill_blocks(c) for c in range(1, len(self.chunks) + 1)]
-        return [
-            [b for blocks in per_chunk for b in blocks] for per_chunk in zip(*chunks, strict=True)
-        ]
-
     def decode_blocks(self) -> list[list[int]]:
-        # The decode node allocates the whole prompt at once, one block per prefill block.
-        return [[DECODE_OFFSET + b for b in g] for g in self.all_prefill_blocks()]
+        """The decode node allocates the whole prompt at once, a block per prefill block."""
+        return [[DECODE_OFFSET + b for b in g] for g in self.prefill_blocks()]
 
 
 CASES = (
     Case("K3, 1 chunk", K3_LAYOUT, (12,)),
     # Without prefix caching a KDA group holds one state block per request; only MLA grows.
     Case("K3, 3 chunks", K3_LAYOUT, (16, 16, 8), frozenset({"mla"}), gate_may_hold=True),
-    # Every group gains a block per chunk (as with Mamba prefix caching), so even a block-count
-    # gate on group 0 lets the save leave at the final chunk and chunked routing is exercised.
+    # Every group grows (Mamba prefix caching): even a group-0 block-count gate sends at the end.
     Case("K3, 3 chunks, every group grows", K3_LAYOUT, (16, 16, 8), frozenset({"mamba", "mla"})),
     Case("two-group, 1 chunk", TWO_GROUP_LAYOUT, (12,)),
     Case("two-group, 3 chunks", TWO_GROUP_LAYOUT, (16, 16, 8), frozenset({"attention"})),
@@ -115,27 +99,6 @@ class ProbeSetupError(Exception):
     """The tree's code is not in a shape this probe can drive (a reason, not a routing result)."""
 
 
-@dataclass
-class Route:
-    """What one layer's transfer plan would write: its block ids on both nodes, and the layer
-    whose offsets call produced them (None: not recorded)."""
-
-    local: list[int]
-    remote: list[int]
-    computed_by: str | None
-
-
-@dataclass
-class Drive:
-    """One request through the tree's WRITE path."""
-
-    saves: list[int] = field(default_factory=list)  # chunks at which the save left
-    steps: list[str] = field(default_factory=list)  # per chunk: tokens, blocks, held or sent
-    messages: int = 0
-    routes: dict[str, Route] = field(default_factory=dict)  # of the (first) save
-    errors: dict[str, str] = field(default_factory=dict)
-
-
 def probe_routing() -> ProbeOutcome | None:
     connector = importlib.import_module(CONNECTOR)
     if hasattr(connector, "_split_kv_cache_group_kinds"):
@@ -145,15 +108,25 @@ def probe_routing() -> ProbeOutcome | None:
     checks = Checks("routing")
     for case in CASES:
         try:
-            drive = drive_write(case)
+            failures = judge(case, drive_write(case), checks)
         except ProbeSetupError as exc:
             checks.fail(f"{case.label}: cannot drive this tree: {exc}")
             continue
-        failures = judge(case, drive, checks)
-        for failure in failures:
+        # What failed outright, then each group's first misrouted layer (the others alike).
+        first: dict[int, str] = {}
+        for group, failure in failures:
             checks.note(f"FAIL {case.label}: {failure}")
+            if group is not None:
+                first.setdefault(group, failure)
+        parts = [failure for group, failure in failures if group is None]
+        if first:
+            layers = sum(len(names) for _, names in case.layout)
+            parts.append(
+                f"{len(failures) - len(parts)} of {layers} layers misrouted, in group(s) "
+                f"{', '.join(map(str, first))}: " + "; ".join(first.values())
+            )
         if failures:
-            checks.fail(_case_summary(case, failures))
+            checks.fail(f"{case.label}: " + "; ".join(parts))
     return checks.outcome(
         holds="every layer's KV goes to its own KV-cache group's blocks, all chunks', on both "
         "nodes (K3: KDA -> groups 0-2, MLA -> group 3; two groups as before; {ran} checks)",
@@ -161,30 +134,16 @@ def probe_routing() -> ProbeOutcome | None:
     )
 
 
-def _case_summary(case: Case, failures: list[str]) -> str:
-    """What failed outright, then the first misrouted layer of each group (the other layers of
-    a group fail the same way; the checks list them all)."""
-    layers = sum(len(names) for _, names in case.layout)
-    misrouted = [f for f in failures if f.startswith("model.")]
-    parts = [f for f in failures if not f.startswith("model.")]
-    if misrouted:
-        first: dict[str, str] = {}
-        for failure in misrouted:
-            group = re.search(r"\(\w+ group (\d+)\)", failure)
-            first.setdefault(group.group(1) if group else failure, failure)
-        parts.append(
-            f"{len(misrouted)} of {layers} layers misrouted, in group(s) {', '.join(first)}: "
-            + "; ".join(first.values())
-        )
-    return f"{case.label}: " + "; ".join(parts)
-
-
-def judge(case: Case, drive: Drive, checks: Checks) -> list[str]:
-    """Records a check line per layer (and per prefill); returns the failures: one per
-    misrouted layer (starting with its name), naming the blocks it would write and the ones it
-    should, or per case."""
+def judge(case: Case, drive: Any, checks: Checks) -> list[tuple[int | None, str]]:
+    """Records the prefill's check line and one per layer; returns the failures, (group, text)
+    per misrouted layer (the blocks it would write and those it should), (None, text) per case."""
     label, final = case.label, len(case.chunks)
-    checks.record(f"{label}: prefill " + "; ".join(drive.steps))
+    steps = [
+        f"chunk {c} ({tokens} tokens, blocks {case.prefill_blocks(c)}): "
+        + ("save sent" if c in drive.saves else "held")
+        for c, tokens in enumerate(case.chunks, 1)
+    ]
+    checks.record(f"{label}: prefill " + "; ".join(steps))
     if not drive.saves and case.gate_may_hold:
         checks.record(
             f"{label}: not exercised, the save never left the prefill scheduler (its "
@@ -192,74 +151,63 @@ def judge(case: Case, drive: Drive, checks: Checks) -> list[str]:
         )
         return []
     if not drive.saves:
-        return [f"the save never left the prefill scheduler in {final} chunks"]
-    failures: list[str] = []
+        return [(None, f"the save never left the prefill scheduler in {final} chunks")]
+    failures: list[tuple[int | None, str]] = []
     if drive.saves != [final]:
-        failures.append(
-            f"the save left at chunk(s) {drive.saves} of {final}, expected once at chunk {final}"
-        )
+        left = f"the save left at chunk(s) {drive.saves} of {final}, expected once at chunk {final}"
+        failures.append((None, left))
     if drive.messages != 1:
-        return [*failures, f"decode sent {drive.messages} notify messages, expected 1"]
-    local, remote = case.all_prefill_blocks(), case.decode_blocks()
+        return [*failures, (None, f"decode sent {drive.messages} notify messages, expected 1")]
+    local, remote = case.prefill_blocks(), case.decode_blocks()
     for g, (kind, names) in enumerate(case.layout):
+        want = (local[g], remote[g])
         for layer in names:
             head = f"{layer} ({KIND_NAMES.get(kind, kind)} group {g})"
-            route = drive.routes.get(layer)
-            if layer in drive.errors and case.fork_peer:
-                checks.record(f"{label}: {head} refused: {drive.errors[layer]}")
-            elif layer in drive.errors or route is None:
-                failures.append(f"{head}: {drive.errors.get(layer, 'no transfer planned')}")
+            error = drive.errors.get(layer)
+            if error and case.fork_peer:
+                checks.record(f"{label}: {head} refused: {error}")
+            elif error or layer not in drive.routes:
+                failures.append((g, f"{head}: {error or 'no transfer planned'}"))
             else:
-                line = f"{head}: local {route.local} -> remote {route.remote}"
-                if route.computed_by not in (None, layer):
-                    line += f" (offsets reused from {route.computed_by})"
+                got, by = drive.routes[layer]
+                line = f"{head}: local {got[0]} -> remote {got[1]}"
+                line += f" (offsets reused from {by})" if by not in (None, layer) else ""
                 checks.record(f"{label} @chunk {drive.saves[0]}: {line}")
-                if (route.local, route.remote) != (local[g], remote[g]):
-                    silently, refusal = (
-                        ("silently ", " or a refusal") if case.fork_peer else ("", "")
-                    )
-                    failures.append(
-                        f"{line}, {silently}{_whose(route, g, local[g], remote[g])}; "
-                        f"expected local {local[g]} -> remote {remote[g]}{refusal}"
-                    )
+                silently, refusal = ("silently ", " or a refusal") if case.fork_peer else ("", "")
+                expected = f"expected local {want[0]} -> remote {want[1]}{refusal}"
+                if got != want:
+                    failures.append((g, f"{line}, {silently}{_whose(got, g, want)}; {expected}"))
     return failures
 
 
-def _whose(route: Route, group: int, local: list[int], remote: list[int]) -> str:
-    """Whose blocks a route writes, from the probe's numbering (group from the hundreds digit,
-    chunk from the units)."""
-    groups = sorted({(b % DECODE_OFFSET) // 100 - 1 for b in route.local + route.remote})
+def _whose(got: Route, group: int, want: Route) -> str:
+    """Whose blocks a route writes, by their numbers (group: hundreds digit, chunk: units)."""
+    groups = sorted({(b % DECODE_OFFSET) // 100 - 1 for b in got[0] + got[1]})
     if groups != [group]:
-        return "group(s) " + ", ".join(str(g) for g in groups) + "'s blocks"
-    parts = []
-    for side, want, got in (("prefill", local, route.local), ("decode", remote, route.remote)):
-        left_out = sorted({b % 100 for b in want if b not in got})
-        if left_out:
-            parts.append(f"its {side} blocks of chunk(s) {left_out} left out")
-    return ", ".join(parts) or "its own group's blocks, not as allocated"
+        return "group(s) " + ", ".join(map(str, groups)) + "'s blocks"
+    left_out = [
+        f"its {side} blocks of chunk(s) {sorted({b % 100 for b in w if b not in g})} left out"
+        for side, w, g in zip(("prefill", "decode"), want, got, strict=True)
+        if not set(w) <= set(g)
+    ]
+    return ", ".join(left_out) or "its own group's blocks, not as allocated"
 
 
-def drive_write(case: Case) -> Drive:
+def drive_write(case: Case) -> Stub:
+    """One request through the tree's WRITE path: the chunks at which the save left (`saves`),
+    decode's notify `messages`, and per layer of the (first) save its route and the layer whose
+    offsets call made it, None: not recorded (`routes`), or its error (`errors`)."""
     common = importlib.import_module(COMMON)
     connector = importlib.import_module(CONNECTOR)
     engine = importlib.import_module(ENGINE)
-    drive = Drive()
-    prompt = sum(case.chunks)
-    saved_role = common.get_role()
-    try:
-        # 1. Prefill scheduler: allocation at chunk 1, then one build_connector_meta per chunk.
+    drive, prompt = Stub(saves=[], messages=0, routes={}, errors={}), sum(case.chunks)
+    with Swap() as swap:
+        swap.on_exit(common.set_role, common.get_role())
+        # 1. Prefill scheduler: allocation at chunk 1, then build_connector_meta per chunk.
         prefill = connector.MoRIIOConnectorScheduler(_vllm_config("kv_producer"), "prefill")
         request = stub_request("req-prefill", prompt, kv_params("decode"))
-        blocks = [case.prefill_blocks(c) for c in range(1, len(case.chunks) + 1)]
-        sent = drive_prefill(prefill, [(request, list(zip(case.chunks, blocks, strict=True)))])
-        for chunk, (tokens, allocated, saves) in enumerate(
-            zip(case.chunks, blocks, sent, strict=True), 1
-        ):
-            held = request.request_id not in saves
-            drive.steps.append(
-                f"chunk {chunk} ({tokens} tokens, blocks {allocated}): "
-                + ("held" if held else "save sent")
-            )
+        steps = [(tokens, case.prefill_blocks(c)) for c, tokens in enumerate(case.chunks, 1)]
+        sent = drive_prefill(prefill, [(request, steps)])
         drive.saves = [c for c, saves in enumerate(sent, 1) if request.request_id in saves]
         if not drive.saves:
             return drive
@@ -268,7 +216,7 @@ def drive_write(case: Case) -> Drive:
         # 2. Decode scheduler: its allocation makes it tell the prefill node where to write.
         decode = connector.MoRIIOConnectorScheduler(_vllm_config("kv_consumer"), "decode")
         notified: list[bytes] = []
-        decode.paths = Always(Stub(send=notified.append))  # every notify path open already
+        decode.paths = probekit.Always(Stub(send=notified.append))  # every notify path is open
         decode_request = stub_request("req-decode", prompt, kv_params("prefill"))
         decode.update_state_after_alloc(decode_request, block_ids(case.decode_blocks()), prompt)
         drive.messages = len(notified)
@@ -277,51 +225,29 @@ def drive_write(case: Case) -> Drive:
 
         # 3. Prefill node: the notify listener stores where decode wants the KV.
         common.set_role(common.ROLE.PRODUCER)
-        wrapper = stand_in(
-            engine.MoRIIOWrapper,
-            lock=threading.Lock(),
-            done_remote_allocate_req_dict={},
-            done_req_ids=[],
-            done_write_cache_req_ids=[],
-            _terminal_transfer_ids=OrderedDict(),
-            paths={},  # read when the worker is collected (its __del__ shuts it down)
-        )
+        # `paths` is read when the worker is collected (its __del__ shuts it down).
+        wrapper = stand_in(engine.MoRIIOWrapper, lock=threading.Lock(), paths={}, done_req_ids=[])
+        wrapper._terminal_transfer_ids, wrapper.done_remote_allocate_req_dict = OrderedDict(), {}
+        wrapper.done_write_cache_req_ids = []
         if case.fork_peer:  # the keys of the unfixed fork's `send_notify_block`
-            fork_lists = case.decode_blocks()
-            notified[0] = engine.msgpack.dumps(
-                {
-                    "req_id": "req-decode",
-                    "transfer_id": TRANSFER_ID,
-                    "block_notify_list": fork_lists[0],
-                    "mamba_block_notify_list": fork_lists[1] if len(fork_lists) > 1 else [],
-                    "decode_rank": 0,
-                    "type": "remote_blocks",
-                }
-            )
+            lists = case.decode_blocks()
+            fork: dict[str, Any] = dict(req_id="req-decode", transfer_id=TRANSFER_ID, decode_rank=0)
+            fork.update(block_notify_list=lists[0], type="remote_blocks")
+            fork["mamba_block_notify_list"] = lists[1] if len(lists) > 1 else []
+            notified[0] = engine.msgpack.dumps(fork)
         wrapper._handle_message(notified[0])
         request_info = wrapper.done_remote_allocate_req_dict[TRANSFER_ID]
 
-        # 4. Prefill worker: its own layer maps, then one write task per layer.
-        vllm_config = _vllm_config("kv_producer")
-        worker = stand_in(
-            connector.MoRIIOConnectorWorker,
-            vllm_config=vllm_config,
-            kv_transfer_config=vllm_config.kv_transfer_config,
-            is_producer=True,
-            mode=common.MoRIIOMode.WRITE,
-        )
-        _run_worker_maps(connector, worker, vllm_config, case.layout)
+        # 4. Prefill worker: its own layer maps, then a write task per layer.
+        config = _vllm_config("kv_producer")
+        worker = stand_in(connector.MoRIIOConnectorWorker, is_producer=True, vllm_config=config)
+        worker.kv_transfer_config, worker.mode = config.kv_transfer_config, common.MoRIIOMode.WRITE
+        _run_worker_maps(connector, worker, config, case.layout)
         layers = [name for _, names in case.layout for name in names]
         tasks: list[Any] = []
-        # Offsets lists by identity -> the layer whose call made them; the list is kept alive,
-        # so no identity is reused while a plan can still return it.
-        made: dict[int, tuple[str, list[int]]] = {}
-
-        def offsets(layer: str, local: Any, remote: Any, *args: Any, **kw: Any) -> Any:
-            local_ids = list(local)
-            made[id(local_ids)] = (layer, local_ids)
-            return local_ids, list(remote), [1] * len(local_ids)
-
+        offsets = probekit.Calls(
+            lambda layer, local, remote, *a, **k: (list(local), list(remote), [1] * len(local))
+        )
         vars(worker).update(
             kv_caches=_kv_caches(case.layout),
             layer_name_to_local_kv_cache_metadata={name: [b""] for name in layers},
@@ -329,68 +255,56 @@ def drive_write(case: Case) -> Drive:
             _writer=Stub(schedule_write=tasks.append),
             _compute_block_transfer_offsets=offsets,
         )
-        with Swap() as swap:
-            _stand_in_cuda(swap, connector)
+        with Swap() as cuda:
+            if "torch" in vars(connector):  # schedule_write_blocks records a CUDA event
+                event = Stub(record=lambda *a: None, synchronize=lambda: None)
+                stream = Stub(current_stream=lambda: None, Event=lambda *a, **k: event)
+                cuda.attr(connector, "torch", Stub(cuda=stream))
             for name in layers:
                 worker._write_blocks_for_req(request.request_id, meta, name, None)
 
         # 5. The writer's plan for every layer.
         writer = stand_in(engine.MoRIIOWriter, _worker_ref=weakref.ref(worker))
-        remote_meta = Stub(
-            engine_id="decode", num_blocks=4096, block_len=1, kv_caches_base_addr=[0]
-        )
+        peer = Stub(engine_id="decode", num_blocks=4096, block_len=1, kv_caches_base_addr=[0])
+        plan: Any
         for task in tasks:
-            try:
-                plan = writer._prepare_transfer_plan(task, request_info, remote_meta)
-            except Exception as exc:  # reported per layer, never swallowed
-                drive.errors[task.layer_name] = f"{type(exc).__name__}: {exc}"
+            plan, error = probekit.attempt(writer._prepare_transfer_plan, task, request_info, peer)
+            if error is not None:
+                drive.errors[task.layer_name] = error
                 continue
-            local_off = plan.transfer_local_offsets
-            by = made.get(id(local_off), (None,))[0]
-            drive.routes[task.layer_name] = Route(
-                list(local_off), list(plan.transfer_remote_offsets), by
-            )
-        return drive
-    finally:
-        common.set_role(saved_role)
+            ids = plan.transfer_local_offsets
+            by = next((args[0] for args, _, answer in offsets.calls if answer[0] is ids), None)
+            drive.routes[task.layer_name] = ((list(ids), list(plan.transfer_remote_offsets)), by)
+    return drive
 
 
 def _run_worker_maps(connector: Any, worker: Any, vllm_config: Any, layout: Layout) -> None:
-    """Run the statements of the tree's `MoRIIOConnectorWorker.__init__` that map layers to
-    specs and groups: from `self.layer_to_spec = ...` up to `if self.is_producer:`. The rest of
-    `__init__` needs a GPU, the MoRIIO library and a network; this run is the tree's own text,
-    so a patch that builds its map there (k3patch's, the older script's) is what gets tested."""
-    init = connector.MoRIIOConnectorWorker.__init__
-    func = source_of(init)
-    if func is None:
-        raise ProbeSetupError("MoRIIOConnectorWorker.__init__ has no source")
-    body = func.body
-    starts = [i for i, s in enumerate(body) if match("self.layer_to_spec = HOLE_v", s) is not None]
-    if not starts:
-        raise ProbeSetupError("MoRIIOConnectorWorker.__init__ sets no self.layer_to_spec")
-    ends = [
-        i
-        for i, stmt in enumerate(body[starts[0] :], starts[0])
-        if isinstance(stmt, ast.If) and match("self.is_producer", stmt.test) is not None
-    ]
-    if not ends:
-        raise ProbeSetupError(
-            "MoRIIOConnectorWorker.__init__ has no `if self.is_producer:` after layer_to_spec"
-        )
+    """Run `MoRIIOConnectorWorker.__init__`'s own statements from `self.layer_to_spec = ...` to
+    `if self.is_producer:` (its layer maps, a patch's too); the rest needs a GPU and a network."""
+    init, where = connector.MoRIIOConnectorWorker.__init__, "MoRIIOConnectorWorker.__init__"
+    body = getattr(probekit.source_of(init), "body", None)
+    if body is None:
+        raise ProbeSetupError(f"{where} has no source")
+    starts = [match("self.layer_to_spec = HOLE_v", s) is not None for s in body]
+    ends = [isinstance(s, ast.If) and match("self.is_producer", s.test) is not None for s in body]
+    if True not in starts:
+        raise ProbeSetupError(f"{where} sets no self.layer_to_spec")
+    start = starts.index(True)
+    if True not in ends[start:]:
+        raise ProbeSetupError(f"{where} has no `if self.is_producer:` after layer_to_spec")
     try:
         config = kv_cache_config(layout)
     except TypeError:  # another version's fields
-        config = kv_cache_stand_in(layout)
-    run_statements(init, body[starts[0] : ends[0]], worker, vllm_config, "prefill", config)
+        config = kv_cache_config(layout, real=False)
+    body = body[start : ends.index(True, start)]
+    probekit.run_statements(init, body, worker, vllm_config, "prefill", config)
 
 
-# ---------------------------------------------------------------------------------------------
 # MoRIIO and vLLM stand-ins (moriio-chunk-gate's probe drives build_connector_meta with them)
 
 
 def _spec(kind: str, bare: bool = False) -> Any:
-    """A KV-cache spec of `kind`; bare (only the class is read), also where this version's
-    fields differ."""
+    """A KV-cache spec of `kind`, bare (of the class alone) if asked or where its fields differ."""
     specs = importlib.import_module("vllm.v1.kv_cache_interface")
     torch = importlib.import_module("torch")
     classes = {"mamba": specs.MambaSpec, "mla": specs.MLAAttentionSpec}
@@ -400,105 +314,61 @@ def _spec(kind: str, bare: bool = False) -> Any:
     else:
         fields = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.bfloat16}
     if not bare:
-        try:
+        with contextlib.suppress(TypeError):  # another version's fields: only the class is read
             return cls(block_size=BLOCK_SIZE, **fields)
-        except TypeError:  # another version's fields: only the class is read here
-            pass
     return object.__new__(cls)
 
 
-def kv_cache_config(layout: Layout, bare_specs: bool = False) -> Any:
-    """`layout` as this version's own KVCacheConfig (TypeError where its fields differ)."""
+def kv_cache_config(layout: Layout, bare_specs: bool = False, real: bool = True) -> Any:
+    """`layout` as this version's own KVCacheConfig (TypeError where its fields differ); not
+    `real`: a stand-in with what the connector reads of one."""
     specs = importlib.import_module("vllm.v1.kv_cache_interface")
-    groups = [
-        specs.KVCacheGroupSpec(layer_names=list(names), kv_cache_spec=_spec(kind, bare_specs))
-        for kind, names in layout
-    ]
-    return specs.KVCacheConfig(num_blocks=4096, kv_cache_tensors=[], kv_cache_groups=groups)
-
-
-def kv_cache_stand_in(layout: Layout, bare_specs: bool = False) -> Stub:
-    """What the connector reads of a KVCacheConfig, where the real one cannot be built."""
-    groups = [
-        Stub(
-            layer_names=list(names), kv_cache_spec=_spec(kind, bare_specs), enable_kv_transfer=True
-        )
-        for kind, names in layout
-    ]
+    groups = [(list(names), _spec(kind, bare_specs)) for kind, names in layout]
+    if real:
+        groups = [specs.KVCacheGroupSpec(*group) for group in groups]
+        return specs.KVCacheConfig(num_blocks=4096, kv_cache_tensors=[], kv_cache_groups=groups)
+    stubs = [Stub(layer_names=n, kv_cache_spec=s, enable_kv_transfer=True) for n, s in groups]
     return Stub(
-        kv_cache_groups=groups, kv_cache_tensors=[], num_blocks=4096, transfer_groups=tuple(groups)
+        kv_cache_groups=stubs, kv_cache_tensors=[], num_blocks=4096, transfer_groups=(*stubs,)
     )
 
 
 def _kv_caches(layout: Layout) -> dict[str, Any]:
-    """One tensor per layer, the j-th layer of every Mamba group sharing one (as vLLM backs
-    K3's KDA groups), attention layers each their own of another shape."""
+    """A tensor per layer; the j-th of each Mamba group share one, as vLLM backs K3's KDA groups."""
     torch = importlib.import_module("torch")
-    caches: dict[str, Any] = {}
-    shared: dict[int, Any] = {}
-    for kind, names in layout:
-        for j, name in enumerate(names):
-            if kind == "mamba":
-                caches[name] = shared.setdefault(j, torch.empty((64, 12), dtype=torch.float32))
-            else:
-                caches[name] = torch.empty((64, BLOCK_SIZE, 8), dtype=torch.bfloat16)
-    return caches
+    kda = [torch.empty((64, 12), dtype=torch.float32) for _, names in layout for _ in names]
+    return {
+        name: kda[j] if kind == "mamba" else torch.empty((64, BLOCK_SIZE, 8), dtype=torch.bfloat16)
+        for kind, names in layout
+        for j, name in enumerate(names)
+    }
 
 
 def _vllm_config(role: str) -> Stub:
-    extra = {
-        "handshake_port": "6301",
-        "notify_port": "61005",
-        "http_port": "8000",
-        "host_ip": "127.0.0.1",
-        "proxy_ip": "",
-        "read_mode": "false",
-    }
+    ports = {"handshake_port": "6301", "notify_port": "61005", "http_port": "8000"}
+    extra = {**ports, "host_ip": "127.0.0.1", "proxy_ip": "", "read_mode": "false"}
+    roles = dict(is_kv_producer=role == "kv_producer", is_kv_consumer=role == "kv_consumer")
+    parallel = dict(tensor_parallel_size=1, data_parallel_rank=0, data_parallel_size=1)
     return Stub(
-        kv_transfer_config=Stub(
-            kv_role=role,
-            kv_connector_extra_config=extra,
-            is_kv_producer=role == "kv_producer",
-            is_kv_consumer=role == "kv_consumer",
-        ),
+        kv_transfer_config=Stub(kv_role=role, kv_connector_extra_config=extra, **roles),
         cache_config=Stub(block_size=BLOCK_SIZE),
-        parallel_config=Stub(
-            tensor_parallel_size=1,
-            data_parallel_rank=0,
-            data_parallel_size=1,
-            data_parallel_size_local=1,
-        ),
+        parallel_config=Stub(**parallel, data_parallel_size_local=1),
     )
 
 
 def kv_params(remote: str, transfer_id: str = TRANSFER_ID) -> dict[str, Any]:
-    """kv_transfer_params of a request whose KV goes to (remote "decode") or comes from
-    (remote "prefill") the other node."""
-    params: dict[str, Any] = {
-        "do_remote_decode" if remote == "decode" else "do_remote_prefill": True,
-        "transfer_id": transfer_id,
-        "remote_host": "127.0.0.1",
-        "remote_handshake_port": 6301,
-        "remote_notify_port": 61005,
-        "remote_engine_id": remote,
-        "remote_block_ids": [],
-        "remote_dp_rank": 0,
-    }
-    if remote == "decode":
-        params["remote_dp_size"] = 1
-    return params
+    """kv_transfer_params: the KV goes to `remote` ("decode") or comes from it ("prefill")."""
+    side = "do_remote_decode" if remote == "decode" else "do_remote_prefill"
+    params: dict[str, Any] = {side: True, "transfer_id": transfer_id, "remote_host": "127.0.0.1"}
+    params.update(remote_handshake_port=6301, remote_notify_port=61005, remote_engine_id=remote)
+    params.update(remote_block_ids=[], remote_dp_rank=0)
+    return {**params, "remote_dp_size": 1} if remote == "decode" else params
 
 
 def stub_request(request_id: str, prompt: int, params: dict[str, Any] | None) -> Stub:
-    return Stub(
-        request_id=request_id,
-        req_id=request_id,
-        kv_transfer_params=params,
-        num_prompt_tokens=prompt,
-        num_computed_tokens=0,
-        num_tokens=prompt,
-        prompt_token_ids=list(range(prompt)),
-    )
+    ids = dict(request_id=request_id, req_id=request_id, prompt_token_ids=list(range(prompt)))
+    counts = dict(num_prompt_tokens=prompt, num_computed_tokens=0, num_tokens=prompt)
+    return Stub(kv_transfer_params=params, **ids, **counts)
 
 
 def block_ids(per_group: list[list[int]]) -> Stub:
@@ -509,11 +379,10 @@ def block_ids(per_group: list[list[int]]) -> Stub:
 def drive_prefill(
     scheduler: Any, plans: list[tuple[Any, list[tuple[int, list[list[int]]]]]]
 ) -> list[dict[str, Any]]:
-    """`build_connector_meta` driven as vLLM's scheduler drives it, a step per chunk; `plans`
-    gives each request its (tokens scheduled, blocks allocated per group) per step. At its first
-    step a request is new, its blocks recorded by update_state_after_alloc first; later it is a
-    cached request with the blocks that step allocated (None when none, as vLLM sends it); its
-    computed tokens advance after each step. Returns each step's `reqs_to_save`."""
+    """Each step's `reqs_to_save` from `build_connector_meta` driven as vLLM's scheduler does; per
+    step `plans` gives each request its tokens and blocks allocated per group. A request is new at
+    its first step (update_state_after_alloc first), then cached with that step's blocks (None
+    when none, as vLLM sends it); its computed tokens advance after each step."""
     sent = []
     for step in range(max(len(steps) for _, steps in plans)):
         live = [(request, *steps[step]) for request, steps in plans if step < len(steps)]
@@ -543,66 +412,38 @@ def drive_prefill(
     return sent
 
 
-def _stand_in_cuda(swap: Swap, module: Any) -> None:
-    """schedule_write_blocks records a CUDA event; without a GPU the connector module's `torch`
-    is replaced, for the drive, by an object that only has that event."""
-    if "torch" not in module.__dict__:
-        return
-    event = Stub(record=lambda *a: None, synchronize=lambda: None)
-    cuda = Stub(current_stream=lambda: None, Event=lambda *a, **k: event)
-    swap.attr(module, "torch", Stub(cuda=cuda))
-
-
-# ---------------------------------------------------------------------------------------------
 # Upstream 0.31.0+ (satisfied natively): upstream's own split and plan, with K3's groups.
 
 
 def probe_upstream(connector: Any) -> ProbeOutcome:
-    checks = Checks("upstream")
-    try:
-        # The real config class, so the worker's map comes from upstream's own property.
+    """Upstream's split of K3's groups and, where its writer indexes per-group lists (0.33.0+),
+    its plan for K3's MLA layers."""
+    checks, holds = Checks("upstream"), "upstream routes K3's groups by spec, natively"
+    try:  # the real config class, so the worker's map comes from upstream's own property
         config = kv_cache_config(UPSTREAM_LAYOUT, bare_specs=True)
         layer_to_group = dict(config.transfer_group_index_by_layer)
     except (TypeError, AttributeError) as exc:
         checks.note(f"KVCacheConfig could not be built here ({exc}); using a stand-in")
-        config = kv_cache_stand_in(UPSTREAM_LAYOUT, bare_specs=True)
+        config = kv_cache_config(UPSTREAM_LAYOUT, bare_specs=True, real=False)
         layer_to_group = {n: g for g, (_, names) in enumerate(UPSTREAM_LAYOUT) for n in names}
     split = connector._split_kv_cache_group_kinds(config)
     line = f"K3: _split_kv_cache_group_kinds -> attention {split[0]}, mamba {split[1]}"
     expected = [list(part) for part in split] == [[3], [0, 1, 2]]
     checks.record(line, expected, f"{line}, expected attention [3], mamba [0, 1, 2]")
-    engine = importlib.import_module(ENGINE)
-    plan = source_of(engine.MoRIIOWriter._prepare_transfer_plan)
-    per_group = "self.worker.layer_to_group[task.layer_name]"
-    if plan is not None and any(match(per_group, n) is not None for n in ast.walk(plan)):
-        _probe_upstream_plan(engine, layer_to_group, checks)
-        checks.note("KDA layers take upstream's separate Mamba plan (not exercised here)")
-    else:
+    common, engine = importlib.import_module(COMMON), importlib.import_module(ENGINE)
+    plan = probekit.source_of(engine.MoRIIOWriter._prepare_transfer_plan)
+    if not (plan and find_expressions("self.worker.layer_to_group[task.layer_name]", plan)):
         checks.note(
             "WRITE with a Mamba group is refused by register_kv_caches on this version; "
             "its per-layer WRITE plan is single-group and was not exercised"
         )
-    return checks.outcome(
-        holds="upstream routes K3's groups by spec, natively", broken="{failures}"
-    )
-
-
-def _probe_upstream_plan(engine: Any, layer_to_group: dict[str, int], checks: Checks) -> None:
-    """0.33.0+: MoRIIOWriter._prepare_transfer_plan for K3's MLA layers."""
-    common = importlib.import_module(COMMON)
+        return checks.outcome(holds=holds, broken="{failures}")
     mla = len(UPSTREAM_LAYOUT) - 1
     local = [[10 * g + 1] for g in range(mla)] + [[10 * mla + 1, 10 * mla + 2]]
     remote = [[100 + b for b in blocks] for blocks in local]
-    given: dict[str, tuple[list[int], list[int]]] = {}
-
-    def offsets(layer: str, local_ids: Any, remote_ids: Any, *args: Any, **kw: Any) -> Any:
-        given[layer] = (list(local_ids), list(remote_ids))
-        return [0], [0], [1]
-
+    offsets = probekit.Calls(lambda *a, **k: ([0], [0], [1]))
     worker = Stub(
-        kv_caches={
-            name: Stub(shape=(1,), dtype="probe", stride=lambda: (1,)) for name in layer_to_group
-        },
+        kv_caches={n: Stub(shape=(1,), dtype="probe", stride=lambda: (1,)) for n in layer_to_group},
         layer_to_group=layer_to_group,
         _has_mamba=True,
         _check_peer_block_size=lambda *a, **k: None,
@@ -610,28 +451,21 @@ def _probe_upstream_plan(engine: Any, layer_to_group: dict[str, int], checks: Ch
         _region_session_indices=lambda layer: [0],
     )
     writer = stand_in(engine.MoRIIOWriter, _worker_ref=weakref.ref(worker))
+    task: dict[str, Any] = dict(request_id="req", transfer_id=TRANSFER_ID, dst_engine_id="decode")
+    task.update(event=None, remote_block_ids_hint=None, remote_notify_port=0, remote_ip="127.0.0.1")
     for layer in UPSTREAM_LAYOUT[mla][1]:
-        task = common.WriteTask(
-            request_id="req",
-            transfer_id=TRANSFER_ID,
-            dst_engine_id="decode",
-            local_block_ids=local,
-            remote_block_ids_hint=None,
-            layer_name=layer,
-            event=None,
-            remote_notify_port=0,
-            remote_ip="127.0.0.1",
-        )
-        info = common.RemoteAllocInfo(block_ids=remote)
-        try:
-            writer._prepare_transfer_plan(task, info, Stub(num_blocks=4096))
-        except Exception as exc:  # reported, never swallowed
-            checks.fail(f"K3 upstream plan for {layer}: {type(exc).__name__}: {exc}")
+        info, peer = common.RemoteAllocInfo(block_ids=remote), Stub(num_blocks=4096)
+        write = common.WriteTask(local_block_ids=local, layer_name=layer, **task)
+        _, error = probekit.attempt(writer._prepare_transfer_plan, write, info, peer)
+        if error is not None:
+            checks.fail(f"K3 upstream plan for {layer}: {error}")
             continue
-        got = given.get(layer)
+        given = {args[0]: (list(args[1]), list(args[2])) for args, _, _ in offsets.calls}
+        got, want = given.get(layer), (local[mla], remote[mla])
         line = (
             f"K3 upstream plan: {layer} (group {layer_to_group.get(layer)}) -> "
             f"local {got and got[0]} remote {got and got[1]}"
         )
-        want = (local[mla], remote[mla])
         checks.record(line, got == want, f"{line}, expected local {want[0]} remote {want[1]}")
+    checks.note("KDA layers take upstream's separate Mamba plan (not exercised here)")
+    return checks.outcome(holds=holds, broken="{failures}")
