@@ -5,27 +5,22 @@ prompts."""
 
 from __future__ import annotations
 
-import ast
 import importlib
 import itertools
-import json
 import logging
 import os
 import tempfile
 from typing import Any
 
-from k3patch.model import ProbeOutcome
+from k3patch.model import ProbeOutcome, attribute_assignments
 from k3patch.probekit import Checks, Swap, call_accepted, source_of, stand_in
 from k3patch.shapes import match
 
 from ..moriio_group_routing.probe import CONNECTOR, drive_prefill, kv_params, stub_request
 
-# (request id, prompt, (tokens scheduled, blocks newly allocated) per step, the one step
-# (1-based) whose metadata must carry the save; None: a request without kv_transfer_params,
-# never sent)
+# (request id, prompt, (tokens, new blocks) per step, the one step (from 1) whose metadata must
+# carry the save, None: no kv_transfer_params, never sent), per case with title and block size.
 Request = tuple[str, int, tuple[tuple[int, int], ...], int | None]
-
-# (title, block size, requests)
 DIRECT_CASES: tuple[tuple[str, int, tuple[Request, ...]], ...] = (
     (
         "K3: 2,611-token prompt, one 5,760-token block, chunks 2,048 + 563 (no new block)",
@@ -50,34 +45,20 @@ DIRECT_CASES: tuple[tuple[str, int, tuple[Request, ...]], ...] = (
     ("a prompt in one chunk", 5760, (("short", 1000, ((1000, 1),), 1),)),
 )
 
-# The per-request maps build_connector_meta reads in one release or another (`_reqs_save_mamba`:
-# the fork's mamba block ids, SITES.md 1); a fork's or a patch's own (group routing's
-# `_reqs_save_groups`) are found as whatever __init__ starts as an empty dict.
+# The request maps build_connector_meta reads in some release (`_reqs_save_mamba`: the fork's,
+# SITES.md 1); a fork's or patch's own (`_reqs_save_groups`) are what __init__ sets to {}.
 REQUEST_MAPS = (
     "_reqs_need_recv _reqs_need_save _reqs_need_pending_save _reqs_need_send _req_kv_params "
     "_reqs_save_mamba transfer_id_to_request_id request_id_to_transfer_id"
 ).split()
-# `self.NAME = {}` or `= dict()`, annotated or not (the parentheses make the annotated
-# pattern's target "not simple", as an attribute target is).
-EMPTY_MAP_PATTERNS = tuple(
-    f"{target} = {empty}"
-    for target in ("HOLE_map", "(HOLE_map): HOLE_type")
-    for empty in ("{}", "dict()")
-)
 
 
 def _scheduler(mc: Any, block_size: int) -> Any:
-    """A MoRIIO scheduler holding only what build_connector_meta and update_state_after_alloc
-    read, in any release."""
-    cls = mc.MoRIIOConnectorScheduler
-    init = source_of(cls.__init__)
-    nodes = list(ast.walk(init)) if init else []
-    maps = [match(p, n) for n in nodes for p in EMPTY_MAP_PATTERNS]
-    targets = [b["HOLE_map"] for b in maps if b is not None]
-    state: dict[str, Any] = {name: {} for name in REQUEST_MAPS}
-    for target in targets:
-        if isinstance(target, ast.Attribute) and match("self", target.value) is not None:
-            state[target.attr] = {}
+    """A MoRIIO scheduler holding what build_connector_meta and update_state_after_alloc read."""
+    init = source_of(mc.MoRIIOConnectorScheduler.__init__)
+    assigned = attribute_assignments([init] if init else [], "self")
+    empty = [a for a, v in assigned if any(match(e, v) is not None for e in ("{}", "dict()"))]
+    state: dict[str, Any] = {name: {} for name in [*REQUEST_MAPS, *empty]}
     state.update(
         mode=mc.MoRIIOMode.WRITE,
         block_size=block_size,  # 0.14.1-0.29.0 gate
@@ -87,40 +68,22 @@ def _scheduler(mc: Any, block_size: int) -> Any:
         blocks_per_sw=[0],
         _group_block_sizes=[block_size],
     )
-    return stand_in(cls, **state)
-
-
-def _flat(block_ids: Any) -> list[int]:
-    items = list(block_ids)
-    if items and isinstance(items[0], list | tuple):
-        return [b for group in items for b in group]
-    return [int(b) for b in items]
+    return stand_in(mc.MoRIIOConnectorScheduler, **state)
 
 
 def _saves(steps: list[int], chunks: int) -> str:
-    if not steps:
-        return f"no save in {chunks} chunks"
-    return f"save at chunk {', '.join(map(str, steps))} of {chunks}"
-
-
-def probe_direct(checks: Checks) -> None:
-    """The real build_connector_meta through every case, one check per request."""
-    mc = importlib.import_module(CONNECTOR)
-    with Swap() as swap:
-        # The producer role is process-global state set at connector start; pin it here.
-        swap.attr(mc, "get_role", lambda: mc.ROLE.PRODUCER)
-        for title, block_size, requests in DIRECT_CASES:
-            _direct_case(_scheduler(mc, block_size), title, requests, checks)
+    saved = ", ".join(map(str, steps))
+    return f"save at chunk {saved} of {chunks}" if steps else f"no save in {chunks} chunks"
 
 
 def _direct_case(scheduler: Any, title: str, requests: tuple[Request, ...], checks: Checks) -> None:
-    # Block ids in allocation order, step by step across the requests.
-    counter = itertools.count()
+    """The real build_connector_meta through one case, a check per request."""
+    counter = itertools.count()  # block ids in allocation order, step by step across requests
     allocated: dict[str, list[list[int]]] = {req_id: [] for req_id, *_ in requests}
     for step in range(max(len(steps) for _, _, steps, _ in requests)):
         for req_id, _, steps, _ in requests:
             if step < len(steps):
-                allocated[req_id].append([next(counter) for _ in range(steps[step][1])])
+                allocated[req_id].append(list(itertools.islice(counter, steps[step][1])))
     plans = [
         (
             stub_request(req_id, prompt, kv_params("decode", f"t-{req_id}") if want else None),
@@ -131,7 +94,9 @@ def _direct_case(scheduler: Any, title: str, requests: tuple[Request, ...], chec
     emitted: dict[str, list[tuple[int, list[int]]]] = {req_id: [] for req_id, *_ in requests}
     for step, saves in enumerate(drive_prefill(scheduler, plans), 1):
         for req_id, meta in saves.items():
-            emitted[req_id].append((step, _flat(meta.local_block_ids)))
+            ids = list(meta.local_block_ids)
+            nested = ids and isinstance(ids[0], list | tuple)
+            emitted[req_id].append((step, [*itertools.chain(*ids)] if nested else [*map(int, ids)]))
     for req_id, _, steps, want in requests:
         got = emitted[req_id]
         saved = [step for step, _ in got]
@@ -145,17 +110,14 @@ def _direct_case(scheduler: Any, title: str, requests: tuple[Request, ...], chec
         checks.record(line, ok)
 
 
-# --------------------------------------------------------------------------------------------
-# The second probe: vLLM's own `Scheduler.schedule()` of the tree drives the MoRIIO connector's
-# scheduler side through chunked prefills, built on CPU the way vLLM's unit tests build one
-# (a VllmConfig with a MoRIIO producer, one full-attention KV-cache group, a request with
-# `do_remote_decode`), with a model config read from a config.json written here (no download,
-# no tokenizer). The request's KV block is bigger than a chunk, as K3's padded pages are. It
-# also records what `req.num_computed_tokens` holds inside build_connector_meta.
+# The second probe: vLLM's own `Scheduler.schedule()` drives the connector's scheduler side
+# through chunked prefills, built on CPU as vLLM's unit tests build one (a MoRIIO producer, one
+# full-attention group, a config.json written here: no download, no tokenizer), with a block
+# bigger than a chunk as K3's padded pages are; it also records `req.num_computed_tokens`.
 
-SCHEDULER_BLOCK = 5760
-SCHEDULER_CHUNK = 2048
-MAX_MODEL_LEN = 16384
+BLOCK = 5760
+CHUNK = 2048
+MAX_LEN = 16384
 
 # (request id, prompt, the one chunk whose step must carry the save)
 SCHEDULER_CASES = (
@@ -165,17 +127,11 @@ SCHEDULER_CASES = (
 )
 
 # A model vLLM knows, small; only its config is read (the scheduler runs no model).
-_PROBE_MODEL_CONFIG = {
-    "architectures": ["OPTForCausalLM"],
-    "model_type": "opt",
-    "hidden_size": 64,
-    "num_attention_heads": 2,
-    "num_hidden_layers": 1,
-    "ffn_dim": 128,
-    "vocab_size": 1000,
-    "max_position_embeddings": 65536,
-    "word_embed_proj_dim": 64,
-}
+_PROBE_MODEL_CONFIG = (
+    '{"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 64, '
+    '"num_attention_heads": 2, "num_hidden_layers": 1, "ffn_dim": 128, "vocab_size": 1000, '
+    '"max_position_embeddings": 65536, "word_embed_proj_dim": 64}'
+)
 
 
 def _vllm_scheduler(model_dir: str) -> Any:
@@ -185,54 +141,34 @@ def _vllm_scheduler(model_dir: str) -> Any:
     specs = importlib.import_module("vllm.v1.kv_cache_interface")
     scheduler = importlib.import_module("vllm.v1.core.sched.scheduler")
     structured_output = importlib.import_module("vllm.v1.structured_output")
+    extra = {"host_ip": "127.0.0.1", "handshake_port": 6301, "notify_port": 6401}
+    sched = dict(max_num_seqs=4, max_num_batched_tokens=CHUNK, max_model_len=MAX_LEN)
+    cache = dict(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto")
     config = vc.VllmConfig(
         model_config=vc.ModelConfig(
-            model=model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=MAX_MODEL_LEN
+            model=model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=MAX_LEN
         ),
         scheduler_config=call_accepted(
-            vc.SchedulerConfig,
-            max_num_seqs=4,
-            max_num_batched_tokens=SCHEDULER_CHUNK,
-            max_model_len=MAX_MODEL_LEN,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
+            vc.SchedulerConfig, **sched, enable_chunked_prefill=True, is_encoder_decoder=False
         ),
-        cache_config=call_accepted(
-            vc.CacheConfig,
-            block_size=SCHEDULER_BLOCK,
-            gpu_memory_utilization=0.9,
-            cache_dtype="auto",
-            enable_prefix_caching=False,
-        ),
+        cache_config=call_accepted(vc.CacheConfig, **cache, enable_prefix_caching=False),
         kv_transfer_config=vc.KVTransferConfig(
-            kv_connector="MoRIIOConnector",
-            kv_role="kv_producer",
-            kv_connector_extra_config={
-                "host_ip": "127.0.0.1",
-                "handshake_port": 6301,
-                "notify_port": 6401,
-            },
+            kv_connector="MoRIIOConnector", kv_role="kv_producer", kv_connector_extra_config=extra
         ),
         device_config=vc.DeviceConfig("cpu"),
     )
     config.cache_config.num_gpu_blocks = 64
     spec = call_accepted(
-        specs.FullAttentionSpec,
-        block_size=SCHEDULER_BLOCK,
-        num_kv_heads=1,
-        head_size=1,
-        dtype=torch.float32,
+        specs.FullAttentionSpec, block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32
     )
+    groups = [specs.KVCacheGroupSpec(["layer"], spec)]
+    kv_cache = specs.KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
     return call_accepted(
         scheduler.Scheduler,
         vllm_config=config,
-        kv_cache_config=specs.KVCacheConfig(
-            num_blocks=64,
-            kv_cache_tensors=[],
-            kv_cache_groups=[specs.KVCacheGroupSpec(["layer"], spec)],
-        ),
+        kv_cache_config=kv_cache,
         structured_output_manager=structured_output.StructuredOutputManager(config),
-        block_size=SCHEDULER_BLOCK,
+        block_size=BLOCK,
         log_stats=False,
     )
 
@@ -255,13 +191,8 @@ def drive_scheduler(scheduler: Any, req_id: str, prompt: int, final: int, checks
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
-    request = call_accepted(
-        Request,
-        request_id=req_id,
-        prompt_token_ids=[1] * prompt,
-        sampling_params=SamplingParams(max_tokens=1),
-        pooling_params=None,
-    )
+    fields = dict(request_id=req_id, prompt_token_ids=[1] * prompt, pooling_params=None)
+    request = call_accepted(Request, sampling_params=SamplingParams(max_tokens=1), **fields)
     request.kv_transfer_params = {**kv_params("decode", f"t-{req_id}"), "do_remote_prefill": False}
     chunks, saves = 0, []
     seen: list[tuple[int, int | None]] = []
@@ -288,23 +219,14 @@ def drive_scheduler(scheduler: Any, req_id: str, prompt: int, final: int, checks
                 saves.append(chunks)
             ids = list(output.num_scheduled_tokens)
             done = [scheduler.requests[r] for r in ids]
-            model_output = call_accepted(
-                ModelRunnerOutput,
-                req_ids=ids,
-                req_id_to_index={r: i for i, r in enumerate(ids)},
-                sampled_token_ids=[
-                    [7] if r.num_computed_tokens >= r.num_prompt_tokens else [] for r in done
-                ],
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=[],
-            )
+            sampled = [[7] if r.num_computed_tokens >= r.num_prompt_tokens else [] for r in done]
+            ran: dict[str, Any] = dict(req_ids=ids, logprobs=None, prompt_logprobs_dict={})
+            ran.update(req_id_to_index={r: i for i, r in enumerate(ids)}, pooler_output=[])
+            model_output = call_accepted(ModelRunnerOutput, sampled_token_ids=sampled, **ran)
             scheduler.update_from_output(output, model_output)
     head = f"Scheduler.schedule() [{req_id}]:"
-    checks.record(
-        f"{head} {_saves(saves, chunks)}, expected chunk {final} only",
-        saves == [final] and chunks == final,
-    )
+    line = f"{head} {_saves(saves, chunks)}, expected chunk {final} only"
+    checks.record(line, saves == [final] and chunks == final)
     fresh = all(a == b for a, b in seen) and bool(seen)
     checks.record(
         f"{head} inside build_connector_meta (num_prompt_tokens {prompts[-1] if prompts else 0}) "
@@ -315,31 +237,26 @@ def drive_scheduler(scheduler: Any, req_id: str, prompt: int, final: int, checks
     )
 
 
-def probe_scheduler(checks: Checks) -> None:
-    # The connector's scheduler side sets the process-wide MoRIIO role; later probes in this
-    # process get back the role they had.
-    mc = importlib.import_module(CONNECTOR)
-    role = mc.get_role()
-    logging.disable(logging.WARNING)
-    try:
-        with Swap() as swap, tempfile.TemporaryDirectory(prefix="k3patch-probe-model-") as model:
-            for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-                swap.env(key, "1")
-            with open(os.path.join(model, "config.json"), "w") as handle:
-                json.dump(_PROBE_MODEL_CONFIG, handle)
-            scheduler = _vllm_scheduler(model)
-            for req_id, prompt, final in SCHEDULER_CASES:
-                drive_scheduler(scheduler, req_id, prompt, final, checks)
-    finally:
-        mc.set_role(role)
-        logging.disable(logging.NOTSET)
-
-
 def probe_chunk_gate() -> ProbeOutcome:
     """Both probes: the direct drive of build_connector_meta, then vLLM's own Scheduler."""
-    checks = Checks("chunk gate")
-    probe_direct(checks)
-    probe_scheduler(checks)
+    checks, mc = Checks("chunk gate"), importlib.import_module(CONNECTOR)
+    with Swap() as swap:
+        # The producer role is process-global state set at connector start; pin it here.
+        swap.attr(mc, "get_role", lambda: mc.ROLE.PRODUCER)
+        for title, block_size, requests in DIRECT_CASES:
+            _direct_case(_scheduler(mc, block_size), title, requests, checks)
+    with Swap() as swap, tempfile.TemporaryDirectory(prefix="k3patch-probe-model-") as model:
+        # The scheduler side sets the process-wide MoRIIO role: later probes get theirs back.
+        swap.on_exit(mc.set_role, mc.get_role())
+        logging.disable(logging.WARNING)
+        swap.on_exit(logging.disable, logging.NOTSET)
+        for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            swap.env(key, "1")
+        with open(os.path.join(model, "config.json"), "w") as handle:
+            handle.write(_PROBE_MODEL_CONFIG)
+        scheduler = _vllm_scheduler(model)
+        for req_id, prompt, final in SCHEDULER_CASES:
+            drive_scheduler(scheduler, req_id, prompt, final, checks)
     return checks.outcome(
         holds="the save is emitted once, with the final prefill chunk, by build_connector_meta "
         "driven directly and under vLLM's Scheduler ({ran} checks)",
