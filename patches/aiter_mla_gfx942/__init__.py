@@ -1,16 +1,14 @@
 """aiter-mla-gfx942: AITER MLA is off on gfx942 (MI300X) unless the user explicitly asks for it.
 
-Symptom: Kimi-K3 serves on MI300X only while every launcher remembers
-`VLLM_ROCM_USE_AITER_MLA=0`; one that forgets it dies at the first decode with an assertion
-inside the AITER MLA decode kernel.
-Cause: that kernel (for K3's small head counts) is built for gfx950 only, and
-`rocm_aiter_ops.is_mla_enabled`, the switch every consumer of AITER MLA reads at call time, says
-yes on any gfx9 when the two AITER flags are on, as they are by default.
-Fix: `is_mla_enabled` keeps both flags and also requires a GPU other than gfx942, unless
-`VLLM_ROCM_USE_AITER_MLA` is set explicitly (then the user's choice stands).
-Check: `k3patch verify` runs the truth table against the patched module (probe.py).
-Real trees: the wheels 0.15.0-0.33.0 and the fork trees read pending and are patched; 0.14.1
-reads drifted (it lacks what the fixed method calls) and is left alone.
+Symptom: Kimi-K3 serves on MI300X only while every launcher remembers `VLLM_ROCM_USE_AITER_MLA=0`;
+one that forgets it dies at the first decode with an assertion inside the AITER MLA decode kernel.
+Cause: that kernel (for K3's small head counts) is gfx950-only, and `rocm_aiter_ops.is_mla_enabled`,
+the switch every consumer of AITER MLA reads at call time, says yes on any gfx9 when the two
+AITER flags are on, as they are by default.
+Fix: `is_mla_enabled` also requires a GPU other than gfx942, unless `VLLM_ROCM_USE_AITER_MLA` is
+set explicitly (then the user's choice stands).
+Check: `k3patch verify` runs the truth table against the patched module. 0.14.1 reads drifted:
+it lacks what the fixed method calls.
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ FILE = "_aiter_ops.py"
 ROCM_FILE = "platforms/rocm.py"
 SITE = "rocm_aiter_ops.is_mla_enabled"
 
-# Every upstream vLLM from 0.12.0 to 0.33.0 (0.12.0-0.13.0 add a docstring, which the
-# fingerprint ignores).
+# 0.12.0-0.13.0 add a docstring, which the fingerprint ignores.
 UPSTREAM_BUGGY = Shape(
     "upstream (0.12.0-0.33.0)",
     Verdict.PENDING,

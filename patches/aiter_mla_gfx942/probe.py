@@ -1,13 +1,10 @@
-"""The behaviour probe of aiter-mla-gfx942. It runs in the verify child against the real,
-imported module; it needs no GPU because it stands in `vllm.platforms.rocm` with a module whose
-`on_gfx942` it controls."""
+"""aiter-mla-gfx942's probe, in the verify child on the real module: no GPU needed, it stands in
+`vllm.platforms.rocm` with a module whose `on_gfx942` it controls."""
 
 from __future__ import annotations
 
 from k3patch.model import ProbeOutcome
 from k3patch.probekit import Checks, Swap
-
-_ENV = "VLLM_ROCM_USE_AITER_MLA"
 
 # (env value or None for unset, on gfx942, AITER flag, MLA flag) -> expected is_mla_enabled
 TRUTH_TABLE: tuple[tuple[str | None, bool, bool, bool, bool], ...] = (
@@ -33,12 +30,10 @@ def probe_truth_table() -> ProbeOutcome:
         fake_rocm = swap.module("vllm.platforms.rocm")
         for env, gfx942, aiter, mla, expected in TRUTH_TABLE:
             fake_rocm.on_gfx942 = lambda gfx942=gfx942: gfx942  # type: ignore[attr-defined]
-            swap.env(_ENV, env)
+            swap.env("VLLM_ROCM_USE_AITER_MLA", env)
             swap.attr(rocm_aiter_ops, "_AITER_ENABLED", aiter)
             swap.attr(rocm_aiter_ops, "_MLA_ENABLED", mla)
-            case = (
-                f"{_ENV}={'unset' if env is None else env} "
-                f"{'gfx942' if gfx942 else 'gfx950'} aiter={int(aiter)} mla={int(mla)}"
-            )
+            gpu = "gfx942" if gfx942 else "gfx950"
+            case = f"VLLM_ROCM_USE_AITER_MLA={env or 'unset'} {gpu} aiter={aiter:d} mla={mla:d}"
             checks.expect(case, got=bool(func(rocm_aiter_ops)), want=expected)
     return checks.outcome()
