@@ -1,21 +1,19 @@
 """kda-gather-diagnostic: the KDA state-index diagnostic syncs the GPU only when asked to.
 
-Symptom: a long prompt looks hung: at 750K tokens the prefill issues about 25,000 full GPU stream
-drains, one per KDA layer per prefill chunk.
-Cause: the Kimi-K3 fork's "k3-kda guard" in `gather_initial_states` clamps the state indices on
-the device, then runs `if bool((indices >= n).any()) or bool((indices < 0).any()):` only to log a
-warning; each `bool()` makes the CPU wait for every queued kernel. Some fork builds inline the
-same diagnostic in the callers (`chunk_kda_prefill`, `KimiK3DeltaAttention._forward`).
-Fix: the diagnostic `if` is nested under `if os.environ.get("K3_KDA_GATHER_LOG", "0") == "1":`
-(`import os` added if missing); the clamp stays, so the kernel never sees an out-of-range index.
-Check: `k3patch verify` requires every sync-capable call of each site to sit inside the gate,
-then runs `gather_initial_states` on CPU tensors under a torch op trace: no sync-capable op with
-the variable unset, the out-of-range index logged with it =1, the clamped rows either way.
+Symptom: a long prompt looks hung (at 750K tokens, about 25,000 GPU stream drains in the prefill).
+Cause: the Kimi-K3 fork's "k3-kda guard" in `gather_initial_states` (inlined by some fork builds
+in `chunk_kda_prefill` and `KimiK3DeltaAttention._forward`) clamps the state indices on the device,
+then logs a warning under `if bool((indices >= n).any()) or bool((indices < 0).any()):`; each
+`bool()` makes the CPU wait for every queued kernel, once per KDA layer per prefill chunk.
+Fix: that `if` goes under `if os.environ.get("K3_KDA_GATHER_LOG", "0") == "1":`; the clamp stays.
+Check: `k3patch verify` finds every sync-capable call of each site inside the gate and traces a
+CPU run of `gather_initial_states`: no sync while unset, the bad index logged at =1, rows clamped.
 """
 
 from __future__ import annotations
 
 import ast
+import textwrap
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -33,8 +31,7 @@ KDA_FILE = "models/kimi_k3/amd/kda.py"
 
 
 class Site(NamedTuple):
-    """A function that holds (or, in some fork build, may hold) the diagnostic, and the details
-    of its two not-applicable verdicts. Only the one in OPS_FILE sits inside the fork's guard."""
+    """Where the diagnostic is (some fork builds), and the details of its not-applicable results."""
 
     name: str
     file: str
@@ -63,10 +60,8 @@ SITES = (
     ),
 )
 
-# The shapes, as SITES.md section 3 gives them. HOLE_indices (the index tensor) and HOLE_bound
-# (the pool size) carry other names where a caller inlines the diagnostic; HOLE_message (a plain
-# string) differs between fork builds. Everything else, down to the `[:8]`, must match.
-
+# SITES.md section 3's shapes. The index tensor and the pool size have other names where a caller
+# inlines the diagnostic, the message differs between fork builds; all else must match.
 FORK_BUILDS = VersionRange("0.27.1", "0.28.0")  # the fork's file is 0.27.1/0.28.0's plus the guard
 
 DIAGNOSTIC = """
@@ -85,30 +80,25 @@ GATE_COMMENT = (
 )
 # The older anchor script's gate; its `import os as _k3os` stands in the function or the module.
 LEGACY_GATE = f"_k3os.environ.get('{ENV}', '0') == '1'"
-
-
-def _gated(gate: str) -> str:
-    return f"if {gate}:\n    " + DIAGNOSTIC.strip("\n").replace("\n", "\n    ") + "\n"
-
+GATED = {gate: f"if {gate}:" + textwrap.indent(DIAGNOSTIC, "    ") for gate in (GATE, LEGACY_GATE)}
 
 FORK_DIAGNOSTIC = Shape(
     "fork diagnostic", Verdict.PENDING, DIAGNOSTIC, "two bool() syncs on every call", FORK_BUILDS
 )
 APPLIED_DIAGNOSTIC = Shape(
-    "k3patch", Verdict.APPLIED, _gated(GATE), f"the diagnostic runs only with {ENV}=1"
+    "k3patch", Verdict.APPLIED, GATED[GATE], f"the diagnostic runs only with {ENV}=1"
 )
 LEGACY_DIAGNOSTIC = Shape(
     "older anchor script (k3-kda-nosync)",
     Verdict.SATISFIED,
-    _gated(LEGACY_GATE),
+    GATED[LEGACY_GATE],
     f"legacy fix: the diagnostic runs only with {ENV}=1",
     FORK_BUILDS,
 )
 DIAGNOSTIC_SHAPES = (FORK_DIAGNOSTIC, APPLIED_DIAGNOSTIC, LEGACY_DIAGNOSTIC)
 
-# The fork's guard in gather_initial_states, from the clamp to `indices = _safe_idx`, with the
-# diagnostic (in any shape above) third. k3patch never rewrites the other three statements; they
-# must be there, unchanged, for any verdict but not applicable.
+# The fork's guard, the diagnostic (any shape above) third. k3patch never rewrites the other
+# three statements; they must be there, unchanged, for any verdict but not applicable.
 _GUARD = """
 _n_state_blocks = int(state.shape[0])
 _safe_idx = torch.where(
@@ -127,20 +117,14 @@ GUARD_SHAPES = (GUARD_FOLDED, GUARD_SCRIPT)
 GUARD_END = "indices = _safe_idx"
 GUARD_NAMES = ("indices", "_n_state_blocks")  # HOLE_indices, HOLE_bound in gather_initial_states
 
-# Names and texts that only the fork's guard (or a fix of it) puts into these functions.
-TRACE_NAMES = frozenset({"_n_state_blocks", "_safe_idx", "_bad", "_k3os"})
-TRACE_TEXTS = (ENV, "k3-kda")
-
 
 def match_diagnostic(node: ast.stmt, names: tuple[str, str] | None = None) -> Shape | None:
     """The known shape of a diagnostic (bare, gated or legacy-gated), or None. With `names`,
     the index tensor and the pool size must be exactly those names."""
     for shape in DIAGNOSTIC_SHAPES:
         found = shape.match(node)
-        if found is None or not model.string_constants([found["HOLE_message"]]):
-            continue
-        text = holes(found)
-        if names is None or (text["HOLE_indices"], text["HOLE_bound"]) == names:
+        text = holes(found) if found and model.string_constants([found["HOLE_message"]]) else {}
+        if text and names in (None, (text["HOLE_indices"], text["HOLE_bound"])):
             return shape
     return None
 
@@ -156,16 +140,14 @@ def diagnostic_units(func: ast.FunctionDef) -> list[ast.If]:
 
 
 def fork_traces(func: ast.FunctionDef) -> list[str]:
-    """What in `func` says a fork's guard or diagnostic was here, in whatever form."""
+    """What in `func` says a fork's guard or diagnostic was here, in whatever form: the names and
+    texts that only the guard (or a fix of it) puts there."""
     nodes = list(model.walk_scope(func.body))
     names = {n.id for n in nodes if isinstance(n, ast.Name)}
     names |= {a.asname or a.name for n in nodes if isinstance(n, ast.Import) for a in n.names}
-    texts = {f"text {t!r}" for s in model.string_constants(nodes) for t in TRACE_TEXTS if t in s}
-    return sorted(texts | {f"name {name}" for name in names & TRACE_NAMES})
-
-
-def _is_k3os_import(node: ast.AST) -> bool:
-    return isinstance(node, ast.Import) and model.imported_module([node], "_k3os") == "os"
+    strings = model.string_constants(nodes)
+    found = [f"name {n}" for n in names & {"_n_state_blocks", "_safe_idx", "_bad", "_k3os"}]
+    return sorted(found + [f"text {t!r}" for t in (ENV, "k3-kda") if any(t in s for s in strings)])
 
 
 Located = tuple[SiteResult, list[ast.If]]  # a site's result, and the diagnostics to gate
@@ -207,7 +189,7 @@ class KdaGatherDiagnostic(Patch):
         ends = (i for i in range(start, len(body)) if match(GUARD_END, body[i]) is not None)
         run = body[start : next(ends, len(body) - 1) + 1]
         # The older anchor script may put its `import os as _k3os` anywhere in the run.
-        core = [s for s in run if not _is_k3os_import(s)]
+        core = [s for s in run if model.imported_module([s], "_k3os") != "os"]
         guard = next((g for g in GUARD_SHAPES if g.match(core) is not None), None)
         if guard is None or not isinstance(core[2], ast.If):
             return self._drift(src, site, run, "the k3-kda guard is in no known shape")
@@ -222,11 +204,12 @@ class KdaGatherDiagnostic(Patch):
         # Inside the guard the index tensor and the pool size are the guard's own names.
         names = GUARD_NAMES if site.file == OPS_FILE else None
         shapes = [match_diagnostic(unit, names) for unit in units]
-        legacy_import = any(map(_is_k3os_import, [*src.tree.body, *model.walk_scope(func.body)]))
+        scope = [*src.tree.body, *model.walk_scope(func.body)]
+        k3os = {model.imported_module([s], "_k3os") for s in scope if isinstance(s, ast.Import)}
         for unit, shape in zip(units, shapes, strict=True):
             if shape is None:
                 return self._drift(src, site, [unit], "the diagnostic is in no known shape")
-            if shape is LEGACY_DIAGNOSTIC and not legacy_import:
+            if shape is LEGACY_DIAGNOSTIC and "os" not in k3os:
                 why = "legacy gate without `import os as _k3os`: NameError on every call"
                 return self._drift(src, site, [unit], why)
         os_module = model.imported_module(src.tree.body, "os")
@@ -237,24 +220,17 @@ class KdaGatherDiagnostic(Patch):
             why = "the module binds `os` to something else; the gate needs it"
             return self._drift(src, site, [units[0]], why)
         known = [s for s in shapes if s is not None]
-        result = self.result(
-            site.name,
-            site.file,
-            model.summarise(s.verdict for s in known),
-            "; ".join(dict.fromkeys(model.shape_detail(s, src) for s in known)),
-            "; ".join(dict.fromkeys(s.name for s in known)),
-        )
+        verdict = model.summarise(s.verdict for s in known)
+        detail = "; ".join(dict.fromkeys(model.shape_detail(s, src) for s in known))
+        named = "; ".join(dict.fromkeys(s.name for s in known))
+        result = self.result(site.name, site.file, verdict, detail, named)
         pending = [u for u, s in zip(units, shapes, strict=True) if s is FORK_DIAGNOSTIC]
         return replace(result, line=units[0].lineno), pending
 
     def _drift(self, src: SourceFile, site: Site, nodes: list[ast.stmt], why: str) -> Located:
         guards = [f"{g.name} + " for g in GUARD_SHAPES] if site.file == OPS_FILE else [""]
         expected = [f"{g}{d.name} ({d.verdict.value})" for g in guards for d in DIAGNOSTIC_SHAPES]
-        found = "\n".join(src.segment(n) for n in nodes)
-        result = self.result(
-            site.name, site.file, Verdict.DRIFTED, f"{why}; nothing will be written"
-        )
-        return replace(result, line=nodes[0].lineno, found=found, expected=tuple(expected)), []
+        return model.drifted(self.id, site.name, src, nodes, why, expected), []
 
     def rewrite(self, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
         """Each diagnostic's own lines move one level in under the gate, with GATE_COMMENT
@@ -270,10 +246,7 @@ class KdaGatherDiagnostic(Patch):
             for node in found:
                 todo.append(insert_before(src, node, GATE_COMMENT))
                 todo.append(nest_under(src, [node], f"if {GATE}:"))
-        return {
-            rel: apply_edits(sources[rel].text, [e for e in todo if e is not None])
-            for rel, todo in edits.items()
-        }
+        return {rel: apply_edits(sources[rel].text, filter(None, e)) for rel, e in edits.items()}
 
     def probe(self) -> ProbeOutcome:
         from .probe import probe_no_sync_unless_asked

@@ -1,6 +1,5 @@
-"""The behaviour probe of kda-gather-diagnostic, in the verify child (the tree's own interpreter,
-torch, no GPU), on the code the tree really runs: the static check reads the imported
-gather_initial_states and the callers' files (kimi_k3 does not import without its GPU stack)."""
+"""kda-gather-diagnostic's probe, in the verify child (torch, no GPU): the static check reads the
+imported gather_initial_states and the callers' files (kimi_k3 needs its GPU stack to import)."""
 
 from __future__ import annotations
 
@@ -9,12 +8,12 @@ import importlib
 import inspect
 import logging
 import textwrap
-import types
 from collections.abc import Callable
 from typing import Any
 
+import k3patch.probekit as probekit
 from k3patch.model import ProbeOutcome, find_def, find_function
-from k3patch.probekit import Always, Checks, Swap, TorchTrace, package_dir, with_globals
+from k3patch.probekit import Checks, Swap, TorchTrace
 
 from . import OPS_FILE, OPS_MODULE, SITES
 from .syncs import ENV, SYNC_TORCH_FUNCTIONS, ungated_sync_points
@@ -22,7 +21,7 @@ from .syncs import ENV, SYNC_TORCH_FUNCTIONS, ungated_sync_points
 
 def probe_no_sync_unless_asked() -> ProbeOutcome:
     checks = Checks(f"no sync reachable with {ENV} unset")
-    package = package_dir("vllm")
+    package = probekit.package_dir("vllm")
     ops_func: Callable[..., Any] | None = None
     ops_ast: ast.FunctionDef | None = None
     try:
@@ -31,7 +30,6 @@ def probe_no_sync_unless_asked() -> ProbeOutcome:
         ops_ast = find_function(parsed, "gather_initial_states")
     except Exception as exc:  # verify judges the import itself; fall back to the file
         checks.note(f"gather_initial_states did not import ({type(exc).__name__}: {exc})")
-        ops_func = None
     for site in SITES:
         func, how = None, ""
         if site.file == OPS_FILE and ops_ast is not None:
@@ -46,48 +44,38 @@ def probe_no_sync_unless_asked() -> ProbeOutcome:
         counts = f"{len(gated)} sync-capable call(s) under the {ENV} gate, {len(ungated)} outside"
         reachable = f"; reachable with {ENV} unset: " + ", ".join(ungated) if ungated else ""
         checks.check(f"{site.name} (static, {how})", not ungated, counts + reachable)
+    how = "only: gather_initial_states did not import"
     if ops_func is not None and ops_ast is not None:
         _run_gather(ops_func, ops_ast, checks)
-        how = "decided by the AST of every site and a traced CPU run of gather_initial_states"
-    else:
-        how = "decided by the AST of every site only: gather_initial_states did not import"
-    checks.what += f" ({how})"
+        how = "and a traced CPU run of gather_initial_states"
+    checks.what += f" (decided by the AST of every site {how})"
     return checks.outcome(holds=checks.what)
 
 
-# Python-level torch calls that read device memory on the host: the AST's list, and the casts
-# and formatting that `bool()`, `int()`, `f"{t}"` turn into; then the aten ops below them.
+# Torch calls that read device memory on the host (the AST's, and what bool(), int(), f"{t}" call)
+# and the aten ops below them.
 _CASTS = {"__bool__", "__int__", "__float__", "__index__", "__repr__", "__format__"}
 _SYNC_OPS = SYNC_TORCH_FUNCTIONS | _CASTS
 _SYNC_ATEN = ("_local_scalar_dense", "nonzero", "masked_select")
 
 
 def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Checks) -> None:
-    """Run the real function on CPU tensors posing as device tensors, with the Triton launch
-    replaced by a host gather, and record every torch op that would sync on a GPU."""
+    """The real function on device-looking CPU tensors, its Triton launch a host gather, traced."""
     import torch
 
     trace = TorchTrace()
     reached: list[bool] = []  # whether an out-of-range index reached the stubbed kernel
 
-    class DeviceLooking(torch.Tensor):
-        # gather_initial_states asserts a device tensor; these are CPU tensors that say so.
-        @property
-        def is_cuda(self) -> bool:  # type: ignore[override]
-            return True
-
     def launch(*args: Any, **kwargs: Any) -> None:
         with trace.paused():  # the stubbed kernel's own host work is not the function's
             src, slots, valid, out = (t.as_subclass(torch.Tensor) for t in args[:4])
-            rows = slots.to(torch.int64)
-            n = src.shape[0]
+            rows, n = slots.to(torch.int64), src.shape[0]
             reached.append(bool(((rows < 0) | (rows >= n))[valid].any()))
             picked = src.reshape(n, -1)[rows.clamp(0, n - 1)].reshape(out.shape)
             mask = valid.reshape(-1, *([1] * (out.ndim - 1)))
             out.copy_(torch.where(mask, picked, torch.zeros_like(picked)))
 
     def synced(name: str, args: tuple[Any, ...]) -> str | None:
-        """The sync a traced call makes (its name, or boolean-mask indexing), or None."""
         if name in _SYNC_OPS:
             return name
         items = args[1] if len(args) > 1 and isinstance(args[1], tuple) else args[1:2]
@@ -95,36 +83,23 @@ def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Che
         return "boolean-mask indexing" if masked and name in ("__getitem__", "index") else None
 
     scope = func.__globals__  # type: ignore[attr-defined]
-    names: dict[str, Any] = {}
-    for node in ast.walk(func_ast):  # the globals launched Triton-style, `kernel[grid](...)`
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
-            if isinstance(node.func.value, ast.Name):
-                names[node.func.value.id] = Always(launch)
-    if not all(hasattr(scope.get("triton"), a) for a in ("next_power_of_2", "cdiv")):
-        # vLLM's Triton placeholder (no Triton on this machine) lacks these host helpers.
-        names["triton"] = types.SimpleNamespace(
-            next_power_of_2=lambda n: 1 << max(int(n) - 1, 0).bit_length(),
-            cdiv=lambda a, b: -(a // -b),
-        )
-    runnable = with_globals(func, **names)
+    runnable = probekit.with_globals(func, **probekit.triton_on_host(func_ast, scope, launch))
     pool = 6
     state = torch.arange(pool * 2 * 3, dtype=torch.float32).reshape(pool, 2, 3)
     has = torch.tensor([True, True, False, True])
     cases: list[tuple[str, list[int], str | None]] = [("indices in range", [0, 5, 3, 2], None)]
     if "_safe_idx" in {n.id for n in ast.walk(func_ast) if isinstance(n, ast.Name)}:
         # Only the fork's guard clamps; upstream's kernel must never see a bad index.
-        cases.append(("index 9 of a pool of 6", [0, 9, 3, 2], None))
-        cases.append(("index 9 of a pool of 6", [0, 9, 3, 2], "1"))
+        cases += [("index 9 of a pool of 6", [0, 9, 3, 2], env) for env in (None, "1")]
     with Swap() as swap:
         # verify runs with VLLM_LOGGING_LEVEL=ERROR; the diagnostic logs at WARNING.
         logged = swap.log(str(scope.get("__name__", "")), logging.WARNING)
         for label, slots, env in cases:
             swap.env(ENV, env)
-            reached.clear()
-            logged.clear()
+            del reached[:], logged[:]
             indices = torch.tensor(slots, dtype=torch.int32)
-            with trace:
-                out = runnable(*(t.as_subclass(DeviceLooking) for t in (state, indices, has)))
+            with trace:  # gather_initial_states asserts device tensors
+                out = runnable(*probekit.cuda_looking(state, indices, has))
             rows = torch.tensor(slots).clamp(0, pool - 1)
             expected = torch.where(has[:, None, None], state[rows], torch.zeros(2, 3))
             right = torch.equal(out.as_subclass(torch.Tensor), expected)
@@ -138,9 +113,7 @@ def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Che
                 problems.append(f"sync-capable ops ran: {ops}")
             if env == "1" and not any("9" in r.getMessage() for r in logged):
                 problems.append("the diagnostic did not log the out-of-range index")
+            case = f"gather_initial_states (traced CPU run, {ENV}={env or 'unset'}, {label})"
             seen = f"sync-capable ops: {ops}; {len(logged)} warning(s); rows "
-            checks.check(
-                f"gather_initial_states (traced CPU run, {ENV}={env or 'unset'}, {label})",
-                not problems,
-                "; ".join([seen + ("right" if right else "WRONG"), *problems]),
-            )
+            seen += "right" if right else "WRONG"
+            checks.check(case, not problems, "; ".join([seen, *problems]))

@@ -1,6 +1,5 @@
-"""What can make the host wait for the GPU stream, read from the AST, and what counts as the
-K3_KDA_GATHER_LOG gate. classify uses it to spot a diagnostic in a form k3patch does not know;
-the probe uses it to prove that every such call sits behind the gate."""
+"""What can make the host wait for the GPU, read from the AST, and the K3_KDA_GATHER_LOG gate:
+classify spots a diagnostic in no known form with it, the probe proves each one is gated."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ HOST_ATTRIBUTES = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "is_
 HOST_METHODS = frozenset(
     "numel nelement size stride dim element_size is_contiguous data_ptr".split()
 )
-# The gate: `<os>.environ.get(ENV[, default]) == "1"` or the same through `getenv`.
+_HOST_IF_ALL = {ast.Subscript: ("value",), ast.BinOp: ("left", "right"), ast.UnaryOp: ("operand",)}
 GATE_PATTERNS = tuple(
     f'HOLE_os.{read}("{ENV}"{default}) == "1"'
     for read in ("environ.get", "getenv")
@@ -35,13 +34,10 @@ def _is_host_value(node: ast.expr) -> bool:
         return True
     if isinstance(node, ast.Attribute):
         return node.attr in HOST_ATTRIBUTES
-    if isinstance(node, ast.Subscript):
-        return _is_host_value(node.value)
     if isinstance(node, ast.Call):
         return callee_name(node) in ({"len"} if isinstance(node.func, ast.Name) else HOST_METHODS)
-    if isinstance(node, ast.BinOp):
-        return _is_host_value(node.left) and _is_host_value(node.right)
-    return isinstance(node, ast.UnaryOp) and _is_host_value(node.operand)
+    parts = _HOST_IF_ALL.get(type(node), ())  # a subscript or an operation: host if its parts are
+    return bool(parts) and all(_is_host_value(getattr(node, part)) for part in parts)
 
 
 def _is_mask(node: ast.expr) -> bool:
@@ -79,9 +75,8 @@ def sync_points(root: ast.AST) -> list[tuple[ast.AST, str]]:
 
 
 def is_gate(test: ast.expr) -> bool:
-    """A GATE_PATTERNS test on a bare name (`os`), whose default is a constant other than "1":
-    it reads only the environment, so nothing on the device runs before it decides, and it is
-    off when the variable is unset (any other keyword, or a computed default, is no gate)."""
+    """A GATE_PATTERNS test on a bare name (`os`), its default a constant other than "1": it
+    reads only the environment (no device work runs before it decides) and is off when unset."""
     for pattern in GATE_PATTERNS:
         found = match(pattern, test)
         if found is not None:
@@ -92,8 +87,7 @@ def is_gate(test: ast.expr) -> bool:
 
 
 def ungated_sync_points(func: ast.AST) -> tuple[list[str], list[str]]:
-    """(gated, ungated) sync points of `func`, each as 'kind at line N'. A point is gated when it
-    sits in the body of an `if` whose test is the K3_KDA_GATHER_LOG gate."""
+    """(gated, ungated) sync points of `func`, each 'kind at line N': gated in a gate's body."""
     gates = [n for n in ast.walk(func) if isinstance(n, ast.If) and is_gate(n.test)]
     inside = {id(n) for gate in gates for stmt in gate.body for n in ast.walk(stmt)}
     found: tuple[list[str], list[str]] = ([], [])  # gated, ungated
