@@ -114,7 +114,6 @@ def _direct_case(scheduler: Any, title: str, requests: tuple[Request, ...], chec
 # through chunked prefills, built on CPU as vLLM's unit tests build one (a MoRIIO producer, one
 # full-attention group, a config.json written here: no download, no tokenizer), with a block
 # bigger than a chunk as K3's padded pages are; it also records `req.num_computed_tokens`.
-
 BLOCK = 5760
 CHUNK = 2048
 MAX_LEN = 16384

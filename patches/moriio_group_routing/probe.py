@@ -301,8 +301,6 @@ def _run_worker_maps(connector: Any, worker: Any, vllm_config: Any, layout: Layo
 
 
 # MoRIIO and vLLM stand-ins (moriio-chunk-gate's probe drives build_connector_meta with them)
-
-
 def _spec(kind: str, bare: bool = False) -> Any:
     """A KV-cache spec of `kind`, bare (of the class alone) if asked or where its fields differ."""
     specs = importlib.import_module("vllm.v1.kv_cache_interface")
@@ -391,8 +389,7 @@ def drive_prefill(
             scheduler.update_state_after_alloc(request, block_ids(blocks), 0)
         output = Stub(
             scheduled_new_reqs=[request for request, _, _ in new],
-            # As the real SchedulerOutput carries them: each request's computed tokens before
-            # this step (the older k3-chunk-gate script reads its progress from here).
+            # As vLLM's: computed tokens before this step (the older chunk-gate script reads them).
             scheduled_cached_reqs=Stub(
                 req_ids=[request.request_id for request, _, _ in cached],
                 new_block_ids=[tuple(map(list, b)) if any(b) else None for _, _, b in cached],
@@ -413,8 +410,6 @@ def drive_prefill(
 
 
 # Upstream 0.31.0+ (satisfied natively): upstream's own split and plan, with K3's groups.
-
-
 def probe_upstream(connector: Any) -> ProbeOutcome:
     """Upstream's split of K3's groups and, where its writer indexes per-group lists (0.33.0+),
     its plan for K3's MLA layers."""
