@@ -4,13 +4,11 @@ Symptom: behind a MoRIIO WRITE-mode prefill/decode pair, Kimi-K3's decode answer
 ended after 2,048 tokens (recall dies at exactly max_num_batched_tokens), and a request whose
 final chunk allocates no new KV block is never sent and hangs.
 Cause: `MoRIIOConnectorScheduler.build_connector_meta` calls a chunk final by block count in its
-two gates (SITES.md 2); K3's ~5,760-token blocks cover the whole prompt after its first chunk, and
-G1 runs only under `if new_block_ids is not None:`.
-Fix: both gates decide on compute progress (bCM runs before the scheduler advances
-`num_computed_tokens`; no slack), G1 for every pending request; only the gate headers change, as
-in vLLM 0.32.0 and later (`_is_final_prefill_chunk`: satisfied). A progress gate that compares
-any other way is drift; the older k3-chunk-gate script (slack, block-count fallback) is pending
-and repaired in place.
+two gates (SITES.md 2); K3's ~5,760-token blocks hold the whole prompt after chunk 1, and G1 runs
+only under `if new_block_ids is not None:`.
+Fix: both gate headers decide on compute progress (bCM runs before the scheduler advances
+`num_computed_tokens`: no slack), G1 for every pending request, as vLLM 0.32.0 does (satisfied);
+the older k3-chunk-gate script is pending and repaired in place.
 Check: `k3patch verify` drives the tree's real `build_connector_meta`, then vLLM's own
 `Scheduler.schedule()`, through chunked prompts in one 5,760-token block (later chunks allocate no
 block): each must be sent once, with its final chunk.
@@ -64,10 +62,8 @@ G1_APPLIED = Shape(
     ...
     if req_id in self._reqs_need_pending_save:
         req = self._reqs_need_pending_save[req_id][0]
-        if (
-            req.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            >= req.num_prompt_tokens
-        ):
+        if (req.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+                >= req.num_prompt_tokens):
             ...
     """,
     origin="compute progress, for every pending request",
@@ -102,10 +98,8 @@ G2_APPLIED = Shape(
     Verdict.APPLIED,
     """
     ...
-    if (
-        req.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-        < req.num_prompt_tokens
-    ):
+    if (req.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            < req.num_prompt_tokens):
         ...
     ...
     """,
@@ -116,8 +110,7 @@ SHAPES = {
     G2: (G2_BLOCK_COUNT, G2_BLOCK_COUNT_D, G2_APPLIED),
 }
 
-# The older k3-chunk-gate script's form (gates.py): a module-level helper and a progress map that
-# each gate's named decision reads, with a block-count fallback; G1 also gets a sweep.
+# The older k3-chunk-gate script's module-level helper, read by its decisions (gates.py).
 LEGACY_HELPER = "_k3_prefill_done"
 LEGACY_HELPER_SHAPE = Shape(
     "k3-chunk-gate helper",
@@ -163,16 +156,6 @@ if (
     < req.num_prompt_tokens
 ):
     pass
-"""
-LEGACY_TEMPLATE = """
-# k3patch moriio-chunk-gate: final when compute progress reaches
-# the prompt; no slack (it sent up to 2 tokens early) and no
-# block-count fallback (the original bug).
-{name} = (
-    {req}.num_computed_tokens
-    + scheduler_output.num_scheduled_tokens.get({req_id}, 0)
-    >= {req}.num_prompt_tokens
-)
 """
 
 

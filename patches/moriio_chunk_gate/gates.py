@@ -23,7 +23,6 @@ from . import (
     LEGACY_DEFECTS,
     LEGACY_HELPER,
     LEGACY_HELPER_SHAPE,
-    LEGACY_TEMPLATE,
     METHOD,
     SHAPES,
 )
@@ -41,7 +40,6 @@ FIXED_FORMS = (
     f"{LEGACY_PENDING} (pending)",
     f"{LEGACY_APPLIED} (applied)",
 )
-# What the loops of the gates, and of G1's sweep (the older script's), iterate.
 LOOPS = {G1: "scheduler_output.scheduled_cached_reqs", G2: "self._reqs_need_save"}
 SWEEP = "self._reqs_need_pending_save"
 # Names whose appearance in an `if` test makes it a final-chunk gate.
@@ -145,17 +143,13 @@ class Context:
 
     def helper_is_progress(self) -> bool:
         helper = model.find_method(self.cls, UPSTREAM_HELPER)
-        if helper is None:
-            return False
-        env = model.named_values(helper.body)
-        returns = [n for n in ast.walk(helper) if isinstance(n, ast.Return)]
-        return bool(returns) and all(
-            n.value is not None and progress_meaning(n.value, env) == FINAL for n in returns
-        )
+        env = model.named_values(helper.body) if helper else {}
+        returns = [n.value for n in ast.walk(helper) if isinstance(n, ast.Return)] if helper else []
+        meanings = [progress_meaning(v, env) if v is not None else None for v in returns]
+        return bool(meanings) and set(meanings) == {FINAL}
 
 
 def locate(context: Context, site: str) -> tuple[Gate | None, str]:
-    """The one gate of a site, or None and why."""
     found = []
     for loop in context.loops(LOOPS[site]):
         parents, gates = model.parent_map(loop), []
@@ -182,8 +176,7 @@ def locate(context: Context, site: str) -> tuple[Gate | None, str]:
 
 @dataclass
 class Gate:
-    """A final-chunk gate `if` in its block, the temporaries right before it that feed its
-    test, and the compound statements between its loop and it."""
+    """A final-chunk gate `if`, the temporaries that feed its test, the statements around it."""
 
     site: str
     loop: ast.For
@@ -207,10 +200,9 @@ class Gate:
         if shape is None:
             return self.classify_fixed(context)
         problems = self.preconditions(src, context, shape.verdict is Verdict.PENDING)
+        why = f"{shape.name} gate, but " + "; ".join(problems)
         if problems:
-            return self.result(
-                Verdict.DRIFTED, "", f"{shape.name} gate, but " + "; ".join(problems)
-            )
+            return self.result(Verdict.DRIFTED, "", why)
         name = context.release() if shape.name == FROM_SURROUNDINGS else shape.name
         return self.result(shape.verdict, name, shape.origin)
 
@@ -311,13 +303,10 @@ class Gate:
         kept = src.text[kept_from : src.starts[self.node.lineno - 1]]
         indent = src.indent_of(self.node)
         header = (G1_TEMPLATE if self.site == G1 else G2_TEMPLATE).strip("\n").split("\n")[:-1]
-        if self.site == G1:
-            # The guard goes where `if new_block_ids is not None:` is; the gate stays in place.
-            at = header.index("    if (")
-            new = src.block("\n".join(header[:at]), src.indent_of(self.conditions[0]))
-            new += kept + src.block("\n".join(header[at:]), indent)
-        else:
-            new = kept + src.block("\n".join(header), indent)
+        # G1's guard goes where `if new_block_ids is not None:` is; the gate stays in place.
+        at = header.index("    if (") if self.site == G1 else 0
+        guard = src.block("\n".join(header[:at]), src.indent_of(self.conditions[0])) if at else ""
+        new = guard + kept + src.block("\n".join(header[at:]), indent)
         return Edit(start, header_end(src, self.node), new[: -len(src.newline)])
 
 
@@ -338,11 +327,9 @@ def calls(expr: ast.expr, name: str) -> bool:
 
 
 # This step's scheduled tokens of a request, as vLLM and the older scripts read them.
-_SCHEDULED = (
-    "HOLE_out.num_scheduled_tokens[HOLE_key]",
-    "HOLE_out.num_scheduled_tokens.get(HOLE_key)",
-    "HOLE_out.num_scheduled_tokens.get(HOLE_key, 0)",
-)
+_SCHEDULED = [
+    f"HOLE_out.num_scheduled_tokens{s}" for s in ("[HOLE_k]", ".get(HOLE_k)", ".get(HOLE_k, 0)")
+]
 # `progress OP prompt` decides final for >=, not final for <; `prompt OP progress` the mirror.
 _MEANING = {ast.GtE: FINAL, ast.Lt: NOT_FINAL}
 _MIRRORED = {ast.LtE: ast.GtE, ast.Gt: ast.Lt, ast.GtE: ast.LtE, ast.Lt: ast.Gt}
@@ -387,6 +374,17 @@ def progress_meaning(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
 # (the script's helper call, or k3patch's repair), an optional `if NAME is None: NAME =
 # <fallback>`, the script's debug `if`s, and the gate `if NAME:` or `if not NAME:`.
 LEGACY_MAP = "_k3_prog"
+# k3patch's repair of a decision, in place.
+LEGACY_TEMPLATE = """
+# k3patch moriio-chunk-gate: final when compute progress reaches
+# the prompt; no slack (it sent up to 2 tokens early) and no
+# block-count fallback (the original bug).
+{name} = (
+    {req}.num_computed_tokens
+    + scheduler_output.num_scheduled_tokens.get({req_id}, 0)
+    >= {req}.num_prompt_tokens
+)
+"""
 # k3patch's repaired decision about `req`, as a report shows it.
 _REPAIRED = ast.unparse(
     ast.parse(LEGACY_TEMPLATE.format(name="x", req="req", req_id="req_id"))
@@ -454,9 +452,7 @@ def site_chains(context: Context, site: str) -> list[Chain] | None:
     """The site's decision chains (G1: its gate and its sweep; G2: its gate), or None."""
 
     def chains_in(roots: list[ast.For], part: str) -> list[Chain]:
-        found = (
-            Chain.at(b, i, part) for root in roots for b in blocks(root) for i in range(len(b))
-        )
+        found = (Chain.at(b, i, part) for r in roots for b in blocks(r) for i in range(len(b)))
         return [chain for chain in found if chain is not None]
 
     own = context.loops(LOOPS[site])
@@ -467,10 +463,8 @@ def site_chains(context: Context, site: str) -> list[Chain] | None:
 
 
 def classify_chains(context: Context, site: str, chains: list[Chain]) -> SiteResult:
-    gates = [c for c in chains if c.part == "gate"]
-    sweeps = [c for c in chains if c.part == "sweep"]
-    line = (gates or chains)[0].decision.lineno
-    problems = _chain_problems(context, site, gates, sweeps)
+    line = next((c for c in chains if c.part == "gate"), chains[0]).decision.lineno
+    problems = _chain_problems(context, site, chains)
     if problems:
         detail = f"the older k3-chunk-gate form, but {'; '.join(problems)}; nothing will be written"
         found = "\n".join(ast.unparse(ast.Module(c.statements, [])) for c in chains)
@@ -481,10 +475,10 @@ def classify_chains(context: Context, site: str, chains: list[Chain]) -> SiteRes
     return site_result(site, Verdict.APPLIED, detail, LEGACY_APPLIED, line)
 
 
-def _chain_problems(
-    context: Context, site: str, gates: list[Chain], sweeps: list[Chain]
-) -> list[str]:
+def _chain_problems(context: Context, site: str, chains: list[Chain]) -> list[str]:
     """Why decision chains are in no form the script or k3patch's repair leaves."""
+    gates = [c for c in chains if c.part == "gate"]
+    sweeps = [c for c in chains if c.part == "sweep"]
     if len(gates) != 1:
         return [f"{len(gates)} decision chains in the site's loop (the script writes one)"]
     if site == G1 and len(sweeps) != 1:
@@ -492,7 +486,6 @@ def _chain_problems(
             f"{len(sweeps)} sweeps over _reqs_need_pending_save after the G1 loop (the script "
             "writes one; without it a final chunk that allocates no block is never sent)"
         ]
-    chains = [*gates, *sweeps]
     kinds = {c.kind() for c in chains}
     if "other" in kinds:
         return [
