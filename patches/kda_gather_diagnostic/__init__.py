@@ -144,7 +144,7 @@ def fork_traces(func: ast.FunctionDef) -> list[str]:
     texts that only the guard (or a fix of it) puts there."""
     nodes = list(model.walk_scope(func.body))
     names = {n.id for n in nodes if isinstance(n, ast.Name)}
-    names |= {a.asname or a.name for n in nodes if isinstance(n, ast.Import) for a in n.names}
+    names |= {name for n in nodes if isinstance(n, ast.Import) for name in model.imported_names(n)}
     strings = model.string_constants(nodes)
     found = [f"name {n}" for n in names & {"_n_state_blocks", "_safe_idx", "_bad", "_k3os"}]
     return sorted(found + [f"text {t!r}" for t in (ENV, "k3-kda") if any(t in s for s in strings)])
