@@ -24,7 +24,7 @@ import tokenize
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from k3patch.model import module_binds
+from k3patch.model import dedent, module_binds
 from k3patch.shapes import is_docstring
 
 _LINE_END = re.compile(r"\r\n|\r|\n")
@@ -233,6 +233,28 @@ def append_item(src: SourceText, opener: Located, first: Located, last: Located,
             return Edit(below, below, f"{before}{item},{src.newline}")
         return Edit(at, at, f",{src.newline}{before}{item}")
     return Edit(at, at, f", {item}")
+
+
+def append_to(src: SourceText, holder: ast.FunctionDef | ast.Call | ast.Dict, item: str) -> Edit:
+    """`append_item` after the last of a function's positional parameters (its default
+    included), of a call's arguments or of a dict literal's entries; the holder has one."""
+    if isinstance(holder, ast.Call):
+        items: list[Located] = [*holder.args, *holder.keywords]
+        first = last = max(items, key=lambda n: (n.end_lineno or 0, n.end_col_offset or 0))
+    elif isinstance(holder, ast.Dict):
+        first, last = holder.keys[-1] or holder.values[-1], holder.values[-1]  # None: `**x`
+    else:
+        first = [*holder.args.posonlyargs, *holder.args.args][-1]
+        last = holder.args.defaults[-1] if holder.args.defaults and holder.args.args else first
+    return append_item(src, holder, first, last, item)
+
+
+def append_definition(src: SourceText, source: str) -> Edit:
+    """`source` (a top-level def or class, any indentation) at the end of the file after two
+    blank lines (a missing final newline added first), in the file's newline style."""
+    end, nl = len(src.text), src.newline
+    lead = nl * 2 if src.text.endswith(("\n", "\r")) else nl * 3
+    return Edit(end, end, lead + dedent(source).replace("\n", nl))
 
 
 def _is_stdlib_import(stmt: ast.stmt) -> bool:

@@ -52,6 +52,16 @@ def summarise(verdicts: Iterable[Verdict]) -> Verdict:
     return Verdict.NOT_APPLICABLE
 
 
+def combined_verdict(verdicts: Iterable[Verdict]) -> Verdict | None:
+    """One verdict for a whole made of parts (a site's pieces, a change's files): any drifted
+    part makes it drifted, parts that all agree give theirs; None for a mixture (some applied,
+    some pending: half done, perhaps by hand) and for no parts at all."""
+    seen = set(verdicts)
+    if Verdict.DRIFTED in seen:
+        return Verdict.DRIFTED
+    return seen.pop() if len(seen) == 1 else None
+
+
 @dataclass(frozen=True)
 class Shape:
     """One known shape of a site: the code as it appears in some tree, declared as source text.

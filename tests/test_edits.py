@@ -201,6 +201,38 @@ def test_append_item_after_a_trailing_comma(text, want):
 
 
 @pytest.mark.parametrize(
+    ("text", "item", "want"),
+    [
+        # A parameter goes after the last positional one's default, not after `*args`.
+        ("def f(a, b=1, *args):\n    pass\n", "c=2", "def f(a, b=1, c=2, *args):\n    pass\n"),
+        ("def f(a, /):\n    pass\n", "b", "def f(a, b, /):\n    pass\n"),
+        # A call's last argument by position: a keyword before a later `*rest` is not it.
+        ("f(x, k=1, *rest)\n", "c=3", "f(x, k=1, *rest, c=3)\n"),
+        # A dict's last entry may be `**other` (no key).
+        ('d = {"a": 1, **other}\n', '"b": 2', 'd = {"a": 1, **other, "b": 2}\n'),
+    ],
+)
+def test_append_to_finds_the_last_item_of_its_holder(text, item, want):
+    holder = next(
+        n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef | ast.Call | ast.Dict)
+    )
+    assert apply_edits(text, [edits.append_to(SourceText(text), holder, item)]) == want
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("x = 1\n", "x = 1\n\n\ndef g():\n    return 1\n"),
+        ("x = 1", "x = 1\n\n\ndef g():\n    return 1\n"),  # no final newline
+        ("x = 1\r\n", "x = 1\r\n\r\n\r\ndef g():\r\n    return 1\r\n"),
+    ],
+)
+def test_append_definition_after_two_blank_lines_in_the_files_newlines(text, want):
+    source = "\n    def g():\n        return 1\n"
+    assert apply_edits(text, [edits.append_definition(SourceText(text), source)]) == want
+
+
+@pytest.mark.parametrize(
     "pair",
     [
         (Edit(0, 5, "a"), Edit(3, 8, "b")),  # overlapping replacements

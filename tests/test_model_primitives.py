@@ -15,6 +15,7 @@ from k3patch.model import (
     bindings,
     callee_name,
     clip_lines,
+    combined_verdict,
     drifted,
     expression_dump,
     find_class,
@@ -336,3 +337,12 @@ def test_drifted_reports_the_nodes_as_found_and_what_was_expected():
     assert result.detail == "in no known shape; nothing will be written"
     assert result.found == "if a:\n    b()\nc = 1" and result.expected == ("x (pending)",)
     assert drifted("p", "s", source, [second], "why").expected == ()
+
+
+def test_combined_verdict_any_drift_wins_agreement_gives_its_verdict_a_mixture_none():
+    pending, applied, drifted_ = Verdict.PENDING, Verdict.APPLIED, Verdict.DRIFTED
+    assert combined_verdict([pending, pending]) is pending
+    assert combined_verdict(iter([applied])) is applied
+    assert combined_verdict([applied, drifted_, pending]) is drifted_
+    assert combined_verdict([applied, pending]) is None
+    assert combined_verdict([]) is None
