@@ -2,30 +2,28 @@
 
 Symptom: Kimi-K3 served as a prefill/decode split over the MoRIIO connector (WRITE mode)
 answers fluently but without the prompt's context.
-Cause: the fork's "mamba block ids" change (the recipe's apply_kimik3_moriio_mamba_blockids.py
-on vLLM 0.28.0) knows two KV-cache groups, block ids `[0]` for attention and `[1]` for Mamba.
-K3 has three KDA (Mamba) groups, then MLA at index 3: the prefill node wrote every MLA layer
-into a KDA group's blocks and every KDA layer into group 1's; decode read MLA blocks nobody had
-written. And 0.28.0 caches transfer offsets under the layer tensor's geometry alone, which K3's
-three KDA groups share, so a per-group choice made inside that cache still misroutes two of them.
+Cause: the fork's "mamba block ids" change (apply_kimik3_moriio_mamba_blockids.py on vLLM
+0.28.0) knows two KV-cache groups, `[0]` attention and `[1]` Mamba. K3 has three KDA (Mamba)
+groups, then MLA at index 3: the prefill node wrote MLA layers into a KDA group's blocks and
+decode read blocks nobody had written. 0.28.0 also caches transfer offsets by tensor geometry
+alone, which K3's three KDA groups share, so a per-group choice inside that cache misroutes.
 Fix: the worker maps each layer to its KV-cache group (attention: the first that is not a
 MambaSpec); every group's block ids travel end to end (FORK_SITES: one site per hop) to the
 transfer plan, which indexes them with the layer's group and caches offsets per layer (as
-upstream 0.29.0 keys them). A transfer without the lists (a peer without the fix) fails loudly,
-never falls back to group 0. Everything k3patch adds is named `k3patch_*` / `_k3patch_*`.
+upstream 0.29.0 keys them). Without the lists (a peer without the fix) it fails loudly.
 Check: `k3patch verify` drives the patched scheduler, notify message and transfer plan on CPU
 with K3's layout: every layer's blocks land in its own group's blocks (probe.py).
 
-On the operators' trees (tests/forktree) all pending: (a)/(b) the fork; (c) + the older fix
-(apply_kimik3_moriio_group_routing.py); (d) + its chunked companion (their defects: SITES.md
-section 1). The older fix's plumbing stays (unused), so revert is exact without a pristine file.
-Upstream: not applicable or satisfied (upstream.py).
+The operators' trees (the fork; + the older fix; + its chunked companion: SITES.md section 1)
+are all pending; the older fix's plumbing stays (unused), so revert is exact. Upstream: not
+applicable or satisfied (upstream.py).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import replace
+from functools import partial
 
 from k3patch import model
 from k3patch.edits import SourceText, apply_edits
@@ -34,7 +32,7 @@ from k3patch.shapes import match
 
 from . import forms
 from .forms import FIELD_NAME, FORK_FIELDS
-from .sites import Function, Insert, Item, LegacyGrowth, Plan, Requires, Site, takes
+from .sites import Function, Insert, Item, LegacyGrowth, Plan, Site, keyword, takes
 from .upstream import NATIVE_SHAPES, SINGLE_GROUP_SHAPE, UPSTREAM_SHAPES
 
 PACKAGE = "distributed/kv_transfer/kv_connector/v1/moriio"
@@ -44,19 +42,19 @@ ENGINE = f"{PACKAGE}/moriio_engine.py"
 FILES = (COMMON, CONNECTOR, ENGINE)
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
 
-# Without these words in the three files neither the fork's statements nor k3patch's are there:
-# a cheap gate before a walk of three long ASTs; a hit (maybe a comment) is no verdict.
+# Without these words neither the fork's statements nor k3patch's are there: a cheap gate before
+# a walk of three long ASTs; a hit (maybe a comment) is no verdict.
 _MENTIONS = re.compile(r"\b(?:mamba_local_block_ids|mamba_block_notify_list|k3patch_group_)")
 
 SCHED, WORKER = "MoRIIOConnectorScheduler", "MoRIIOConnectorWorker"
 USAA = f"{SCHED}.update_state_after_alloc"
 NOTIFY = "k3patch_group_block_notify"
-PASS_GROUP_LISTS = f"{FIELD_NAME}={FIELD_NAME}"
 
 # The fork's sites, one per hop the block ids take (SITES.md section 1, "The fork").
+in_connector, in_engine = (partial(Site, file=rel) for rel in (CONNECTOR, ENGINE))
 FORK_SITES = (
     *(
-        Site(f"{cls}.{FIELD_NAME}", COMMON, what, Item("field", FORK_FIELDS[cls], forms.FIELD))
+        Site(f"{cls}.{FIELD_NAME}", what, Item("field", FORK_FIELDS[cls], forms.FIELD), file=COMMON)
         for cls, what in (
             ("WriteTask", "the write task carries every group's local block ids"),
             (
@@ -66,105 +64,74 @@ FORK_SITES = (
             ("ReqMeta", "the connector metadata carries every group's block ids"),
         )
     ),
-    Site(
+    in_connector(
         f"{SCHED}.__init__",
-        CONNECTOR,
         "a per-request dict of every group's blocks beside the fork's `_reqs_save_mamba`",
         Insert(forms.SCHEDULER_DICT, "_k3patch_save_groups", forms.SCHEDULER_DICT_ANCHOR),
     ),
-    Site(
+    in_connector(
         f"{USAA} (prefill capture)",
-        CONNECTOR,
         "the prefill scheduler captures every group's blocks, not only [1]",
         Insert(forms.CAPTURE, "_k3patch_save_groups", fork=forms.FORK_CAPTURE),
     ),
-    Site(
+    in_connector(
         f"{USAA} (decode notify)",
-        CONNECTOR,
         "the decode scheduler sends every group's blocks to the prefill node",
-        Requires(
-            "update_state_after_alloc(..., num_external_tokens)", takes("num_external_tokens")
-        ),
         Insert(forms.NOTIFY, "_k3patch_group_notify", fork=forms.FORK_NOTIFY),
-        Item(
-            "keyword",
-            "mamba_block_notify_list=mamba_block_notify_list",
-            f"{NOTIFY}=_k3patch_group_notify",
-            "send_notify_block",
-        ),
+        keyword("send_notify_block", f"{NOTIFY}=_k3patch_group_notify"),
+        needs=("update_state_after_alloc(..., num_external_tokens)", takes("num_external_tokens")),
     ),
-    Site(
+    in_connector(
         f"{SCHED}.send_notify_block",
-        CONNECTOR,
         "the notify message has a `k3patch_group_block_ids` key",
         Item("param", "mamba_block_notify_list", f"{NOTIFY}: list[list[int]] | None = None"),
         Item("key", '"mamba_block_notify_list"', f'"{FIELD_NAME}": {NOTIFY}'),
     ),
-    Site(
+    in_connector(
         f"{SCHED}.build_connector_meta",
-        CONNECTOR,
         "later chunks' blocks join their group; each save takes its request's group lists",
-        Requires(
-            "build_connector_meta(self, scheduler_output) ending in `return meta`",
-            lambda src, fn: (
-                fn is not None
-                and takes("scheduler_output")(src, fn)
-                and match("return meta", fn.body[-1]) is not None
-            ),
-        ),
         # Anchored on upstream's own `return meta`: no evidence of the fork.
         Insert(forms.SAVE_GROUPS, "_k3patch_save_groups", evidence=False),
         LegacyGrowth(USAA),
+        needs=(
+            "build_connector_meta(self, scheduler_output) ending in `return meta`",
+            lambda src, fn: (
+                takes("scheduler_output")(src, fn) and match("return meta", fn.body[-1]) is not None
+            ),
+        ),
     ),
-    Site(
+    in_connector(
         f"{WORKER}.__init__",
-        CONNECTOR,
         "the worker maps every layer to its KV-cache group and finds the attention group",
         Insert(forms.WORKER_MAP, "_k3patch_group_of_layer", (forms.LAYER_TO_SPEC,), evidence=False),
         Function("_k3patch_kv_cache_group_index", forms.GROUP_INDEX_FUNCTION),
     ),
-    Site(
+    in_connector(
         f"{WORKER}.schedule_write_blocks",
-        CONNECTOR,
         "every group's block ids go into the write task",
         Item("param", "mamba_local_block_ids", forms.FIELD),
-        Item(
-            "keyword", "mamba_local_block_ids=mamba_local_block_ids", PASS_GROUP_LISTS, "WriteTask"
-        ),
+        keyword("WriteTask", f"{FIELD_NAME}={FIELD_NAME}"),
     ),
-    Site(
+    in_connector(
         f"{WORKER}._write_blocks_for_req",
-        CONNECTOR,
         "the metadata's group lists are handed to the write",
-        Item(
-            "keyword",
-            "mamba_local_block_ids=meta.mamba_local_block_ids",
-            f"{FIELD_NAME}=meta.{FIELD_NAME}",
-            "schedule_write_blocks",
-        ),
+        keyword("schedule_write_blocks", f"{FIELD_NAME}=meta.{FIELD_NAME}"),
     ),
-    Site(
+    in_engine(
         "MoRIIOWrapper._handle_remote_blocks_message",
-        ENGINE,
         "the prefill node keeps the decode node's group lists",
-        Requires("_handle_remote_blocks_message(self, data)", takes("data")),
-        Item(
-            "keyword",
-            "mamba_block_ids=list(mamba_block_notify_list or [])",
-            f'{FIELD_NAME}=data.get("{FIELD_NAME}")',
-            "RemoteAllocInfo",
-        ),
+        keyword("RemoteAllocInfo", f'{FIELD_NAME}=data.get("{FIELD_NAME}")'),
+        needs=("_handle_remote_blocks_message(self, data)", takes("data")),
     ),
-    Site(
+    in_engine(
         "MoRIIOWriter._prepare_transfer_plan",
-        ENGINE,
         "each layer's transfer indexes the per-group lists with the layer's own group, and its "
         "offsets are cached per layer",
-        Requires(
+        Plan(),
+        needs=(
             "MoRIIOError bound in moriio_engine",
             lambda src, fn: model.module_binds(src.tree, "MoRIIOError"),
         ),
-        Plan(),
     ),
 )
 
@@ -217,15 +184,12 @@ class MoriioGroupRouting(Patch):
         results = [replace(r, expected=expected) for r in self._each_file(Verdict.DRIFTED, why)]
         plan = model.find_def(engine.tree, "MoRIIOWriter._prepare_transfer_plan")
         if plan is not None:
-            results[-1] = replace(
-                results[-1], line=plan.lineno, found=model.clip_lines(engine.segment(plan))
-            )
+            found = model.clip_lines(engine.segment(plan))
+            results[-1] = replace(results[-1], line=plan.lineno, found=found)
         return results
 
     def _each_file(self, verdict: Verdict, detail: str, shape: str = "") -> list[SiteResult]:
-        return [
-            SiteResult(self.id, UPSTREAM_SITES[rel], rel, verdict, shape, detail) for rel in FILES
-        ]
+        return [self.result(UPSTREAM_SITES[rel], rel, verdict, detail, shape) for rel in FILES]
 
     def rewrite(self, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
         changes: dict[str, str] = {}
@@ -255,11 +219,8 @@ def _one_change(results: list[SiteResult]) -> list[SiteResult]:
         return results
     states = []
     for rel in FILES:
-        verdicts = {r.verdict for r in results if r.file == rel}
-        word = "drifted" if drifted in verdicts else "partly applied"
-        if verdicts in ({Verdict.APPLIED}, {Verdict.PENDING}):
-            word = verdicts.pop().value
-        states.append(f"{rel.rsplit('/', 1)[-1]} {word}")
+        verdict = model.combined_verdict(r.verdict for r in results if r.file == rel)
+        states.append(f"{rel.rsplit('/', 1)[-1]} {verdict.value if verdict else 'partly applied'}")
     tail = f"; the three files are one change, nothing will be written ({', '.join(states)})"
     return [replace(r, detail=r.detail + tail) if r.verdict is drifted else r for r in results]
 

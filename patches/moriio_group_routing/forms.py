@@ -1,8 +1,6 @@
-"""The forms moriio-group-routing knows, as source text a reader can hold against SITES.md
-section 1: k3patch's post-image piece by piece (each beside the fork statement it generalises,
-so a fork build that differs elsewhere is still recognised), the fork's (mamba block ids) and
-the older fix's statements it recognises, and its reports' words. `HOLE_x` and `...` are shape
-holes (k3patch.shapes)."""
+"""The forms moriio-group-routing knows, as source to hold against SITES.md section 1: k3patch's
+post-image piece by piece, the fork's and the older fix's statements it recognises (`HOLE_x` and
+`...`: k3patch.shapes holes), and its reports' words."""
 
 from __future__ import annotations
 
@@ -130,11 +128,15 @@ FORK_NOTIFY = (
     " if num_external_tokens > 0 else [])"
 )
 LAYER_TO_SPEC = "self.layer_to_spec = build_layer_to_spec(kv_cache_config)"
+FORK_KEYWORDS = {  # by callee
+    "send_notify_block": "mamba_block_notify_list=mamba_block_notify_list",
+    "WriteTask": "mamba_local_block_ids=mamba_local_block_ids",
+    "schedule_write_blocks": "mamba_local_block_ids=meta.mamba_local_block_ids",
+    "RemoteAllocInfo": "mamba_block_ids=list(mamba_block_notify_list or [])",
+}
 
-# The transfer plan's region: the three statements that choose and cache the offsets. Only the
-# choice under `if offsets is None:` differs: the fork's [attention, mamba]; the older fix's
-# (apply_kimik3_moriio_group_routing.py) the layer's group when the lists travelled and
-# K3_GROUP_ROUTING is on, else the fork's. `debug`: the K3_MAMBA_BC block's two statements.
+# The transfer plan's region: only the choice under `if offsets is None:` differs, the fork's or
+# the older fix's (apply_kimik3_moriio_group_routing.py). `debug`: the K3_MAMBA_BC block.
 PLAN = """
 geometry_key = _get_write_geometry_key(layer_cache)
 offsets = request_info.transfer_offsets.get(geometry_key)
@@ -184,8 +186,7 @@ PLANS = {
 
 # The older fix's capture in update_state_after_alloc (its all-group lists, at the first chunk).
 LEGACY_CAPTURE = "self._reqs_save_allgrp[request.request_id] = [list(g) for g in _k3_gbi]"
-# Its companion (apply_kimik3_chunked_allgrp.py), in build_connector_meta's G1 loop: each
-# chunk's new blocks join the all-group lists. Without it they stay as captured at chunk 1.
+# Its companion (apply_kimik3_chunked_allgrp.py, build_connector_meta) grows them per chunk.
 CHUNKED_ALLGRP = """
 try:
     if req_id in getattr(self, '_reqs_save_allgrp', {}):

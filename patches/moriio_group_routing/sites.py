@@ -1,8 +1,7 @@
-"""The parts of a moriio-group-routing site. A part looks at one piece of its site's class or
-function: the fork's shape (pending), k3patch's (applied) or neither (drifted); a precondition
-that holds has no opinion (None). A site is pending only when all its parts are the fork's,
-applied only when all are k3patch's; any mixture is drift. Only a part anchored on the fork's
-own statements (`evidence`) seeing either shape makes the package a fork package at all."""
+"""The parts of a moriio-group-routing site. A part sees one piece of its site's class or
+function in the fork's shape (pending), k3patch's (applied), neither (drifted) or has no opinion
+(None). Only a part anchored on the fork's own statements (`evidence`) seeing either shape makes
+the package a fork package at all."""
 
 from __future__ import annotations
 
@@ -11,9 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from k3patch import model
-from k3patch.edits import Edit, Located, SourceText, append_item, insert_after, insert_before
-from k3patch.edits import replace as replace_stmts
+from k3patch import edits, model
+from k3patch.edits import Edit, SourceText
 from k3patch.model import SiteResult, SourceFile, Verdict, clip_lines, dedent
 from k3patch.shapes import match, parse_pattern, search
 
@@ -33,9 +31,7 @@ class Look:
     shape: str = ""  # the form seen, when it is not the plain fork's
 
 
-def drift(
-    why: str, found: str = "", expected: tuple[str, ...] = (), line: int | None = None
-) -> Look:
+def drift(why: str, found: str = "", expected: tuple = (), line: int | None = None) -> Look:
     return Look(DRIFTED, line, found, expected, why)
 
 
@@ -99,42 +95,39 @@ class Insert(Part):
     def edits(self, src: SourceFile, text: SourceText, node: ast.FunctionDef) -> list[Edit]:
         body, i = self._find(node)[0]
         if self.anchors:
-            return [insert_after(text, body[i], self.added)]
-        edit = insert_before(text, body[i], self.added)
+            return [edits.insert_after(text, body[i], self.added)]
+        edit = edits.insert_before(text, body[i], self.added)
         return [Edit(edit.start, edit.end, edit.text + text.newline)]
-
-
-def _parse(kind: str, text: str) -> tuple[str, list[str]]:
-    """An item as written: its name, and the sources its parts match (none: only its name)."""
-    if kind == "field":
-        return text.split(":")[0].strip(), [text]
-    name, _, value = text.partition({"param": ":", "keyword": "=", "key": ": "}[kind])
-    if kind == "key":
-        name = ast.literal_eval(name)
-    if kind == "param" and value:
-        return name.strip(), value.rsplit("=", 1)
-    return name.strip(), [value] if value else []
-
-
-def _same(parts: list[str], nodes: list[Any]) -> bool:
-    return not parts or all(
-        n is not None and match(p, n) is not None for p, n in zip(parts, nodes, strict=True)
-    )
 
 
 @dataclass(frozen=True)
 class Item(Part):
-    """One item k3patch appends in the one holder of the site that has the fork's item: a
-    dataclass field (`kind` "field": the class), a parameter ("param": the function), a keyword
-    argument ("keyword": a call of `callee`) or a dict entry ("key": a dict literal). `fork` and
-    `added` are written as the code has them ("name: annotation = default", "name=value",
-    '"key": value'); a `fork` without a value only has to be there."""
+    """One item k3patch appends in the one holder of the site with the fork's item: a dataclass
+    field (`kind` "field"), a parameter ("param"), a keyword argument of a call of `callee`
+    ("keyword") or a dict literal's entry ("key"), each written as the code has it; a `fork`
+    without a value only has to be there."""
 
     kind: str
     fork: str
     added: str
     callee: str = ""
     evidence = True
+
+    def _parse(self, text: str) -> tuple[str, list[str]]:
+        """An item as written: its name, and the sources its parts match (none: only its name)."""
+        if self.kind == "field":
+            return text.split(":")[0].strip(), [text]
+        name, _, value = text.partition({"param": ":", "keyword": "=", "key": ": "}[self.kind])
+        if self.kind == "key":
+            name = ast.literal_eval(name)
+        if self.kind == "param" and value:
+            return name.strip(), value.rsplit("=", 1)
+        return name.strip(), [value] if value else []
+
+    def _same(self, parts: list[str], nodes: list[Any]) -> bool:
+        return not parts or all(
+            n is not None and match(p, n) is not None for p, n in zip(parts, nodes, strict=True)
+        )
 
     def _items(self, holder: Any) -> dict[str, tuple[Any, int, list[Any]]]:
         """name -> (the item's node, the line a report names, the nodes its parts are)."""
@@ -154,7 +147,7 @@ class Item(Part):
             found: list[Any] = [c for c in calls if model.callee_name(c) == self.callee]
         else:
             found = [n for n in ast.walk(node) if isinstance(n, ast.Dict)]
-        name = _parse(self.kind, self.fork)[0]
+        name = self._parse(self.fork)[0]
         return [n for n in found if name in model.named_items(n)]
 
     def look(self, src: SourceFile, node: Any, scope: str) -> Look:
@@ -166,19 +159,19 @@ class Item(Part):
         if len(holders) != 1:
             return self._missing(src, node, scope, len(holders))
         items = self._items(holders[0])
-        fork, fork_parts = _parse(self.kind, self.fork)
-        name, parts = _parse(self.kind, self.added)
+        fork, fork_parts = self._parse(self.fork)
+        name, parts = self._parse(self.added)
         # The fork's keyword picks the call, so it must be the fork's whatever else is there.
-        if self.kind == "keyword" and not _same(fork_parts, items[fork][2]):
+        if self.kind == "keyword" and not self._same(fork_parts, items[fork][2]):
             why = f"{scope}: {fork}= is not passed in the fork's shape"
             return drift(why, src.segment(holders[0]), line=holders[0].lineno)
         if name in items:
             mine, line, mine_parts = items[name]
-            if _same(parts, mine_parts):
+            if self._same(parts, mine_parts):
                 return Look(APPLIED, line)
             why = f"{scope}: {self.kind} {name} is not k3patch's"
             return drift(why, src.segment(mine), (self.added,), line)
-        if fork not in items or not _same(fork_parts, items[fork][2]):
+        if fork not in items or not self._same(fork_parts, items[fork][2]):
             return self._missing(src, node, scope, 0)
         return Look(PENDING, items[fork][1])
 
@@ -192,16 +185,13 @@ class Item(Part):
         holder = self._holders(node)[0]
         if self.kind == "field":
             last = max(self._items(holder).values(), key=lambda item: item[1])[0]
-            return [insert_after(text, last, f"{FIELD_COMMENT}\n{self.added}\n")]
-        if self.kind == "param":
-            first = [*holder.args.posonlyargs, *holder.args.args][-1]
-            last = holder.args.defaults[-1] if holder.args.defaults and holder.args.args else first
-        elif self.kind == "keyword":
-            items: list[Located] = [*holder.args, *holder.keywords]
-            first = last = max(items, key=lambda n: (n.end_lineno or 0, n.end_col_offset or 0))
-        else:
-            first, last = holder.keys[-1] or holder.values[-1], holder.values[-1]  # None: `**x`
-        return [append_item(text, holder, first, last, self.added)]
+            return [edits.insert_after(text, last, f"{FIELD_COMMENT}\n{self.added}\n")]
+        return [edits.append_to(text, holder, self.added)]
+
+
+def keyword(callee: str, added: str) -> Item:
+    """k3patch's keyword argument `added` beside the fork's (forms.FORK_KEYWORDS) to `callee`."""
+    return Item("keyword", forms.FORK_KEYWORDS[callee], added, callee)
 
 
 @dataclass(frozen=True)
@@ -222,26 +212,14 @@ class Function(Part):
         return drift(why, clip_lines(src.segment(fn)), (dedent(self.source),), fn.lineno)
 
     def edits(self, src: SourceFile, text: SourceText, node: ast.AST) -> list[Edit]:
-        end, nl = len(text.text), text.newline
-        lead = nl * 2 if text.text.endswith(("\n", "\r")) else nl * 3
-        return [Edit(end, end, lead + dedent(self.source).replace("\n", nl))]
+        return [edits.append_definition(text, self.source)]
 
 
-@dataclass(frozen=True)
-class Requires(Part):
-    """A precondition of k3patch's text (a name it uses must exist); no opinion when it holds."""
-
-    what: str
-    holds: Callable[[SourceFile, ast.FunctionDef | None], bool]
-
-    def look(self, src: SourceFile, node: ast.FunctionDef | None, scope: str) -> Look:
-        if self.holds(src, node):
-            return Look(None)
-        return drift(f"k3patch's text needs {self.what}", expected=(self.what,))
+Holds = Callable[[SourceFile, Any], bool]  # (the file, the site's function or None)
 
 
-def takes(name: str) -> Callable[[SourceFile, ast.FunctionDef | None], bool]:
-    """A Requires test: the site's function has a positional parameter `name`."""
+def takes(name: str) -> Holds:
+    """A site's precondition: its function has a positional parameter `name`."""
     return lambda src, fn: fn is not None and name in model.parameter_names(fn, positional=True)
 
 
@@ -279,17 +257,14 @@ class Plan(Part):
     def look(self, src: SourceFile, node: ast.FunctionDef, scope: str) -> Look:
         found = _regions(node)
         if len(found) != 1:
-            return drift(
-                f"{scope}: the per-layer block-id choice is in no known shape"
-                + (f" ({len(found)} candidate regions)" if found else ""),
-                clip_lines(src.segment(node), 60),
-                (
-                    f"fork: {forms.PLANS['fork', True]}",
-                    f"older k3-group-routing fix: {forms.PLANS['legacy', True]}",
-                    f"k3patch: {dedent(forms.K3PATCH_PLAN)}",
-                ),
-                node.lineno,
+            why = f"{scope}: the per-layer block-id choice is in no known shape"
+            expected = (
+                f"fork: {forms.PLANS['fork', True]}",
+                f"older k3-group-routing fix: {forms.PLANS['legacy', True]}",
+                f"k3patch: {dedent(forms.K3PATCH_PLAN)}",
             )
+            why += f" ({len(found)} candidate regions)" if found else ""
+            return drift(why, clip_lines(src.segment(node), 60), expected, node.lineno)
         kind, stmts, debug = found[0]
         goes = f"; {forms.DEBUG_GOES}" if debug else ""
         if kind == "k3patch":
@@ -302,7 +277,7 @@ class Plan(Part):
         return Look(PENDING, stmts[0].lineno, why=why + goes, shape=forms.LEGACY_SHAPE)
 
     def edits(self, src: SourceFile, text: SourceText, node: ast.FunctionDef) -> list[Edit]:
-        return [replace_stmts(text, _regions(node)[0][1], forms.K3PATCH_PLAN)]
+        return [edits.replace(text, _regions(node)[0][1], forms.K3PATCH_PLAN)]
 
 
 @dataclass(frozen=True)
@@ -324,14 +299,14 @@ class LegacyGrowth(Part):
 
 
 class Site:
-    """One hop the block ids take: its parts look at one class (a field site) or method."""
+    """One hop the block ids take (`what` it makes right): its parts look at one class (a field
+    site) or method; `needs`: a precondition of k3patch's text (its words, a test)."""
 
-    def __init__(self, name: str, file: str, what: str, *parts: Part) -> None:
-        self.name, self.file, self.what, self.parts = name, file, what, parts  # what: for reports
-
-    @property
-    def scope(self) -> str:
-        return self.name.split(" ")[0].removesuffix(f".{FIELD_NAME}")
+    def __init__(
+        self, name: str, what: str, *parts: Part, file: str, needs: tuple[str, Holds] | None = None
+    ) -> None:
+        self.name, self.file, self.what, self.parts, self.needs = name, file, what, parts, needs
+        self.scope = name.split(" ")[0].removesuffix(f".{FIELD_NAME}")
 
     def node(self, src: SourceFile) -> ast.ClassDef | ast.FunctionDef | None:
         node = model.find_scope(src.tree, self.scope)
@@ -341,23 +316,20 @@ class Site:
     def look(self, src: SourceFile) -> tuple[Look, bool]:
         """The site's verdict, shape and detail as one Look, and whether it is evidence."""
         node, scope = self.node(src), self.scope
-        if node is None:
-            # A precondition (always a site's first parts) that fails is the better reason.
-            needs = [p.look(src, None, scope) for p in self.parts if isinstance(p, Requires)]
-            what = scope if "." in scope else f"class {scope}"
-            absent = drift(f"{what} is absent", expected=(what,))
-            return next((look for look in needs if look.verdict), absent), False
-        looks = [(part, part.look(src, node, scope)) for part in self.parts]
+        looks = [] if node is None else [(p, p.look(src, node, scope)) for p in self.parts]
         evidence = any(p.evidence and k.verdict in (PENDING, APPLIED) for p, k in looks)
-        states = [look for _, look in looks if look.verdict is not None]
-        drifted = next((look for look in states if look.verdict is DRIFTED), None)
-        if drifted is not None:
-            return drifted, evidence
-        kinds = {look.verdict for look in states}
-        line = next((look.line for look in states if look.line), None)
-        if kinds == {APPLIED}:
+        if self.needs and not self.needs[1](src, node):  # a better reason than any part's
+            return drift(f"k3patch's text needs {self.needs[0]}", expected=self.needs[:1]), evidence
+        if node is None:
+            what = scope if "." in scope else f"class {scope}"
+            return drift(f"{what} is absent", expected=(what,)), False
+        verdict = model.combined_verdict(k.verdict for _, k in looks if k.verdict)
+        line = next((look.line for _, look in looks if look.line), None)
+        if verdict is DRIFTED:
+            return next(look for _, look in looks if look.verdict is DRIFTED), evidence
+        if verdict is APPLIED:
             return Look(APPLIED, line, why=self.what, shape="k3patch"), evidence
-        if kinds == {PENDING}:
+        if verdict is PENDING:
             notes = [look.why for _, look in looks if look.why]
             shape = next((look.shape for _, look in looks if look.shape), forms.FORK_SHAPE)
             return Look(PENDING, line, why="; ".join((self.what, *notes)), shape=shape), evidence
