@@ -1,6 +1,5 @@
-"""How moriio-chunk-gate reads and rewrites its two sites (stdlib ast only, to stay fast): the
-older script's decision chains where the site's loop holds them, else its one gate `if`, in a
-known shape or a fixed form told by what its progress comparison decides."""
+"""How moriio-chunk-gate reads and rewrites its sites (stdlib ast only, to stay fast): the older
+script's decision chains, else the one gate `if`: a known shape, or a fixed form by its meaning."""
 
 from __future__ import annotations
 
@@ -90,8 +89,7 @@ def rewrite_sites(src: SourceFile, pending: list[str]) -> str:
     return apply_edits(src.text, edits)
 
 
-# The fork's mamba-blockids edit (SITES.md 1) as statements (a name alone decides nothing):
-# `__init__` starts `self._reqs_save_mamba` empty, `update_state_after_alloc` fills it.
+# The fork's mamba-blockids edit (SITES.md 1), by its statements: a name alone decides nothing.
 _FORK_STARTS_EMPTY = ("self._reqs_save_mamba = {}", "self._reqs_save_mamba: HOLE_type = {}")
 _FORK_FILES_BLOCKS = "self._reqs_save_mamba[HOLE_key] = HOLE_value"
 _SKIPS_NOT_PENDING = "if req_id not in self._reqs_need_pending_save:\n    continue"
@@ -115,8 +113,7 @@ class Context:
         return model.loops_over(self.method, over.rsplit(".", 1)[-1])
 
     def release(self) -> str:
-        """Where block-count gates of A-C come from, told by the producer branch around the G1
-        loop and whether that loop skips requests that are not pending."""
+        """Where block-count gates of A-C come from, by the G1 loop and its producer branch."""
         g1, _ = locate(self, G1)
         if g1 is None:
             return _UNKNOWN
@@ -134,12 +131,9 @@ class Context:
     def _is_fork(self) -> bool:
         init = model.find_method(self.cls, "__init__")
         alloc = model.find_method(self.cls, "update_state_after_alloc")
-        if init is None or alloc is None:
-            return False
-        return any(search(pattern, init) for pattern in _FORK_STARTS_EMPTY) and any(
-            "request_id" in mentioned_names(found["HOLE_key"])
-            for _, _, found in search(_FORK_FILES_BLOCKS, alloc)
-        )
+        keys = [f["HOLE_key"] for *_, f in search(_FORK_FILES_BLOCKS, alloc)] if alloc else []
+        starts = init is not None and any(search(pattern, init) for pattern in _FORK_STARTS_EMPTY)
+        return starts and any("request_id" in mentioned_names(key) for key in keys)
 
     def helper_is_progress(self) -> bool:
         helper = model.find_method(self.cls, UPSTREAM_HELPER)
@@ -200,11 +194,10 @@ class Gate:
         if shape is None:
             return self.classify_fixed(context)
         problems = self.preconditions(src, context, shape.verdict is Verdict.PENDING)
-        why = f"{shape.name} gate, but " + "; ".join(problems)
-        if problems:
-            return self.result(Verdict.DRIFTED, "", why)
-        name = context.release() if shape.name == FROM_SURROUNDINGS else shape.name
-        return self.result(shape.verdict, name, shape.origin)
+        if not problems:
+            name = context.release() if shape.name == FROM_SURROUNDINGS else shape.name
+            return self.result(shape.verdict, name, shape.origin)
+        return self.result(Verdict.DRIFTED, "", f"{shape.name} gate, but " + "; ".join(problems))
 
     def classify_fixed(self, context: Context) -> SiteResult:
         """A fixed form: a progress gate, inline or upstream's, that decides what its body needs."""
@@ -250,11 +243,8 @@ class Gate:
         """Why a gate in a known shape still cannot take (or does not hold) the post-image."""
         problems = []
         if pending:
-            try:  # the rewrite replaces whole header lines and leaves the gate's body as it is
-                text = SourceText(src.text)
-                for stmt in [self.node, *self.temps, *self.conditions[:1]]:
-                    text.indent_of(stmt)
-                header_end(text, self.node)
+            try:
+                self.edit(SourceText(src.text))
             except EditError:
                 problems.append("its header shares lines with other code")
             if "scheduler_output" not in model.parameter_names(context.method):
@@ -276,10 +266,9 @@ class Gate:
             problems.append("it is all that `if new_block_ids is not None:` holds")
         # G1's body runs outside `if new_block_ids is not None:` after the rewrite, so it must
         # not read what only that branch binds (`req` is rebound by the post-image).
-        if pending:
-            branch = self.conditions[0]
-            assert isinstance(branch, ast.If)
-            local = model.stored_names(self.block[: self.index]) | loaded_names([branch.test])
+        if pending:  # the gate's block is the body of that branch; what its test reads counts
+            local = model.stored_names(self.block[: self.index])
+            local |= loaded_names(self.conditions[:1], skip=self.block)
         else:
             before = self.loop.body[: self.loop.body.index((self.conditions or [self.node])[0])]
             ifs = [s for s in before if isinstance(s, ast.If)]
@@ -294,19 +283,20 @@ class Gate:
         return problems
 
     def edit(self, src: SourceText) -> Edit:
-        """The gate's header and temporaries replaced by the new header; comments right above
-        the gate stay, those above a dropped temporary go."""
+        """The gate's header and temporaries replaced by the new header, as whole lines (each
+        must start its line); comments right above the gate stay, those above a temporary go."""
+        for temp in self.temps:
+            src.indent_of(temp)
         first = self.block.index(self.temps[0] if self.temps else self.node)
         above = self.block[first - 1].end_lineno if first else None
         start = src.after_line(above) if above else src.starts[self.block[first].lineno - 1]
         kept_from = src.after_line(self.temps[-1].end_lineno or 0) if self.temps else start
         kept = src.text[kept_from : src.starts[self.node.lineno - 1]]
-        indent = src.indent_of(self.node)
         header = (G1_TEMPLATE if self.site == G1 else G2_TEMPLATE).strip("\n").split("\n")[:-1]
         # G1's guard goes where `if new_block_ids is not None:` is; the gate stays in place.
         at = header.index("    if (") if self.site == G1 else 0
         guard = src.block("\n".join(header[:at]), src.indent_of(self.conditions[0])) if at else ""
-        new = guard + kept + src.block("\n".join(header[at:]), indent)
+        new = guard + kept + src.block("\n".join(header[at:]), src.indent_of(self.node))
         return Edit(start, header_end(src, self.node), new[: -len(src.newline)])
 
 
@@ -322,7 +312,6 @@ def flip(meaning: str, times: int) -> str:
 
 
 def calls(expr: ast.expr, name: str) -> bool:
-    """Whether `expr` calls `name()` or `self.name()`."""
     return isinstance(expr, ast.Call) and ast.unparse(expr.func) in (name, f"self.{name}")
 
 
@@ -370,9 +359,8 @@ def progress_meaning(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
     return flip(_MEANING.get(op, WRONG), times)
 
 
-# The older k3-chunk-gate script's form (SITES.md 2). A decision chain is `NAME = <decision>`
-# (the script's helper call, or k3patch's repair), an optional `if NAME is None: NAME =
-# <fallback>`, the script's debug `if`s, and the gate `if NAME:` or `if not NAME:`.
+# The older k3-chunk-gate script's form (SITES.md 2): a decision chain `NAME = <its helper call
+# or k3patch's repair>`, `if NAME is None:` (its fallback), debug `if`s, then `if [not] NAME:`.
 LEGACY_MAP = "_k3_prog"
 # k3patch's repair of a decision, in place.
 LEGACY_TEMPLATE = """
@@ -385,10 +373,8 @@ LEGACY_TEMPLATE = """
     >= {req}.num_prompt_tokens
 )
 """
-# k3patch's repaired decision about `req`, as a report shows it.
-_REPAIRED = ast.unparse(
-    ast.parse(LEGACY_TEMPLATE.format(name="x", req="req", req_id="req_id"))
-).split(" = ", 1)[1]
+# k3patch's repaired decision about `req`, as a report shows it (without its `x = `).
+_REPAIRED = ast.unparse(ast.parse(LEGACY_TEMPLATE.format(name="x", req="req", req_id="req_id")))[4:]
 # The block-count fallback each site's older form keeps, as the script writes it.
 LEGACY_FALLBACK = {
     G1: "len(self._reqs_need_pending_save[req_id][1]) * self.block_size >= req.num_prompt_tokens",
@@ -500,8 +486,7 @@ def _chain_problems(context: Context, site: str, chains: list[Chain]) -> list[st
         wanted = NOT_FINAL if chain.part == "sweep" else needed_meaning(chain.gate)
         if flip(FINAL, model.strip_nots(chain.gate.test)[1]) != wanted:
             problems.append(f"`{ast.unparse(chain.gate.test)}` is inverted for what its body does")
-        body = chain.gate.body
-        if chain.part == "sweep" and not (len(body) == 1 and isinstance(body[0], ast.Continue)):
+        if chain.part == "sweep" and [type(s) for s in chain.gate.body] != [ast.Continue]:
             problems.append("the sweep's gate does not skip the request")
     for chain in chains:
         fallback = chain.fallback
