@@ -187,6 +187,13 @@ def clip_lines(text: str, limit: int = 40) -> str:
     return "\n".join([*lines[:limit], f"... ({len(lines) - limit} more lines)"])
 
 
+def outline(outer: Sequence[ast.stmt], inner: Sequence[str], unit: str = "    ") -> str:
+    """A report's view of code nested in the statements `outer` (outermost first): the first
+    line of each, one `unit` deeper than the one before, then the `inner` lines one deeper."""
+    heads = [unit * depth + ast.unparse(stmt).splitlines()[0] for depth, stmt in enumerate(outer)]
+    return "\n".join([*heads, *(unit * len(outer) + line for line in inner)])
+
+
 # --------------------------------------------------------------------------------------------
 # The sources a patch reads: a read-only view over the target files of one tree.
 

@@ -26,6 +26,7 @@ from k3patch.model import (
     named_items,
     named_values,
     normalised_dump,
+    outline,
     parameter_names,
     parent_map,
     resolve_name,
@@ -346,3 +347,14 @@ def test_combined_verdict_any_drift_wins_agreement_gives_its_verdict_a_mixture_n
     assert combined_verdict([applied, drifted_, pending]) is drifted_
     assert combined_verdict([applied, pending]) is None
     assert combined_verdict([]) is None
+
+
+def test_outline_shows_each_enclosing_header_then_the_inner_lines():
+    module = ast.parse("if a:\n    for x in (\n        y\n    ):\n        pass\n")
+    branch = module.body[0]
+    assert isinstance(branch, ast.If)
+    assert outline([branch, branch.body[0]], ["z = 1", "..."]) == (
+        "if a:\n    for x in y:\n        z = 1\n        ..."
+    )
+    assert outline([], ["z = 1"]) == "z = 1"
+    assert outline([branch], [], unit="\t") == "if a:"

@@ -182,12 +182,9 @@ class Gate:
 
     def result(self, verdict: Verdict, shape: str, why: str) -> SiteResult:
         """Drift shows the gate's conditions (a header line each), temporaries and header."""
-        heads = [ast.unparse(c).splitlines()[0] for c in self.conditions]
-        lines = [f"{'    ' * i}{head}" for i, head in enumerate(heads)]
-        pad = "    " * len(self.conditions)
-        lines += [f"{pad}{ast.unparse(t)}" for t in self.temps]
-        lines += [f"{pad}if {ast.unparse(self.node.test)}:", f"{pad}    ..."]
-        return site_result(self.site, verdict, why, shape, self.node.lineno, "\n".join(lines))
+        inner = [*map(ast.unparse, self.temps), f"if {ast.unparse(self.node.test)}:", "    ..."]
+        found = model.outline(self.conditions, inner)
+        return site_result(self.site, verdict, why, shape, self.node.lineno, found)
 
     def classify(self, src: SourceFile, context: Context) -> SiteResult:
         shape = next((s for s in SHAPES[self.site] if s.match(self.loop.body) is not None), None)
