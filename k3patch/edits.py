@@ -235,9 +235,15 @@ def append_item(src: SourceText, opener: Located, first: Located, last: Located,
     return Edit(at, at, f", {item}")
 
 
-def append_to(src: SourceText, holder: ast.FunctionDef | ast.Call | ast.Dict, item: str) -> Edit:
-    """`append_item` after the last of a function's positional parameters (its default
-    included), of a call's arguments or of a dict literal's entries; the holder has one."""
+def append_to(
+    src: SourceText, holder: ast.ClassDef | ast.FunctionDef | ast.Call | ast.Dict, item: str
+) -> Edit:
+    """`item` after the last of a class's annotated fields (as statements, `insert_after`), of
+    a function's positional parameters (its default included), of a call's arguments or of a
+    dict literal's entries (`append_item`); the holder has one."""
+    if isinstance(holder, ast.ClassDef):
+        fields = [s for s in holder.body if isinstance(s, ast.AnnAssign)]
+        return insert_after(src, fields[-1], item)
     if isinstance(holder, ast.Call):
         items: list[Located] = [*holder.args, *holder.keywords]
         first = last = max(items, key=lambda n: (n.end_lineno or 0, n.end_col_offset or 0))

@@ -210,11 +210,20 @@ def test_append_item_after_a_trailing_comma(text, want):
         ("f(x, k=1, *rest)\n", "c=3", "f(x, k=1, *rest, c=3)\n"),
         # A dict's last entry may be `**other` (no key).
         ('d = {"a": 1, **other}\n', '"b": 2', 'd = {"a": 1, **other, "b": 2}\n'),
+        # A class's field goes after its last annotated one, before its methods.
+        (
+            "class C:\n    a: int = 1\n    b: str\n    def m(self):\n        pass\n",
+            "c: int = 0",
+            "class C:\n    a: int = 1\n    b: str\n    c: int = 0\n    def m(self):\n"
+            "        pass\n",
+        ),
     ],
 )
 def test_append_to_finds_the_last_item_of_its_holder(text, item, want):
     holder = next(
-        n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef | ast.Call | ast.Dict)
+        n
+        for n in ast.walk(ast.parse(text))
+        if isinstance(n, ast.ClassDef | ast.FunctionDef | ast.Call | ast.Dict)
     )
     assert apply_edits(text, [edits.append_to(SourceText(text), holder, item)]) == want
 
