@@ -32,15 +32,12 @@ from k3patch.shapes import match
 
 from . import forms
 from .forms import FIELD_NAME, FORK_FIELDS
-from .sites import Function, Insert, Item, LegacyGrowth, Plan, Site, keyword, takes
+from .sites import PENDING, Function, Insert, Item, LegacyGrowth, Plan, Site, keyword, takes
 from .upstream import NATIVE_SHAPES, SINGLE_GROUP_SHAPE, UPSTREAM_SHAPES
 
 PACKAGE = "distributed/kv_transfer/kv_connector/v1/moriio"
-COMMON = f"{PACKAGE}/moriio_common.py"
-CONNECTOR = f"{PACKAGE}/moriio_connector.py"
-ENGINE = f"{PACKAGE}/moriio_engine.py"
+COMMON, CONNECTOR, ENGINE = (f"{PACKAGE}/moriio_{m}.py" for m in ("common", "connector", "engine"))
 FILES = (COMMON, CONNECTOR, ENGINE)
-MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
 
 # Without these words neither the fork's statements nor k3patch's are there: a cheap gate before
 # a walk of three long ASTs; a hit (maybe a comment) is no verdict.
@@ -147,7 +144,7 @@ class MoriioGroupRouting(Patch):
     id = "moriio-group-routing"
     title = "MoRIIO routes each layer's KV to its own KV-cache group's block ids"
     files = FILES
-    modules = tuple(f"{MODULE}.{rel.rsplit('/', 1)[1][:-3]}" for rel in FILES)
+    modules = tuple("vllm." + rel.removesuffix(".py").replace("/", ".") for rel in FILES)
     caveat = (
         "both MoRIIO nodes (prefill and decode) need it: the decode node sends the per-group "
         "block ids the prefill node writes into"
@@ -195,14 +192,9 @@ class MoriioGroupRouting(Patch):
         changes: dict[str, str] = {}
         for rel in FILES:
             src, text = sources[rel], SourceText(sources[rel].text)
-            edits = [
-                edit
-                for site in FORK_SITES
-                if site.file == rel and site.look(src)[0].verdict is Verdict.PENDING
-                for edit in site.edits(src, text)
-            ]
-            if edits:
-                changes[rel] = apply_edits(src.text, edits)
+            due = [s for s in FORK_SITES if s.file == rel and s.look(src)[0].verdict is PENDING]
+            if due:
+                changes[rel] = apply_edits(src.text, [e for s in due for e in s.edits(src, text)])
         return changes
 
     def probe(self) -> ProbeOutcome | None:

@@ -1,7 +1,5 @@
-"""The parts of a moriio-group-routing site. A part sees one piece of its site's class or
-function in the fork's shape (pending), k3patch's (applied), neither (drifted) or has no opinion
-(None). Only a part anchored on the fork's own statements (`evidence`) seeing either shape makes
-the package a fork package at all."""
+"""The parts of a moriio-group-routing site: each sees one piece of its site's class or function
+in the fork's shape (pending), k3patch's (applied), neither (drifted) or has no opinion (None)."""
 
 from __future__ import annotations
 
@@ -23,7 +21,7 @@ PENDING, APPLIED, DRIFTED = Verdict.PENDING, Verdict.APPLIED, Verdict.DRIFTED
 
 @dataclass(frozen=True)
 class Look:
-    verdict: Verdict | None  # None: a precondition that holds, no opinion
+    verdict: Verdict | None  # None: no opinion
     line: int | None = None
     found: str = ""
     expected: tuple[str, ...] = ()
@@ -36,7 +34,7 @@ def drift(why: str, found: str = "", expected: tuple = (), line: int | None = No
 
 
 class Part:
-    evidence = False
+    evidence = False  # anchored on the fork's own statements: either shape makes it a fork tree
 
     def look(self, src: SourceFile, node: Any, scope: str) -> Look:
         """`node`: the site's class (a field site) or function, `scope` its path (for reports)."""
@@ -151,10 +149,9 @@ class Item(Part):
         return [n for n in found if name in model.named_items(n)]
 
     def look(self, src: SourceFile, node: Any, scope: str) -> Look:
-        args = node.args if self.kind == "param" else None
-        if args is not None and (args.vararg or args.kwarg or args.kwonlyargs):
+        if self.kind == "param" and (node.args.vararg or node.args.kwarg or node.args.kwonlyargs):
             why = f"{scope}: unexpected *args/**kwargs/keyword-only parameters"
-            return drift(why, src.segment(args), line=node.lineno)
+            return drift(why, src.segment(node.args), line=node.lineno)
         holders = self._holders(node)
         if len(holders) != 1:
             return self._missing(src, node, scope, len(holders))
@@ -182,11 +179,8 @@ class Item(Part):
         return drift(why, clip_lines(src.segment(node)), (self.fork,), node.lineno)
 
     def edits(self, src: SourceFile, text: SourceText, node: Any) -> list[Edit]:
-        holder = self._holders(node)[0]
-        if self.kind == "field":
-            last = max(self._items(holder).values(), key=lambda item: item[1])[0]
-            return [edits.insert_after(text, last, f"{FIELD_COMMENT}\n{self.added}\n")]
-        return [edits.append_to(text, holder, self.added)]
+        added = f"{FIELD_COMMENT}\n{self.added}\n" if self.kind == "field" else self.added
+        return [edits.append_to(text, self._holders(node)[0], added)]
 
 
 def keyword(callee: str, added: str) -> Item:
