@@ -604,6 +604,14 @@ def unset_attributes(nodes: Iterable[ast.AST], cls: ast.ClassDef) -> set[str]:
     )
 
 
+def is_call_to(expr: ast.AST, name: str, owner: str = "self") -> bool:
+    """Whether `expr` calls `name(...)` or `<owner>.name(...)` (a method on `self` by default)."""
+    if not isinstance(expr, ast.Call):
+        return False
+    func = expr.func
+    return (isinstance(func, ast.Name) and func.id == name) or attribute_owner(func, name) == owner
+
+
 def callee_name(call: ast.Call) -> str:
     """The name a call calls: `f` for `f(...)`, `m` for `a.b.m(...)`; "" for anything else
     (`f()()`, `table[k](...)`)."""

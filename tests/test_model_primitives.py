@@ -21,6 +21,7 @@ from k3patch.model import (
     find_class,
     imported_module,
     imported_names,
+    is_call_to,
     loaded_names,
     loops_over,
     named_items,
@@ -358,3 +359,15 @@ def test_outline_shows_each_enclosing_header_then_the_inner_lines():
     )
     assert outline([], ["z = 1"]) == "z = 1"
     assert outline([branch], [], unit="\t") == "if a:"
+
+
+def test_is_call_to_a_function_or_a_method_on_an_owner():
+    def call(source: str) -> ast.expr:
+        return ast.parse(source, mode="eval").body
+
+    assert is_call_to(call("f(1)"), "f") and is_call_to(call("self.f()"), "f")
+    assert is_call_to(call("cls.f()"), "f", owner="cls")
+    assert not is_call_to(call("other.f()"), "f")
+    assert not is_call_to(call("self.a.f()"), "f")
+    assert not is_call_to(call("f"), "f") and not is_call_to(call("g()"), "f")
+    assert not is_call_to(call("f()()"), "f")

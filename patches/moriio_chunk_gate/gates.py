@@ -199,7 +199,7 @@ class Gate:
     def classify_fixed(self, context: Context) -> SiteResult:
         """A fixed form: a progress gate, inline or upstream's, that decides what its body needs."""
         core, times = model.strip_nots(self.node.test)
-        upstream = calls(core, UPSTREAM_HELPER)
+        upstream = model.is_call_to(core, UPSTREAM_HELPER)
         env = model.named_values(self.temps)
         meaning = flip(FINAL, times) if upstream else progress_meaning(self.node.test, env)
         wanted = needed_meaning(self.node)
@@ -308,10 +308,6 @@ def flip(meaning: str, times: int) -> str:
     return {FINAL: NOT_FINAL, NOT_FINAL: FINAL}.get(meaning, meaning) if times % 2 else meaning
 
 
-def calls(expr: ast.expr, name: str) -> bool:
-    return isinstance(expr, ast.Call) and ast.unparse(expr.func) in (name, f"self.{name}")
-
-
 # This step's scheduled tokens of a request, as vLLM and the older scripts read them.
 _SCHEDULED = [
     f"HOLE_out.num_scheduled_tokens{s}" for s in ("[HOLE_k]", ".get(HOLE_k)", ".get(HOLE_k, 0)")
@@ -394,8 +390,8 @@ class Chain:
         decision, name = block[index], model.assigned_name(block[index])
         if not isinstance(decision, ast.Assign) or name is None:
             return None
-        value = decision.value
-        if not (calls(value, LEGACY_HELPER) or "num_prompt_tokens" in mentioned_names(value)):
+        helper_call = model.is_call_to(decision.value, LEGACY_HELPER)
+        if not (helper_call or "num_prompt_tokens" in mentioned_names(decision.value)):
             return None
         after = block[index + 1 :]
         end = next((i for i, s in enumerate(after) if not isinstance(s, ast.If)), len(after))
@@ -414,7 +410,7 @@ class Chain:
     def kind(self) -> str:
         """ "legacy" (the script's helper), "progress" (k3patch's repair) or "other"."""
         value = self.decision.value
-        if isinstance(value, ast.Call) and calls(value, LEGACY_HELPER):
+        if isinstance(value, ast.Call) and model.is_call_to(value, LEGACY_HELPER):
             names = len(value.args) == 3 and all(isinstance(a, ast.Name) for a in value.args)
             return "legacy" if names else "other"
         return "progress" if progress_meaning(value, {}) == FINAL else "other"
