@@ -155,7 +155,7 @@ def locate(context: Context, site: str) -> tuple[Gate | None, str]:
                 if any(GATE_WORDS & mentioned_names(n) for n in [stmt.test, *temps]):
                     around = model.ancestors(stmt, parents, stop=loop)
                     conditions = [n for n in reversed(around) if isinstance(n, ast.stmt)]
-                    gates.append(Gate(site, loop, block, index, temps, stmt, conditions))
+                    gates.append(Gate(site, loop, block, temps, stmt, conditions))
         found += [gates] if gates else []
     what = f"a loop over {LOOPS[site]} that holds a final-chunk gate"
     if len(found) != 1:
@@ -175,7 +175,6 @@ class Gate:
     site: str
     loop: ast.For
     block: list[ast.stmt]
-    index: int
     temps: list[ast.Assign]
     node: ast.If
     conditions: list[ast.stmt]
@@ -258,13 +257,13 @@ class Gate:
                 problems.append(f"{name} shares its line with another statement")
         if self.site != G1:
             return problems
-        if pending and self.index == len(self.temps):
+        if pending and self.block.index(self.node) == len(self.temps):
             # The branch keeps the statements before the gate; with none it would be empty.
             problems.append("it is all that `if new_block_ids is not None:` holds")
         # G1's body runs outside `if new_block_ids is not None:` after the rewrite, so it must
         # not read what only that branch binds (`req` is rebound by the post-image).
         if pending:  # the gate's block is the body of that branch; what its test reads counts
-            local = model.stored_names(self.block[: self.index])
+            local = model.stored_names(self.block[: self.block.index(self.node)])
             local |= loaded_names(self.conditions[:1], skip=self.block)
         else:
             before = self.loop.body[: self.loop.body.index((self.conditions or [self.node])[0])]
@@ -379,7 +378,6 @@ LEGACY_FALLBACK = {
 class Chain:
     part: str  # "gate" or "sweep"
     block: list[ast.stmt]
-    index: int  # of the decision in block
     name: str
     decision: ast.Assign
     fallback: ast.If | None
@@ -401,11 +399,11 @@ class Chain:
             ifs.pop(0)
         if not ifs or match(name, model.strip_nots(ifs[0].test)[0]) is None:
             return None
-        return cls(part, block, index, name, decision, fallback, ifs[0])
+        return cls(part, block, name, decision, fallback, ifs[0])
 
     @property
     def statements(self) -> list[ast.stmt]:
-        return self.block[self.index : self.block.index(self.gate) + 1]
+        return self.block[self.block.index(self.decision) : self.block.index(self.gate) + 1]
 
     def kind(self) -> str:
         """ "legacy" (the script's helper), "progress" (k3patch's repair) or "other"."""
