@@ -162,6 +162,14 @@ def match(
     return bindings if _match_body(list(stmts), list(target), bindings) else None
 
 
+def matches_each(patterns: Sequence[str], targets: Sequence[ast.AST | None]) -> bool:
+    """Whether every pattern matches the target at its position (a None target matches none);
+    no patterns constrain nothing, whatever the targets. Otherwise both have one length."""
+    return not patterns or all(
+        t is not None and match(p, t) is not None for p, t in zip(patterns, targets, strict=True)
+    )
+
+
 def blocks(node: ast.AST) -> list[list[ast.stmt]]:
     """Every statement list under `node`: its own body, the bodies of its nested blocks (`if`,
     loops, `with`, `try` and its handlers, `match` cases), in source order. A nested def or

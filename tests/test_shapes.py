@@ -12,6 +12,7 @@ from k3patch.shapes import (
     find_expressions,
     holes,
     match,
+    matches_each,
     outside_range,
     search,
     version_key,
@@ -158,3 +159,15 @@ def test_find_expressions_under_a_node_holes_included():
     assert len(find_expressions("HOLE_any", ast.parse("f(x)", mode="eval").body)) == 3
     with pytest.raises(ValueError):
         find_expressions("x = 1", tree)
+
+
+def test_matches_each_pairs_patterns_with_targets_in_order():
+    call = ast.parse("f(a, b=g(1))", mode="eval").body
+    assert isinstance(call, ast.Call)
+    value = call.keywords[0].value
+    assert matches_each(["a", "g(HOLE_x)"], [call.args[0], value])
+    assert not matches_each(["g(HOLE_x)", "a"], [call.args[0], value])
+    assert not matches_each(["a"], [None])  # a missing node (no default) matches nothing
+    assert matches_each([], [value])  # no patterns: only the item's name had to be there
+    with pytest.raises(ValueError):
+        matches_each(["a"], [call.args[0], value])
