@@ -12,11 +12,9 @@ MambaSpec); every group's block ids travel end to end (FORK_SITES: one site per 
 transfer plan, which indexes them with the layer's group and caches offsets per layer (as
 upstream 0.29.0 keys them). Without the lists (a peer without the fix) it fails loudly.
 Check: `k3patch verify` drives the patched scheduler, notify message and transfer plan on CPU
-with K3's layout: every layer's blocks land in its own group's blocks (probe.py).
-
-The operators' trees (the fork; + the older fix; + its chunked companion: SITES.md section 1)
-are all pending; the older fix's plumbing stays (unused), so revert is exact. Upstream: not
-applicable or satisfied (upstream.py).
+with K3's layout: every layer's blocks land in its own group's blocks (probe.py). The operators'
+trees are all pending (the older fix's plumbing stays, unused: revert is exact); upstream's are
+not applicable or satisfied (upstream.py).
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ from k3patch.shapes import match
 from . import forms
 from .forms import FIELD_NAME, FORK_FIELDS
 from .sites import PENDING, Function, Insert, Item, LegacyGrowth, Plan, Site, keyword, takes
-from .upstream import NATIVE_SHAPES, SINGLE_GROUP_SHAPE, UPSTREAM_SHAPES
+from .upstream import NATIVE_SHAPES, SINGLE_GROUP_SHAPE
 
 PACKAGE = "distributed/kv_transfer/kv_connector/v1/moriio"
 COMMON, CONNECTOR, ENGINE = (f"{PACKAGE}/moriio_{m}.py" for m in ("common", "connector", "engine"))
@@ -87,7 +85,6 @@ FORK_SITES = (
     in_connector(
         f"{SCHED}.build_connector_meta",
         "later chunks' blocks join their group; each save takes its request's group lists",
-        # Anchored on upstream's own `return meta`: no evidence of the fork.
         Insert(forms.SAVE_GROUPS, "_k3patch_save_groups", evidence=False),
         LegacyGrowth(USAA),
         needs=(
@@ -175,7 +172,7 @@ class MoriioGroupRouting(Patch):
             "ids, nor a known upstream); nothing will be written"
         )
         expected = (
-            *(f"{s.name} ({s.verdict.value})" for s in UPSTREAM_SHAPES),
+            *(f"{s.name} ({s.verdict.value})" for s in (*NATIVE_SHAPES, SINGLE_GROUP_SHAPE)),
             "the fork's mamba block ids (pending)",
         )
         results = [replace(r, expected=expected) for r in self._each_file(Verdict.DRIFTED, why)]

@@ -29,8 +29,7 @@ _k3patch_group_notify = (
 )
 """
 
-# The probe runs the worker __init__'s statements from `self.layer_to_spec = ...` to
-# `if self.is_producer:`: this map must be built between them.
+# Built between `self.layer_to_spec = ...` and `if self.is_producer:`: the probe runs that span.
 WORKER_MAP = """
 # k3patch moriio-group-routing: each layer's KV-cache group (no position
 # is assumed: K3 has three KDA groups before its MLA group)
@@ -202,7 +201,6 @@ except Exception:
     pass
 """
 
-# Words of the reports.
 FORK_SHAPE = "fork: mamba block ids ([0] attention, [1] mamba)"
 LEGACY_SHAPE = "older k3-group-routing fix (legacy, defective)"
 LEGACY_CHUNKED_SHAPE = "older k3-group-routing fix + k3-chunked-allgrp (legacy, defective)"

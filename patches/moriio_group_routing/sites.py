@@ -11,12 +11,13 @@ from typing import Any
 from k3patch import edits, model
 from k3patch.edits import Edit, SourceText
 from k3patch.model import SiteResult, SourceFile, Verdict, clip_lines, dedent
-from k3patch.shapes import match, parse_pattern, search
+from k3patch.shapes import match, matches_each, parse_pattern, search
 
 from . import forms
 from .forms import FIELD_COMMENT, FIELD_NAME
 
 PENDING, APPLIED, DRIFTED = Verdict.PENDING, Verdict.APPLIED, Verdict.DRIFTED
+Holds = Callable[[SourceFile, Any], bool]  # (the file, the site's function or None)
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,8 @@ class Part:
 
 @dataclass(frozen=True)
 class Insert(Part):
-    """Statements k3patch adds right after the one statement of the function that `anchor`
-    (shape patterns) picks out, or with no anchor right before its final `return`. With `fork`
-    (the fork's exact assignment there), the anchor is any assignment to the same target."""
+    """Statements k3patch adds after the one statement `anchor` (patterns) picks out, else before
+    the final `return`; with `fork` (the fork's exact assignment), any assignment to its target."""
 
     added: str
     marker: str  # a name of k3patch's text: used elsewhere in the function, it is drift
@@ -100,10 +100,9 @@ class Insert(Part):
 
 @dataclass(frozen=True)
 class Item(Part):
-    """One item k3patch appends in the one holder of the site with the fork's item: a dataclass
-    field (`kind` "field"), a parameter ("param"), a keyword argument of a call of `callee`
-    ("keyword") or a dict literal's entry ("key"), each written as the code has it; a `fork`
-    without a value only has to be there."""
+    """One item k3patch appends in the one holder with the fork's item: a dataclass "field", a
+    "param", a "keyword" argument to `callee` or a dict literal's "key", each written as the code
+    has it; a `fork` without a value only has to be there."""
 
     kind: str
     fork: str
@@ -121,11 +120,6 @@ class Item(Part):
         if self.kind == "param" and value:
             return name.strip(), value.rsplit("=", 1)
         return name.strip(), [value] if value else []
-
-    def _same(self, parts: list[str], nodes: list[Any]) -> bool:
-        return not parts or all(
-            n is not None and match(p, n) is not None for p, n in zip(parts, nodes, strict=True)
-        )
 
     def _items(self, holder: Any) -> dict[str, tuple[Any, int, list[Any]]]:
         """name -> (the item's node, the line a report names, the nodes its parts are)."""
@@ -159,16 +153,16 @@ class Item(Part):
         fork, fork_parts = self._parse(self.fork)
         name, parts = self._parse(self.added)
         # The fork's keyword picks the call, so it must be the fork's whatever else is there.
-        if self.kind == "keyword" and not self._same(fork_parts, items[fork][2]):
+        if self.kind == "keyword" and not matches_each(fork_parts, items[fork][2]):
             why = f"{scope}: {fork}= is not passed in the fork's shape"
             return drift(why, src.segment(holders[0]), line=holders[0].lineno)
         if name in items:
             mine, line, mine_parts = items[name]
-            if self._same(parts, mine_parts):
+            if matches_each(parts, mine_parts):
                 return Look(APPLIED, line)
             why = f"{scope}: {self.kind} {name} is not k3patch's"
             return drift(why, src.segment(mine), (self.added,), line)
-        if fork not in items or not self._same(fork_parts, items[fork][2]):
+        if fork not in items or not matches_each(fork_parts, items[fork][2]):
             return self._missing(src, node, scope, 0)
         return Look(PENDING, items[fork][1])
 
@@ -209,9 +203,6 @@ class Function(Part):
         return [edits.append_definition(text, self.source)]
 
 
-Holds = Callable[[SourceFile, Any], bool]  # (the file, the site's function or None)
-
-
 def takes(name: str) -> Holds:
     """A site's precondition: its function has a positional parameter `name`."""
     return lambda src, fn: fn is not None and name in model.parameter_names(fn, positional=True)
@@ -232,8 +223,7 @@ def _is_debug_block(imp: ast.stmt, gate: ast.stmt) -> bool:
 
 
 def _regions(fn: ast.FunctionDef) -> list[tuple[str, list[ast.stmt], bool]]:
-    """(kind, the statements `apply` replaces, whether the K3_MAMBA_BC block is among them) of
-    every region in a known form: "k3patch", "fork" or "legacy" (the older fix)."""
+    """Each known region: (its form "k3patch"/"fork"/"legacy", its statements, has K3_MAMBA_BC)."""
     found = []
     for (kind, debug), pattern in {("k3patch", False): forms.K3PATCH_PLAN, **forms.PLANS}.items():
         for block, i, holes in search(pattern, fn):
@@ -266,9 +256,8 @@ class Plan(Part):
         if kind == "fork":
             return Look(PENDING, stmts[0].lineno, why=forms.FORK_DEFECT + goes)
         why = f"the older k3-group-routing fix: {forms.GEOMETRY_DEFECT}; {forms.LEGACY_CAVEATS}"
-        if debug:
-            why += f"; {forms.LEGACY_DEBUG_DEFECT}"
-        return Look(PENDING, stmts[0].lineno, why=why + goes, shape=forms.LEGACY_SHAPE)
+        why += f"; {forms.LEGACY_DEBUG_DEFECT}{goes}" if debug else ""
+        return Look(PENDING, stmts[0].lineno, why=why, shape=forms.LEGACY_SHAPE)
 
     def edits(self, src: SourceFile, text: SourceText, node: ast.FunctionDef) -> list[Edit]:
         return [edits.replace(text, _regions(node)[0][1], forms.K3PATCH_PLAN)]
@@ -276,8 +265,7 @@ class Plan(Part):
 
 @dataclass(frozen=True)
 class LegacyGrowth(Part):
-    """No opinion on the site's state; names the older fix's first-chunk defect where its capture
-    (in `capture_in`) is there and its chunked companion (in the site's function) is not."""
+    """No opinion; a note on the older fix's capture (in `capture_in`) and its chunked growth."""
 
     capture_in: str
 

@@ -81,4 +81,3 @@ SINGLE_GROUP_SHAPE = UpstreamShape(
     "with exactly one KV-cache group (the scheduler asserts it) and it reads block ids "
     "[0] only; Kimi-K3 (four groups) cannot use MoRIIO on this version",
 )
-UPSTREAM_SHAPES = (*NATIVE_SHAPES, SINGLE_GROUP_SHAPE)
