@@ -320,7 +320,7 @@ def progress_meaning(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
     """ "final" for `progress >= prompt`, "not final" for `progress < prompt` (mirrored and
     negated forms too), "wrong" for another comparison of the two, else None."""
 
-    def progress_of(side: ast.expr) -> str | None:  # `r` of `r.num_computed_tokens + <step's>`
+    def progress_of(side: ast.expr) -> str | None:  # `r` of `r.num_computed_tokens + <scheduled>`
         side = model.resolve_name(side, env)
         if not (isinstance(side, ast.BinOp) and isinstance(side.op, ast.Add)):
             return None
