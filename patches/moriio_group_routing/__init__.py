@@ -33,8 +33,10 @@ from .forms import FIELD_NAME, FORK_FIELDS
 from .sites import PENDING, Function, Insert, Item, LegacyGrowth, Plan, Site, keyword, takes
 from .upstream import NATIVE_SHAPES, SINGLE_GROUP_SHAPE
 
-PACKAGE = "distributed/kv_transfer/kv_connector/v1/moriio"
-COMMON, CONNECTOR, ENGINE = (f"{PACKAGE}/moriio_{m}.py" for m in ("common", "connector", "engine"))
+# Plain constants: the no-op path reads `files` from this text without importing it.
+COMMON = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_common.py"
+CONNECTOR = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
+ENGINE = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_engine.py"
 FILES = (COMMON, CONNECTOR, ENGINE)
 
 # Without these words neither the fork's statements nor k3patch's are there: a cheap gate before
@@ -45,7 +47,6 @@ SCHED, WORKER = "MoRIIOConnectorScheduler", "MoRIIOConnectorWorker"
 USAA = f"{SCHED}.update_state_after_alloc"
 NOTIFY = "k3patch_group_block_notify"
 
-# The fork's sites, one per hop the block ids take (SITES.md section 1, "The fork").
 in_connector, in_engine = (partial(Site, file=rel) for rel in (CONNECTOR, ENGINE))
 FORK_SITES = (
     *(

@@ -1,6 +1,5 @@
 """The forms moriio-group-routing knows, as source to hold against SITES.md section 1: k3patch's
-post-image piece by piece, the fork's and the older fix's statements it recognises (`HOLE_x` and
-`...`: k3patch.shapes holes), and its reports' words."""
+post-image piece by piece, the fork's and the older fix's statements it recognises, report words."""
 
 from __future__ import annotations
 
