@@ -223,7 +223,7 @@ class TorchTrace:
 
         trace = self
 
-        class Calls(TorchFunctionMode):
+        class Functions(TorchFunctionMode):
             def __torch_function__(
                 self, fn: Any, types_: Any, args: Any = (), kwargs: Any = None
             ) -> Any:
@@ -241,7 +241,7 @@ class TorchTrace:
 
         self.calls.clear()
         self.aten.clear()
-        self._modes = [Calls(), Aten()]
+        self._modes = [Functions(), Aten()]
         for mode in self._modes:
             mode.__enter__()
         return self
