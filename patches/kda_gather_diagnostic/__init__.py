@@ -176,9 +176,10 @@ class KdaGatherDiagnostic(Patch):
         blocks = (i for i, s in enumerate(body) if model.bindings([s], "_n_state_blocks"))
         start = next(blocks, None) if guarded else None
         if start is None:
-            units, traces = diagnostic_units(func), fork_traces(func)
+            units = diagnostic_units(func)
             if units and not guarded:
                 return self._judge(src, site, func, units)
+            traces = fork_traces(func)
             if not units and not traces:
                 return self.result(site.name, site.file, Verdict.NOT_APPLICABLE, site.clean), []
             why = "fork traces without the diagnostic"

@@ -54,7 +54,12 @@ def _is_mask(node: ast.expr) -> bool:
 def sync_points(root: ast.AST) -> list[tuple[ast.AST, str]]:
     """Every expression under `root` that can make the host wait for the GPU, with its kind."""
     found: list[tuple[ast.AST, str]] = []
+    truthy: list[tuple[ast.AST, str]] = []  # reported after the calls, in walk order too
     for node in walk_code(root):
+        for test in truth_tests(node):
+            called = test.func if isinstance(test, ast.Call) else None
+            if isinstance(called, ast.Attribute) and called.attr in TRUTH_REDUCTIONS:
+                truthy.append((test, f"truth value of .{called.attr}()"))
         if isinstance(node, ast.Call):
             name = callee_name(node)
             if isinstance(node.func, ast.Name) and name in SCALAR_CASTS:
@@ -67,11 +72,7 @@ def sync_points(root: ast.AST) -> list[tuple[ast.AST, str]]:
                 found.append((node, f".{name}()"))
         elif isinstance(node, ast.Subscript) and _is_mask(node.slice):
             found.append((node, "boolean-mask indexing"))
-    for test in (test for node in walk_code(root) for test in truth_tests(node)):
-        called = test.func if isinstance(test, ast.Call) else None
-        if isinstance(called, ast.Attribute) and called.attr in TRUTH_REDUCTIONS:
-            found.append((test, f"truth value of .{called.attr}()"))
-    return found
+    return found + truthy
 
 
 def is_gate(test: ast.expr) -> bool:
