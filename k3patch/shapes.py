@@ -22,7 +22,7 @@ from __future__ import annotations
 import ast
 import re
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -216,14 +216,15 @@ def search(pattern: str, node: ast.AST) -> list[tuple[list[ast.stmt], int, Bindi
     return hits
 
 
-def find_expressions(pattern: str, node: ast.AST) -> list[ast.expr]:
+def find_expressions(pattern: str, node: ast.AST) -> Iterator[ast.expr]:
     """Every expression under `node` (itself included), in ast.walk order, that `pattern` (one
-    expression, holes allowed) matches."""
+    expression, holes allowed) matches. Lazily, so `any(...)` stops at the first; the pattern is
+    checked at the call."""
     stmts = parse_pattern(pattern)
     if len(stmts) != 1 or not isinstance(stmts[0], ast.Expr):
         raise ValueError(f"find_expressions: {pattern!r} is not one expression")
     kind = ast.expr if _hole(stmts[0].value) else type(stmts[0].value)
-    return [n for n in ast.walk(node) if isinstance(n, kind) and match(stmts, n) is not None]
+    return (n for n in ast.walk(node) if isinstance(n, kind) and match(stmts, n) is not None)
 
 
 # --------------------------------------------------------------------------------------------

@@ -155,8 +155,8 @@ def test_find_expressions_under_a_node_holes_included():
     tree = ast.parse("x = a.get(k)[0]\nif a.get(j)[0]:\n    b = [a.get(k)[1], c]\n")
     found = find_expressions("a.get(HOLE_key)[0]", tree)
     assert [ast.unparse(n) for n in found] == ["a.get(k)[0]", "a.get(j)[0]"]
-    assert find_expressions("a.get(k)[2]", tree) == []
-    assert len(find_expressions("HOLE_any", ast.parse("f(x)", mode="eval").body)) == 3
+    assert list(find_expressions("a.get(k)[2]", tree)) == []
+    assert len(list(find_expressions("HOLE_any", ast.parse("f(x)", mode="eval").body))) == 3
     with pytest.raises(ValueError):
         find_expressions("x = 1", tree)
 

@@ -427,7 +427,7 @@ def probe_upstream(connector: Any) -> ProbeOutcome:
     checks.record(line, expected, f"{line}, expected attention [3], mamba [0, 1, 2]")
     common, engine = importlib.import_module(COMMON), importlib.import_module(ENGINE)
     plan = probekit.source_of(engine.MoRIIOWriter._prepare_transfer_plan)
-    if not (plan and find_expressions("self.worker.layer_to_group[task.layer_name]", plan)):
+    if not (plan and any(find_expressions("self.worker.layer_to_group[task.layer_name]", plan))):
         checks.note(
             "WRITE with a Mamba group is refused by register_kv_caches on this version; "
             "its per-layer WRITE plan is single-group and was not exercised"

@@ -22,7 +22,7 @@ class UpstreamShape:
 def _native_033(connector: SourceFile, engine: SourceFile) -> bool:
     plan = find_def(engine.tree, "MoRIIOWriter._prepare_transfer_plan")
     wanted = "self.worker.layer_to_group[task.layer_name]"
-    return plan is not None and bool(find_expressions(wanted, plan))
+    return plan is not None and any(find_expressions(wanted, plan))
 
 
 def _native_031(connector: SourceFile, engine: SourceFile) -> bool:
@@ -41,7 +41,7 @@ def _single_group(connector: SourceFile, engine: SourceFile) -> bool:
     cls = find_class(connector.tree, "MoRIIOConnector")
     if cls is None or "SupportsHMA" in {ast.unparse(b).split(".")[-1] for b in cls.bases}:
         return False
-    return bool(find_expressions("blocks.get_block_ids()[0]", connector.tree))
+    return any(find_expressions("blocks.get_block_ids()[0]", connector.tree))
 
 
 # Positive upstream shapes, tried before the fork's: none of them can hold on a fork tree.
