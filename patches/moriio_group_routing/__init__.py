@@ -40,8 +40,15 @@ ENGINE = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_engine.py"
 FILES = (COMMON, CONNECTOR, ENGINE)
 
 # Without these words neither the fork's statements nor k3patch's are there: a cheap gate before
-# a walk of three long ASTs; a hit (maybe a comment) is no verdict.
-_MENTIONS = re.compile(r"\b(?:mamba_local_block_ids|mamba_block_notify_list|k3patch_group_)")
+# a walk of three long ASTs; a hit (maybe a comment) is no verdict. The substring test runs
+# first: the regex alone, with its leading \b, scans a 115 kB file in about 1 ms.
+_WORDS = ("mamba_local_block_ids", "mamba_block_notify_list", "k3patch_group_")
+_MENTIONS = re.compile(r"\b(?:" + "|".join(_WORDS) + ")")
+
+
+def _mentions(text: str) -> bool:
+    return any(word in text for word in _WORDS) and _MENTIONS.search(text) is not None
+
 
 SCHED, WORKER = "MoRIIOConnectorScheduler", "MoRIIOConnectorWorker"
 USAA = f"{SCHED}.update_state_after_alloc"
@@ -161,7 +168,7 @@ class MoriioGroupRouting(Patch):
         for shape in NATIVE_SHAPES:
             if shape.holds(connector, engine):
                 return self._each_file(shape.verdict, shape.detail, shape.name)
-        if any(_MENTIONS.search(sources[rel].text) for rel in FILES):
+        if any(_mentions(sources[rel].text) for rel in FILES):
             looks = [site.result(self.id, sources[site.file]) for site in FORK_SITES]
             if any(evidence for _, evidence in looks):
                 return _one_change([result for result, _ in looks])
