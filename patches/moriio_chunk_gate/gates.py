@@ -4,6 +4,7 @@ script's decision chains, else the one gate `if`: a known shape, or a fixed form
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 
 from k3patch import model
@@ -104,16 +105,18 @@ class Context:
 
     @classmethod
     def of(cls, module: ast.Module) -> Context:
-        method, klass = model.find_def(module, f"{CLASS}.{METHOD}"), model.find_scope(module, CLASS)
-        if method is None or not isinstance(klass, ast.ClassDef):
+        method, klass = model.find_def(module, f"{CLASS}.{METHOD}"), model.find_class(module, CLASS)
+        if method is None or klass is None:
             raise ValueError(f"{CLASS}.{METHOD} is gone")
         return cls(module, method, klass)
 
     def loops(self, over: str) -> list[ast.For]:
         return model.loops_over(self.method, over.rsplit(".", 1)[-1])
 
+    @functools.cached_property
     def release(self) -> str:
-        """Where block-count gates of A-C come from, by the G1 loop and its producer branch."""
+        """Where block-count gates of A-C come from, by the G1 loop and its producer branch
+        (the same for both sites: found once)."""
         g1, _ = locate(self, G1)
         if g1 is None:
             return _UNKNOWN
@@ -191,7 +194,7 @@ class Gate:
             return self.classify_fixed(context)
         problems = self.preconditions(src, context, shape.verdict is Verdict.PENDING)
         if not problems:
-            name = context.release() if shape.name == FROM_SURROUNDINGS else shape.name
+            name = context.release if shape.name == FROM_SURROUNDINGS else shape.name
             return self.result(shape.verdict, name, shape.origin)
         return self.result(Verdict.DRIFTED, "", f"{shape.name} gate, but " + "; ".join(problems))
 
@@ -511,7 +514,7 @@ def _chain_problems(context: Context, site: str, chains: list[Chain]) -> list[st
         )
     decisions = [c.decision for c in chains if c.part == "sweep"]
     loops = [loop for loop in context.loops(SWEEP) if any(d in ast.walk(loop) for d in decisions)]
-    unset = model.unset_attributes(loops, context.cls)
+    unset = model.unset_attributes(loops, context.cls) if loops else set()  # G2 has no sweep
     if unset:
         problems.append(
             "its sweep reads self." + ", self.".join(sorted(unset)) + f", which {CLASS} never sets "
