@@ -291,9 +291,9 @@ class Site:
         self.scope = name.split(" ")[0].removesuffix(f".{FIELD_NAME}")
 
     def node(self, src: SourceFile) -> ast.ClassDef | ast.FunctionDef | None:
-        node = model.find_scope(src.tree, self.scope)
-        kind = ast.FunctionDef if "." in self.scope else ast.ClassDef
-        return node if isinstance(node, kind) else None
+        if "." in self.scope:
+            return model.find_def(src.tree, self.scope)
+        return model.find_class(src.tree, self.scope)
 
     def look(self, src: SourceFile) -> tuple[Look, bool]:
         """The site's verdict, shape and detail as one Look, and whether it is evidence."""
