@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import builtins
 import enum
+import functools
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -164,8 +165,10 @@ def site_fingerprint(node: ast.AST | list[ast.stmt]) -> str:
     return hashlib.sha256(normalised_dump(node).encode()).hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=512)
 def source_fingerprint(source: str) -> str:
-    """The fingerprint of a code snippet (a whole definition or a run of statements)."""
+    """The fingerprint of a code snippet (a whole definition or a run of statements). Cached:
+    a declared shape's fingerprint is asked for at every site it is held against."""
     module = ast.parse(dedent(source))
     body: list[ast.stmt] = module.body
     return site_fingerprint(body[0] if len(body) == 1 else body)
