@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import enum
 import functools
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -16,41 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3patch.shapes import Bindings, VersionRange, match, outside_range
-
-
-class Verdict(str, enum.Enum):
-    """What k3patch knows about one site. Every command speaks this vocabulary."""
-
-    PENDING = "pending"
-    APPLIED = "applied"
-    SATISFIED = "satisfied"
-    NOT_APPLICABLE = "not applicable"
-    DRIFTED = "drifted"
-
-    @property
-    def is_good(self) -> bool:
-        """True for a site that is in a known good state (nothing left to do)."""
-        return self in (Verdict.APPLIED, Verdict.SATISFIED, Verdict.NOT_APPLICABLE)
-
-
-# The order in which site verdicts win when summarised into one verdict per patch:
-# any drift makes the patch drifted, otherwise any pending site makes it pending, and so on.
-_SUMMARY_ORDER = (
-    Verdict.DRIFTED,
-    Verdict.PENDING,
-    Verdict.APPLIED,
-    Verdict.SATISFIED,
-    Verdict.NOT_APPLICABLE,
-)
-
-
-def summarise(verdicts: Iterable[Verdict]) -> Verdict:
-    """One verdict for a patch from the verdicts of its sites."""
-    seen = set(verdicts)
-    for verdict in _SUMMARY_ORDER:
-        if verdict in seen:
-            return verdict
-    return Verdict.NOT_APPLICABLE
+from k3patch.verdicts import SiteResult, Verdict, summarise  # noqa: F401 (the patches use them here)
 
 
 def combined_verdict(verdicts: Iterable[Verdict]) -> Verdict | None:
@@ -86,48 +51,6 @@ class Shape:
     def match(self, target: ast.AST | Sequence[ast.stmt]) -> Bindings | None:
         """What each hole of this shape matched in `target`; None when `target` is not in it."""
         return match(self.source, target)
-
-
-@dataclass(frozen=True)
-class SiteResult:
-    """The classification of one site in one file."""
-
-    patch_id: str
-    site: str
-    file: str
-    verdict: Verdict
-    shape: str = ""
-    detail: str = ""
-    line: int | None = None
-    found: str = ""
-    expected: tuple[str, ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "patch": self.patch_id,
-            "site": self.site,
-            "file": self.file,
-            "verdict": self.verdict.value,
-            "shape": self.shape,
-            "detail": self.detail,
-            "line": self.line,
-            "found": self.found,
-            "expected": list(self.expected),
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> SiteResult:
-        return cls(
-            patch_id=data["patch"],
-            site=data["site"],
-            file=data["file"],
-            verdict=Verdict(data["verdict"]),
-            shape=data.get("shape", ""),
-            detail=data.get("detail", ""),
-            line=data.get("line"),
-            found=data.get("found", ""),
-            expected=tuple(data.get("expected", ())),
-        )
 
 
 # --------------------------------------------------------------------------------------------
