@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import inspect
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -297,6 +298,11 @@ def plan(report: Report, refused: Iterable[str] = ()) -> Plan:
     so another patch's edit of a shared file cannot have touched them."""
     sources = report.sources or Sources(report.tree.read, report.tree.version)
     refused = frozenset(refused)
+    # One libcst tree per changed file, whichever patches change it. Imported here: status
+    # and a tree with nothing pending never need libcst.
+    from k3patch.codemod import Codemods
+
+    files = Codemods(sources)
     changes: dict[str, str] = {}
     for patch in report.patches:
         if patch.id in refused:
@@ -304,12 +310,17 @@ def plan(report: Report, refused: Iterable[str] = ()) -> Plan:
         pending = [r for r in report.for_patch(patch.id) if r.verdict is Verdict.PENDING]
         if not pending:
             continue
-        current = sources.with_changes(changes)
         try:
-            rewritten = patch.rewrite(current, pending)
+            if len(inspect.signature(patch.rewrite).parameters) == 3:
+                patch.rewrite(sources, pending, files)  # type: ignore[call-arg]
+            else:
+                changes.update(patch.rewrite(sources.with_changes(changes), pending) or {})
         except Exception as exc:
             raise PatchBug(f"{patch.id}: rewrite failed: {exc!r}") from exc
-        changes.update(rewritten)
+    try:
+        changes.update(files.texts())
+    except Exception as exc:
+        raise PatchBug(f"rewrite failed: {exc!r}") from exc
     after_sources = sources.with_changes(changes)
     for rel in changes:
         # Parsed once: the tree feeds both the compile check and the re-classification.

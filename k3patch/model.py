@@ -12,7 +12,10 @@ import functools
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from k3patch.codemod import Codemods
 
 from k3patch.shapes import Bindings, VersionRange, match, outside_range
 from k3patch.verdicts import SiteResult, Verdict, summarise  # noqa: F401 (the patches use them here)
@@ -732,8 +735,9 @@ class ProbeOutcome:
 class Patch:
     """Base class of every module in `patches/`: a module defines one subclass and `PATCH`.
 
-    A patch reads its sites from `Sources` (classification must not need libcst), and rewrites
-    pending sites into new file texts (it may use libcst there). The engine knows no patch by name.
+    A patch reads its sites from `Sources` with `ast` (classification never needs libcst), and
+    rewrites pending sites through the libcst codemods of `rewrite`. The engine knows no patch
+    by name.
     """
 
     id: str = ""
@@ -752,8 +756,9 @@ class Patch:
     def classify(self, sources: Sources) -> list[SiteResult]:
         raise NotImplementedError
 
-    def rewrite(self, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
-        """New texts for the files that hold `pending` sites (rel path -> text)."""
+    def rewrite(self, sources: Sources, pending: list[SiteResult], files: Codemods) -> None:
+        """Rewrite the `pending` sites as libcst codemods on `files[rel]` (k3patch/codemod.py):
+        the engine parses each file once, prints it once, then compiles and re-classifies."""
         raise NotImplementedError
 
     def probe(self) -> ProbeOutcome | None:

@@ -14,11 +14,14 @@ it lacks what the fixed method calls.
 from __future__ import annotations
 
 from dataclasses import replace as with_fields
+from typing import TYPE_CHECKING
 
 import k3patch.model as model
-from k3patch.edits import SourceText, apply_edits, replace
 from k3patch.model import Patch, ProbeOutcome, Shape, SiteResult, Sources, Verdict
 from k3patch.shapes import VersionRange
+
+if TYPE_CHECKING:
+    from k3patch.codemod import Codemods
 
 FILE = "_aiter_ops.py"
 ROCM_FILE = "platforms/rocm.py"
@@ -88,12 +91,10 @@ class AiterMlaGfx942(Patch):
             return [with_fields(result, verdict=Verdict.DRIFTED, detail=detail)]
         return [result]
 
-    def rewrite(self, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
-        src = sources[FILE]
-        method = model.find_def(src.tree, SITE)
-        if method is None:
-            raise ValueError(f"{SITE} vanished between classification and rewrite")
-        return {FILE: apply_edits(src.text, [replace(SourceText(src.text), [method], POST_IMAGE)])}
+    def rewrite(self, sources: Sources, pending: list[SiteResult], files: Codemods) -> None:
+        from .rewrite import ExcludeGfx942  # libcst: only when there is something to rewrite
+
+        files[FILE].transform(ExcludeGfx942(SITE, POST_IMAGE))
 
     def probe(self) -> ProbeOutcome:
         from .probe import probe_truth_table
