@@ -1,0 +1,53 @@
+"""benchmarks/mutants.py's table is well-formed against today's declarations (no tree, no verify):
+a variant whose anchor moved would otherwise be found only when someone runs the benchmark."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import mutants  # noqa: E402
+
+PATCHES = ROOT / "patches"
+
+
+def test_at_least_25_variants_over_all_four_patches():
+    assert len(mutants.VARIANTS) >= 25
+    assert {v.patch for v in mutants.VARIANTS} == set(mutants.VERIFY_WITH) == set(mutants.TESTS)
+
+
+def test_variant_ids_are_unique():
+    ids = [v.id for v in mutants.VARIANTS]
+    assert len(ids) == len(set(ids))
+
+
+def test_every_substitution_occurs_exactly_once_in_todays_declaration():
+    assert mutants.table_errors(PATCHES) == {}
+
+
+def test_every_variant_changes_the_declaration():
+    for variant in mutants.VARIANTS:
+        changed = mutants.mutated(PATCHES, variant)
+        assert changed and all(
+            text != (PATCHES / rel).read_text(encoding="utf-8") for rel, text in changed.items()
+        ), variant.id
+
+
+def test_every_variant_runs_on_a_tree_and_every_declared_survivor_has_a_reason():
+    for variant in mutants.VARIANTS:
+        assert variant.trees and variant.what, variant.id
+        assert variant.equivalent == "" or len(variant.equivalent.split()) >= 8, variant.id
+
+
+def test_a_moved_anchor_is_a_table_error_not_a_silent_skip(tmp_path):
+    variant = mutants.VARIANTS[0]
+    declared = tmp_path / variant.subs[0].file
+    declared.parent.mkdir(parents=True)
+    text = (PATCHES / variant.subs[0].file).read_text(encoding="utf-8")
+    declared.write_text(text.replace(variant.subs[0].old, ""), encoding="utf-8")
+    assert variant.id in mutants.table_errors(tmp_path, [variant])
+    declared.write_text(text + text, encoding="utf-8")  # twice: ambiguous
+    assert "found 2 times" in mutants.table_errors(tmp_path, [variant])[variant.id]
