@@ -137,7 +137,39 @@ def target_files(patches: Iterable[Patch]) -> list[str]:
     return list(seen)
 
 
+def _file_drift(patch: Patch, rel: str, detail: str) -> SiteResult:
+    return SiteResult(
+        patch_id=patch.id, site="(file)", file=rel, verdict=Verdict.DRIFTED, detail=detail
+    )
+
+
+def _unreadable(patch: Patch, sources: Sources) -> list[SiteResult]:
+    """Every file a patch reads must parse, whatever the patch would look at first: a patch
+    that answers "not applicable" or "satisfied" from one file must not do so past another it
+    cannot read. One drifted result per present file that is not Python source (syntax error,
+    binary junk, not UTF-8, nested past the parser's limits) or holds no code at all (an empty
+    or truncated target is never vLLM's). An absent file is the patch's to judge."""
+    out = []
+    for rel in patch.files:
+        src = sources[rel]
+        if not src.exists:
+            continue
+        try:
+            tree = src.tree
+        except SourceError as exc:
+            out.append(_file_drift(patch, rel, str(exc)))
+            continue
+        if not tree.body:
+            out.append(
+                _file_drift(patch, rel, f"{rel}: holds no code (empty); restore it from the wheel")
+            )
+    return out
+
+
 def _classify(patch: Patch, sources: Sources) -> list[SiteResult]:
+    unreadable = _unreadable(patch, sources)
+    if unreadable:
+        return unreadable
     try:
         return patch.classify(sources)
     except AmbiguousDefinition as exc:
@@ -161,25 +193,18 @@ def _classify(patch: Patch, sources: Sources) -> list[SiteResult]:
             )
         ]
     except SourceError as exc:
-        rel = str(exc).split(":", 1)[0]
-        return [
-            SiteResult(
-                patch_id=patch.id,
-                site="(file)",
-                file=rel,
-                verdict=Verdict.DRIFTED,
-                detail=str(exc),
-            )
-        ]
+        return [_file_drift(patch, str(exc).split(":", 1)[0], str(exc))]
     except (RecursionError, MemoryError):
-        # Code nested deeper than the analysis can follow is not a shape any patch knows.
+        # It parsed, but is nested deeper than the analysis can follow (a recursive copy or
+        # unparse of an expression hundreds of operators deep): the deepest of the patch's
+        # files is the one, whichever file the patch happened to be reading.
+        rel = max(patch.files, key=lambda rel: sources[rel].depth())
         return [
-            SiteResult(
-                patch_id=patch.id,
-                site="(file)",
-                file=patch.files[0],
-                verdict=Verdict.DRIFTED,
-                detail="code nested too deeply to analyse (a generated or hostile file?)",
+            _file_drift(
+                patch,
+                rel,
+                f"{rel}: code nested too deeply to analyse ({sources[rel].depth()} levels; a "
+                "generated or hostile file?); restore it from the wheel",
             )
         ]
 

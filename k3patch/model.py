@@ -184,7 +184,28 @@ class SourceFile:
                     f"{self.rel}: does not parse ({exc.msg}, line {exc.lineno}); "
                     "restore it from the wheel"
                 ) from None
+            except (RecursionError, MemoryError):
+                # The parser's own limits (3.11: deep operator chains raise RecursionError,
+                # thousands of unary operators MemoryError): no vLLM file comes near them.
+                raise SourceError(
+                    f"{self.rel}: code nested too deeply to parse (a generated or hostile "
+                    "file?); restore it from the wheel"
+                ) from None
         return self._tree
+
+    def depth(self) -> int:
+        """How many nodes deep the file's syntax tree goes, walked without recursion (0 for a
+        file that is absent or does not parse): which file is too deep to analyse."""
+        try:
+            todo: list[tuple[ast.AST, int]] = [(self.tree, 1)]
+        except SourceError:
+            return 0
+        deepest = 0
+        while todo:
+            node, level = todo.pop()
+            deepest = max(deepest, level)
+            todo.extend((child, level + 1) for child in ast.iter_child_nodes(node))
+        return deepest
 
     def segment(self, node: ast.AST) -> str:
         """The exact source text of a node, for reports."""

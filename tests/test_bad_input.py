@@ -52,6 +52,8 @@ def record_of(text: str, prefix: str) -> str:
         (b"def broken(:\n", "does not parse"),
         (b"\x00\x01\x02\xff\xfe binary", "not UTF-8"),
         (b"x = '\xe9t\xe9'\n", "not UTF-8"),
+        (b"", "holds no code"),
+        (b"x = " + b"-" * 100_000 + b"1\n", "too deeply"),
     ],
 )
 def test_unreadable_target_is_drift_and_untouched(make_tree, junk, expect):
