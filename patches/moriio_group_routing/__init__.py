@@ -22,9 +22,9 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from functools import partial
+from typing import TYPE_CHECKING
 
 from k3patch import model
-from k3patch.edits import SourceText, apply_edits
 from k3patch.model import Patch, ProbeOutcome, SiteResult, Sources, Verdict
 from k3patch.shapes import match
 
@@ -32,6 +32,9 @@ from . import forms
 from .forms import FIELD_NAME, FORK_FIELDS
 from .sites import PENDING, Function, Insert, Item, LegacyGrowth, Plan, Site, keyword, takes
 from .upstream import NATIVE_SHAPES, SINGLE_GROUP_SHAPE
+
+if TYPE_CHECKING:
+    from k3patch.codemod import Codemods
 
 # Plain constants: the no-op path reads `files` from this text without importing it.
 COMMON = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_common.py"
@@ -193,14 +196,11 @@ class MoriioGroupRouting(Patch):
     def _each_file(self, verdict: Verdict, detail: str, shape: str = "") -> list[SiteResult]:
         return [self.result(UPSTREAM_SITES[rel], rel, verdict, detail, shape) for rel in FILES]
 
-    def rewrite(self, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
-        changes: dict[str, str] = {}
-        for rel in FILES:
-            src, text = sources[rel], SourceText(sources[rel].text)
-            due = [s for s in FORK_SITES if s.file == rel and s.look(src)[0].verdict is PENDING]
-            if due:
-                changes[rel] = apply_edits(src.text, [e for s in due for e in s.edits(src, text)])
-        return changes
+    def rewrite(self, sources: Sources, pending: list[SiteResult], files: Codemods) -> None:
+        for site in FORK_SITES:
+            src = sources[site.file]
+            if site.look(src)[0].verdict is PENDING:
+                site.rewrite(src, files[site.file])
 
     def probe(self) -> ProbeOutcome | None:
         from . import probe

@@ -6,15 +6,17 @@ from __future__ import annotations
 import ast
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from k3patch import edits, model
-from k3patch.edits import Edit, SourceText
+from k3patch import model
 from k3patch.model import SiteResult, SourceFile, Verdict, clip_lines, dedent
 from k3patch.shapes import match, matches_each, parse_pattern, search
 
 from . import forms
 from .forms import FIELD_COMMENT, FIELD_NAME
+
+if TYPE_CHECKING:
+    from k3patch.codemod import Codemod
 
 PENDING, APPLIED, DRIFTED = Verdict.PENDING, Verdict.APPLIED, Verdict.DRIFTED
 Holds = Callable[[SourceFile, Any], bool]  # (the file, the site's function or None)
@@ -41,8 +43,9 @@ class Part:
         """`node`: the site's class (a field site) or function, `scope` its path (for reports)."""
         raise NotImplementedError
 
-    def edits(self, src: SourceFile, text: SourceText, node: Any) -> list[Edit]:
-        return []
+    def rewrite(self, src: SourceFile, file: Codemod, node: Any) -> None:
+        """Make this part k3patch's in `file` (the codemod of `src`); a part without text of
+        its own changes nothing."""
 
 
 @dataclass(frozen=True)
@@ -90,12 +93,16 @@ class Insert(Part):
             return drift(why, clip_lines(src.segment(node)), (dedent(self.added),), node.lineno)
         return Look(PENDING, at.lineno)
 
-    def edits(self, src: SourceFile, text: SourceText, node: ast.FunctionDef) -> list[Edit]:
+    def rewrite(self, src: SourceFile, file: Codemod, node: ast.FunctionDef) -> None:
         body, i = self._find(node)[0]
         if self.anchors:
-            return [edits.insert_after(text, body[i], self.added)]
-        edit = edits.insert_before(text, body[i], self.added)
-        return [Edit(edit.start, edit.end, edit.text + text.newline)]
+            file.insert_after(body[i], self.added)
+            return
+        from .rewrite import blank_line_above  # libcst: only when there is something to rewrite
+
+        # k3patch's statements stand apart from the final return, as a paragraph of their own.
+        file.insert_before(body[i], self.added)
+        file.change(body[i], blank_line_above)
 
 
 @dataclass(frozen=True)
@@ -172,9 +179,14 @@ class Item(Part):
         why = f"{scope}: expected one {what} with the fork's `{self.fork}`, found {found}"
         return drift(why, clip_lines(src.segment(node)), (self.fork,), node.lineno)
 
-    def edits(self, src: SourceFile, text: SourceText, node: Any) -> list[Edit]:
-        added = f"{FIELD_COMMENT}\n{self.added}\n" if self.kind == "field" else self.added
-        return [edits.append_to(text, self._holders(node)[0], added)]
+    def rewrite(self, src: SourceFile, file: Codemod, node: Any) -> None:
+        holder = self._holders(node)[0]
+        if self.kind == "field":
+            file.append_to(holder, f"{FIELD_COMMENT}\n{self.added}")
+        elif self.kind == "param":
+            file.append_to(holder, self.added)
+        else:
+            file.append_to(holder, self.added, within=_statement_holding(node, holder))
 
 
 def keyword(callee: str, added: str) -> Item:
@@ -199,8 +211,22 @@ class Function(Part):
         why = f"{self.name} is not k3patch's function"
         return drift(why, clip_lines(src.segment(fn)), (dedent(self.source),), fn.lineno)
 
-    def edits(self, src: SourceFile, text: SourceText, node: ast.AST) -> list[Edit]:
-        return [edits.append_definition(text, self.source)]
+    def rewrite(self, src: SourceFile, file: Codemod, node: ast.AST) -> None:
+        file.append_definition(self.source)
+
+
+def _statement_holding(scope: ast.AST, expr: ast.expr) -> ast.stmt:
+    """The innermost statement of `scope` whose text holds `expr` (the one a codemod changes to
+    append an item to `expr`): of the statements that hold it, the one that starts last."""
+    start, end = (expr.lineno, expr.col_offset), (expr.end_lineno or 0, expr.end_col_offset or 0)
+    holding = [
+        s
+        for s in ast.walk(scope)
+        if isinstance(s, ast.stmt)
+        and (s.lineno, s.col_offset) <= start
+        and end <= (s.end_lineno or 0, s.end_col_offset or 0)
+    ]
+    return max(holding, key=lambda s: (s.lineno, s.col_offset))
 
 
 def takes(name: str) -> Holds:
@@ -259,8 +285,8 @@ class Plan(Part):
         why += f"; {forms.LEGACY_DEBUG_DEFECT}{goes}" if debug else ""
         return Look(PENDING, stmts[0].lineno, why=why, shape=forms.LEGACY_SHAPE)
 
-    def edits(self, src: SourceFile, text: SourceText, node: ast.FunctionDef) -> list[Edit]:
-        return [edits.replace(text, _regions(node)[0][1], forms.K3PATCH_PLAN)]
+    def rewrite(self, src: SourceFile, file: Codemod, node: ast.FunctionDef) -> None:
+        file.replace(_regions(node)[0][1], forms.K3PATCH_PLAN)
 
 
 @dataclass(frozen=True)
@@ -324,5 +350,7 @@ class Site:
         fields = (verdict, look.shape, look.why, look.line, look.found, look.expected)
         return SiteResult(patch_id, self.name, self.file, *fields), evidence
 
-    def edits(self, src: SourceFile, text: SourceText) -> list[Edit]:
-        return [edit for part in self.parts for edit in part.edits(src, text, self.node(src))]
+    def rewrite(self, src: SourceFile, file: Codemod) -> None:
+        node = self.node(src)
+        for part in self.parts:
+            part.rewrite(src, file, node)
