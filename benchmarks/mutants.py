@@ -2,7 +2,8 @@
 each held against apply's own re-check, verify's probes on real trees, and a named test subset.
 
     .venv/bin/python benchmarks/mutants.py [--only VARIANT]... [--patch ID]... [--trees T,...]
-                                           [--source HEAD|worktree] [--no-tests] [--no-write]
+                                           [--source HEAD|worktree] [--tests survivors|all|none]
+                                           [--no-write] [--list]
 
 Each VARIANT below is a few substitutions in a patch's declared post-image (the text `apply`
 writes, which is also the shape `status` reads as k3patch's), each of which must occur exactly
@@ -19,8 +20,10 @@ quietly. Per variant:
    they share moriio_connector.py and chunk gate's probe drives group routing's code): a failed
    probe or a module broken by the patch is "killed by probes";
 4. the patch's own test file (TESTS below; `-m "not verify" -x`, the scratch copy's tests
-   against the scratch k3patch) is "killed by tests" when it fails; every subset is first run
-   on the unmutated copy, and so is every tree (a kill against a baseline that fails is none).
+   against the scratch k3patch) is "killed by tests" when it fails: by default only for the
+   variants that apply and the probes let through (what only tests catch; `--tests all` runs
+   it for every variant, about 15-50 s each). Every tree, and every test subset that runs, is
+   first run on the unmutated copy: a kill against a failing baseline is none.
 A survivor stays only with a declared reason (`equivalent=`) why it behaves as the real fix.
 
 The report (stdout, and the "Mutants" section of benchmarks/RESULTS.md unless --no-write or a
@@ -774,13 +777,14 @@ def report_lines(results: list[Result], errors: dict[str, str], baseline: list[s
     return lines
 
 
-def write_results(lines: list[str], command: str) -> None:
+def write_results(lines: list[str], command: str, tests: str) -> None:
     today = datetime.date.today().isoformat()
     section = [
         "## Mutants",
         "",
         f"`{command}`, {today} (A: killed by apply, P: killed by probes, S: survived; tests: "
-        f"{', '.join(t for ts in TESTS.values() for t in ts)} with `{' '.join(TEST_ARGS)}`):",
+        f"{', '.join(t for ts in TESTS.values() for t in ts)} with `{' '.join(TEST_ARGS)}`, "
+        f"run on {'the variants verify let through' if tests == 'survivors' else tests}):",
         "",
         *lines,
         "",
@@ -802,7 +806,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--patch", action="append", default=[], metavar="ID")
     parser.add_argument("--trees", help="comma-separated; each variant runs on those it lists")
     parser.add_argument("--source", default="HEAD", help="a git revision, or 'worktree'")
-    parser.add_argument("--no-tests", action="store_true", help="skip the test subsets")
+    parser.add_argument(
+        "--tests",
+        choices=("survivors", "all", "none"),
+        default="survivors",
+        help="run the test subset on the variants verify let through (default), on all, or none",
+    )
     parser.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
     parser.add_argument("--list", action="store_true", help="print the table and exit")
     args = parser.parse_args(argv)
@@ -845,12 +854,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             if got.outcome != "S":
                 bad_base.add((patch, tree))
         base_tests: dict[str, str] = {}
-        if not args.no_tests:
-            for patch in sorted({v.patch for v in runnable}):
+
+        def tests_pass_unmutated(patch: str) -> bool:
+            if patch not in base_tests:
                 base_tests[patch], detail = run_tests(base, patch)
                 baseline.append(f"tests of {patch}: {base_tests[patch]} ({detail})")
                 print("baseline", baseline[-1], flush=True)
-        shutil.rmtree(work / "base")
+            return base_tests[patch] == "passed"
 
         results = []
         for v in runnable:
@@ -866,9 +876,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     result.trees.append(run_tree(lib, v, v.patch, tree, where))
                 except Exception as exc:  # one variant's failure is reported, not the run's end
                     result.trees.append(TreeResult(tree, "E", f"{type(exc).__name__}: {exc}"))
-            if args.no_tests:
+            if args.tests == "none" or (args.tests == "survivors" and not result.survived):
                 result.tests = "not run"
-            elif base_tests.get(v.patch) != "passed":
+            elif not tests_pass_unmutated(v.patch):
                 result.tests = "baseline fails"
             else:
                 result.tests, result.tests_detail = run_tests(lib, v.patch)
@@ -887,8 +897,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     full = not (args.only or args.patch or args.trees)
     if full and not args.no_write:
         command = "benchmarks/mutants.py" + (f" --source {args.source}" if args.source else "")
-        command += " --no-tests" if args.no_tests else ""
-        write_results(lines, ".venv/bin/python " + command)
+        command += f" --tests {args.tests}" if args.tests != "survivors" else ""
+        write_results(lines, ".venv/bin/python " + command, args.tests)
     return 1 if errors or any(r.verdict() in ("SURVIVED", "error") for r in results) else 0
 
 
