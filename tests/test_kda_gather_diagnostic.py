@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from conftest import (
     FIXTURES,
-    assert_rewrites,
     assert_untouched,
     built_fork_tree,
     classify_files,
+    patch_named,
     run_cli,
     sites_of,
     status_json,
@@ -33,6 +33,7 @@ from k3patch.patches.kda_gather_diagnostic import syncs
 
 from k3patch import model
 from k3patch import verify as verify_mod
+from k3patch.codemod import Codemods
 from k3patch.registry import patches_dir
 from k3patch.tree import locate
 
@@ -104,9 +105,9 @@ def prefill(diag: str = pad(CALLER_DIAG), head: str = "import torch\n") -> str:
     )
 
 
-def layer(diag: str = pad(CALLER_DIAG, " " * 8)) -> str:
+def layer(diag: str = pad(CALLER_DIAG, " " * 8), head: str = "import torch\n") -> str:
     return (
-        "import torch\n\n\nclass KimiK3DeltaAttention:\n"
+        f"{head}\n\nclass KimiK3DeltaAttention:\n"
         "    def _forward(self, q, pool, state_indices):\n"
         f"{diag}"
         "        return q\n"
@@ -218,7 +219,32 @@ def test_snippet_verdicts(case):
 
 
 # --------------------------------------------------------------------------------------------
-# Table 2: (before, after). Only the files that change are in `after`.
+# Table 2: (before, after) of the codemod, as libcst's CodemodTest.assertCodemod reads. Only the
+# files that change are in `after`.
+
+
+def codemod(files: dict[str, str]) -> dict[str, str]:
+    """What the patch's codemod makes of `files` (the changed files only), as the engine runs
+    it: one Codemods over the sources, every pending site handed to rewrite."""
+    patch = patch_named(PATCH)
+    sources = model.Sources(lambda rel: files[rel].encode() if rel in files else None)
+    pending = [r for r in patch.classify(sources) if r.verdict is model.Verdict.PENDING]
+    if not pending:
+        return {}
+    codemods = Codemods(sources)
+    patch.rewrite(sources, pending, codemods)
+    return codemods.texts()
+
+
+def assert_codemod(before: dict[str, str], after: dict[str, str]) -> None:
+    """`before` -> `after`; then `after` -> `after`: it reads good, nothing is left pending, so
+    a second apply changes nothing (the idempotence proof)."""
+    found = classify_files(PATCH, before).values()
+    assert any(r.verdict is model.Verdict.PENDING for r in found), "the test proves nothing"
+    assert codemod(before) == after
+    again = {**before, **after}
+    assert all(r.verdict.is_good for r in classify_files(PATCH, again).values())
+    assert codemod(again) == {}
 
 
 def multiline_message(text: str) -> str:
@@ -227,38 +253,44 @@ def multiline_message(text: str) -> str:
 
 
 TAB_DIAG = DIAG.replace("    ", "\t")
+# libcst's AddImportsVisitor puts `import os` at the end of the module's first import block.
+WITH_OS = "import torch\nimport os\n"
 FUTURE = '"""Doc."""\nfrom __future__ import annotations\n\n'
 BEFORE_AFTER = {
     "fork's folded file": (
         {OPS: ops(pad(DIAG))},
-        {OPS: ops(gated(DIAG), head="import os\n\nimport torch\n")},
+        {OPS: ops(gated(DIAG), head=WITH_OS)},
     ),
     "guard script's clamp": (
         {OPS: ops(pad(DIAG), clamp="clamp")},
-        {OPS: ops(gated(DIAG), clamp="clamp", head="import os\n\nimport torch\n")},
+        {OPS: ops(gated(DIAG), clamp="clamp", head=WITH_OS)},
     ),
     "existing `import os` is reused": (
         {OPS: ops(pad(DIAG), head="import os\nimport torch\n")},
         {OPS: ops(gated(DIAG), head="import os\nimport torch\n")},
     ),
-    "stdlib block first, docstring and __future__ kept": (
+    "docstring and __future__ kept, `import os` after the imports": (
         {OPS: ops(pad(DIAG), head=FUTURE + "import torch\n")},
-        {OPS: ops(gated(DIAG), head=FUTURE + "import os\n\nimport torch\n")},
+        {OPS: ops(gated(DIAG), head=FUTURE + WITH_OS)},
+    ),
+    "an `import os` below the first import block is not written again": (
+        {OPS: ops(pad(DIAG), head="import torch\n\nX = 1\nimport os\n")},
+        {OPS: ops(gated(DIAG), head="import torch\n\nX = 1\nimport os\n")},
     ),
     "multi-line log text keeps its value": (
         {OPS: multiline_message(ops(pad(DIAG)))},
-        {OPS: multiline_message(ops(gated(DIAG), head="import os\n\nimport torch\n"))},
+        {OPS: multiline_message(ops(gated(DIAG), head=WITH_OS))},
     ),
     "both callers, one `import os` each": (
         {OPS: UPSTREAM_OPS, PREFILL: prefill(), LAYER: layer()},
         {
-            PREFILL: prefill(gated(CALLER_DIAG), head="import os\n\nimport torch\n"),
-            LAYER: "import os\n\n" + layer(gated(CALLER_DIAG, " " * 8)),
+            PREFILL: prefill(gated(CALLER_DIAG), head=WITH_OS),
+            LAYER: layer(gated(CALLER_DIAG, " " * 8), head=WITH_OS),
         },
     ),
     "a CRLF file stays CRLF": (
         {OPS: ops(pad(DIAG)).replace("\n", "\r\n")},
-        {OPS: ops(gated(DIAG), head="import os\n\nimport torch\n").replace("\n", "\r\n")},
+        {OPS: ops(gated(DIAG), head=WITH_OS).replace("\n", "\r\n")},
     ),
     "a tab-indented caller stays tab-indented": (
         {
@@ -274,7 +306,7 @@ BEFORE_AFTER = {
                 + GATE_LINE
                 + "\n"
                 + pad(TAB_DIAG.replace("indices", "state_indices"), "\t\t"),
-                head="import os\n\nimport torch\n",
+                head=WITH_OS,
             ).replace("    return", "\treturn")
         },
     ),
@@ -284,7 +316,7 @@ BEFORE_AFTER = {
 @pytest.mark.parametrize("case", sorted(BEFORE_AFTER))
 def test_before_after(case):
     before, after = BEFORE_AFTER[case]
-    assert_rewrites(PATCH, before, after)
+    assert_codemod(before, after)
 
 
 # --------------------------------------------------------------------------------------------
@@ -631,8 +663,9 @@ def test_probe_sees_a_lost_clamp(fork_tree, verify_python):
 
 
 def test_patch_imports_only_stdlib_and_k3patch_stdlib_modules():
-    # The verify child imports the patch with nothing but the stdlib and these k3patch modules.
-    allowed = {"k3patch.model", "k3patch.shapes", "k3patch.edits", "k3patch.probekit"}
+    # The verify child imports the patch with nothing but the stdlib and these k3patch modules;
+    # the codemod driver (libcst) only under TYPE_CHECKING, and no text splicing (k3patch.edits).
+    allowed = {"k3patch.model", "k3patch.shapes", "k3patch.probekit"}
     for path in sorted(Path(kda.__file__).parent.glob("*.py")):
         top = set()
         for node in ast.parse(path.read_text()).body:

@@ -15,14 +15,16 @@ from __future__ import annotations
 import ast
 import textwrap
 from dataclasses import replace
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import k3patch.model as model
-from k3patch.edits import Edit, SourceText, apply_edits, ensure_import, insert_before, nest_under
 from k3patch.model import Patch, ProbeOutcome, Shape, SiteResult, SourceFile, Sources, Verdict
 from k3patch.shapes import VersionRange, holes, match
 
 from .syncs import ENV, sync_points
+
+if TYPE_CHECKING:
+    from k3patch.codemod import Codemods
 
 OPS_FILE = "model_executor/layers/mamba/ops/gather_initial_states.py"
 OPS_MODULE = "vllm.model_executor.layers.mamba.ops.gather_initial_states"
@@ -233,21 +235,23 @@ class KdaGatherDiagnostic(Patch):
         expected = [f"{g}{d.name} ({d.verdict.value})" for g in guards for d in DIAGNOSTIC_SHAPES]
         return model.drifted(self.id, site.name, src, nodes, why, expected), []
 
-    def rewrite(self, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
-        """Each diagnostic's own lines move one level in under the gate, with GATE_COMMENT
-        above; `import os` goes in where isort would put it. Every other byte stays."""
+    def rewrite(self, sources: Sources, pending: list[SiteResult], files: Codemods) -> None:
+        """Each diagnostic moves one level in under the gate, GATE_COMMENT above it; a module
+        without `import os` gets one (libcst's AddImportsVisitor places it). Every other
+        statement stays as it was."""
         wanted = {(r.site, r.file) for r in pending}
-        edits: dict[str, list[Edit | None]] = {}
         for site in (s for s in SITES if (s.name, s.file) in wanted):
             result, found = self.locate(sources, site)
             if result.verdict is not Verdict.PENDING or not found:
                 raise ValueError(f"{site.name}: no longer pending ({result.verdict.value})")
-            src = SourceText(sources[site.file].text)
-            todo = edits.setdefault(site.file, [ensure_import(src, sources[site.file].tree, "os")])
+            codemod = files[site.file]
+            # Pending means `os` is unbound or `import os`; AddImportsVisitor sees only the
+            # first import block, so an `import os` further down would be written again.
+            if model.imported_module(sources[site.file].tree.body, "os") is None:
+                codemod.ensure_import("os")
             for node in found:
-                todo.append(insert_before(src, node, GATE_COMMENT))
-                todo.append(nest_under(src, [node], f"if {GATE}:"))
-        return {rel: apply_edits(sources[rel].text, filter(None, e)) for rel, e in edits.items()}
+                codemod.insert_before(node, GATE_COMMENT)
+                codemod.nest_under([node], f"if {GATE}:")
 
     def probe(self) -> ProbeOutcome:
         from .probe import probe_no_sync_unless_asked
