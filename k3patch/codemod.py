@@ -39,10 +39,12 @@ class CodemodError(ValueError):
     """A change cannot be made safely (a statement shares its line, changes collide, ...)."""
 
 
-def statements(source: str) -> list[Statement]:
+def statements(source: str, newline: str = "\n") -> list[Statement]:
     """`source` (any indentation) as libcst statements; comment lines above the first one and
-    blank lines between them stay with the statement they precede."""
-    module = cst.parse_module(textwrap.dedent(source.strip("\n")) + "\n")
+    blank lines between them stay with the statement they precede. `newline`: the target
+    file's, which a multi-line string's own lines take too (libcst prints tokens verbatim)."""
+    text = textwrap.dedent(source.strip("\n")) + "\n"
+    module = cst.parse_module(text.replace("\n", newline))
     body = list(module.body)
     if not body:
         raise CodemodError(f"no statement in {source!r}")
@@ -190,6 +192,7 @@ class Codemod:
 
     def __init__(self, text: str, tree: ast.Module) -> None:
         self.module = cst.parse_module(text)
+        self.newline = self.module.default_newline
         self._slots, self._parents = _index(self.module, tree)
         self._plans: dict[int, _Plan] = {}
         self._imports: list[str] = []
@@ -226,10 +229,10 @@ class Codemod:
                 for line in lines
             ]
             return
-        self._plan(stmt).before += statements(source)
+        self._plan(stmt).before += statements(source, self.newline)
 
     def insert_after(self, stmt: ast.stmt, source: str) -> None:
-        self._plan(stmt).after += statements(source)
+        self._plan(stmt).after += statements(source, self.newline)
 
     def change(self, stmt: ast.stmt, change: Change) -> None:
         """`change(node)` replaces the statement's (updated) node: a statement or several."""
@@ -246,7 +249,7 @@ class Codemod:
 
     def replace(self, stmts: Sequence[ast.stmt], source: str) -> None:
         """The consecutive statements `stmts` by `source`; the comments above the first stay."""
-        new = statements(source)
+        new = statements(source, self.newline)
 
         def put(node: Statement) -> list[Statement]:
             return [with_leading_lines(new[0], node.leading_lines), *new[1:]]
@@ -314,7 +317,7 @@ class Codemod:
 
     def append_definition(self, source: str) -> None:
         """A top-level def or class at the end of the file, after two blank lines."""
-        new = statements(source)
+        new = statements(source, self.newline)
         blank = cst.EmptyLine(indent=False)
         self._definitions += [with_leading_lines(new[0], [blank, blank]), *new[1:]]
 

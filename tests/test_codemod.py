@@ -93,6 +93,11 @@ CASES = {
         "def f():\r\n    a = 1\r\n    b = 2\r\n",
         lambda c, t: c.insert_after(stmt_at(t, 2), "b = 2"),
     ),
+    "CRLF stays CRLF inside a new multi-line string too": (
+        "x = 1\r\n",
+        'x = 1\r\n\r\n\r\ndef g():\r\n    """Doc.\r\n\r\n    More.\r\n    """\r\n',
+        lambda c, t: c.append_definition('def g():\n    """Doc.\n\n    More.\n    """'),
+    ),
     "a keyword argument after one per line, trailing comma and a note": (
         """\
         x = f(
