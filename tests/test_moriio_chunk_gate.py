@@ -24,6 +24,7 @@ from k3patch.patches import moriio_chunk_gate as gate
 from k3patch.patches.moriio_chunk_gate import gates
 from patch_table import Change, assert_rewrite, assert_untouched
 
+from k3patch.codemod import Codemods
 from k3patch.model import Sources, Verdict, find_def
 
 ONLY = ["--only", "moriio-chunk-gate"]
@@ -53,6 +54,18 @@ def verdicts_of(site: Path) -> tuple[str, str]:
 def classify_text(text: str) -> dict[str, object]:
     sources = Sources(lambda rel: text.encode() if rel == gate.FILE else None)
     return {r.site: r for r in gate.PATCH.classify(sources)}
+
+
+def rewritten(text: str) -> str:
+    """The connector after the patch's codemod of its pending sites, as the engine runs it
+    (`text` itself when nothing is pending)."""
+    sources = Sources(lambda rel: text.encode() if rel == gate.FILE else None)
+    pending = [r for r in gate.PATCH.classify(sources) if r.verdict is Verdict.PENDING]
+    if not pending:
+        return text
+    files = Codemods(sources)
+    gate.PATCH.rewrite(sources, pending, files)
+    return files.texts()[gate.FILE]
 
 
 # --------------------------------------------------------------------------------------------
@@ -797,10 +810,7 @@ def test_shape_table(name, g1, g2, want):
     ("name", "g1", "g2", "want"), PENDING_ROWS, ids=[r[0] for r in PENDING_ROWS]
 )
 def test_every_pending_row_rewrites_to_applied(name, g1, g2, want):
-    text = module_with(g1, g2)
-    sources = Sources(lambda rel: text.encode() if rel == gate.FILE else None)
-    pending = [r for r in gate.PATCH.classify(sources) if r.verdict is Verdict.PENDING]
-    new = gate.PATCH.rewrite(sources, pending)[gate.FILE]
+    new = rewritten(module_with(g1, g2))
     compile(new, "rewritten", "exec")
     after = classify_text(new)
     for site, before in zip((gate.G1, gate.G2), want, strict=True):
@@ -940,14 +950,86 @@ def _connector_text(tree: str) -> str:
 @pytest.mark.parametrize("tree", sorted(REWRITE_ROWS))
 def test_rewrite_table(tree):
     before = {gate.FILE: _connector_text(tree)}
-    after = {**before}
-    sources = Sources(lambda rel: before[rel].encode() if rel in before else None)
-    pending = [r for r in gate.PATCH.classify(sources) if r.verdict is Verdict.PENDING]
-    assert [r.site for r in pending] == [gate.G1, gate.G2]
-    after.update(gate.PATCH.rewrite(sources, pending))
+    assert {r.verdict for r in classify_text(before[gate.FILE]).values()} == {Verdict.PENDING}
+    after = {gate.FILE: rewritten(before[gate.FILE])}
     assert_rewrite(before, after, REWRITE_ROWS[tree])
     assert_untouched(before, after, UNTOUCHED_ROWS[tree])
     again = classify_text(after[gate.FILE])
     assert {r.verdict for r in again.values()} == {Verdict.APPLIED}
     # after -> after: nothing left to write (the idempotence half of CodemodTest).
-    assert not [r for r in again.values() if r.verdict is Verdict.PENDING]
+    assert rewritten(after[gate.FILE]) == after[gate.FILE]
+
+
+# The codemod of shapes A-C as libcst's CodemodTest writes one: the whole method before and
+# after (D's temporaries and the older script's chains are the real-tree rows above). G1's gate
+# leaves `if new_block_ids is not None:` for k3patch's guard, G2's header is replaced; bodies
+# and the statements around them stay.
+G1_C_AFTER = """
+new_block_ids = scheduler_output.scheduled_cached_reqs.new_block_ids[i]
+if new_block_ids is not None:
+    block_ids = new_block_ids[0]
+    if req_id not in self._reqs_need_pending_save:
+        continue
+    req, existing_blocks = self._reqs_need_pending_save[req_id]
+    updated_blocks = list(existing_blocks) + (block_ids)
+    self._reqs_need_pending_save[req_id] = (req, updated_blocks)
+# k3patch moriio-chunk-gate: the prompt is complete when this step's
+# chunk reaches its end (compute progress, no slack), checked for every
+# pending request, also when the chunk allocated no new block. A block
+# count fires after chunk 1 once a block outgrows a chunk (K3: ~5,760).
+if req_id in self._reqs_need_pending_save:
+    req = self._reqs_need_pending_save[req_id][0]
+    if (
+        req.num_computed_tokens
+        + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+        >= req.num_prompt_tokens
+    ):
+        meta.add_new_req(req_id, self._reqs_need_pending_save[req_id][1], {}, write_mode=True)
+        del self._reqs_need_pending_save[req_id]
+"""
+G2_C_AFTER = """
+kv_params = self._req_kv_params.get(req_id, req.kv_transfer_params or {})
+# k3patch moriio-chunk-gate: not the final chunk until compute progress
+# reaches the prompt; a block count fires early once a block outgrows a
+# chunk (K3's ~5,760-token blocks).
+if (
+    req.num_computed_tokens
+    + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+    < req.num_prompt_tokens
+):
+    self._reqs_need_pending_save[req_id] = (req, block_ids)
+    continue
+meta.add_new_req(req_id, block_ids, kv_params, write_mode=True)
+"""
+
+
+def test_codemod_before_after_and_after_to_after():
+    before, after = module_with(G1_C, G2_C), module_with(G1_C_AFTER, G2_C_AFTER)
+    assert rewritten(before) == after
+    assert {r.verdict for r in classify_text(after).values()} == {Verdict.APPLIED}
+    assert rewritten(after) == after
+
+
+def _tabs_crlf(text: str) -> str:
+    """`text` indented with a tab per level (continuation lines inside brackets too) and
+    CRLF line ends."""
+    lines = [
+        "\t" * ((len(ln) - len(ln.lstrip(" "))) // 4) + ln.lstrip(" ") for ln in text.split("\n")
+    ]
+    return "\r\n".join(lines)
+
+
+def test_codemod_keeps_tabs_and_crlf():
+    before = _tabs_crlf(module_with(G1_C, G2_C))
+    after = rewritten(before)
+    compile(after, "rewritten", "exec")  # a space-for-tab indent would be a TabError
+    assert after.count("\n") == after.count("\r\n")
+    # Statements are indented with tabs only; the post-image's continuation lines add its own
+    # spaces inside the brackets, after the tabs of the gate they belong to.
+    for line in after.split("\r\n"):
+        indent = line[: len(line) - len(line.lstrip(" \t"))]
+        assert " \t" not in indent, repr(line)
+        if not line.lstrip().startswith(("req.", "+ ", ">= ", "< ", "):")):
+            assert " " not in indent, repr(line)
+    assert after.replace("\r\n", "\n").expandtabs(4) == module_with(G1_C_AFTER, G2_C_AFTER)
+    assert {r.verdict for r in classify_text(after).values()} == {Verdict.APPLIED}

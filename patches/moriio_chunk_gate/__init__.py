@@ -14,8 +14,15 @@ Check: `k3patch verify` drives the tree's real `build_connector_meta`, then vLLM
 block): each must be sent once, with its final chunk.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from k3patch.model import Patch, ProbeOutcome, Shape, SiteResult, Sources, Verdict
 from k3patch.shapes import VersionRange
+
+if TYPE_CHECKING:
+    from k3patch.codemod import Codemods
 
 FILE = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
@@ -174,10 +181,10 @@ class MoriioChunkGate(Patch):
 
         return classify_sites(sources[FILE])
 
-    def rewrite(self, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
+    def rewrite(self, sources: Sources, pending: list[SiteResult], files: Codemods) -> None:
         from .gates import rewrite_sites
 
-        return {FILE: rewrite_sites(sources[FILE], [r.site for r in pending])}
+        rewrite_sites(sources[FILE], [r.site for r in pending], files[FILE])
 
     def probe(self) -> ProbeOutcome:
         from .probe import probe_chunk_gate

@@ -1,14 +1,16 @@
 """How moriio-chunk-gate reads and rewrites its sites (stdlib ast only, to stay fast): the older
-script's decision chains, else the one gate `if`: a known shape, or a fixed form by its meaning."""
+script's decision chains, else the one gate `if`: a known shape, or a fixed form by its meaning.
+A rewrite hands the ast statements it found to the file's `Codemod` (libcst nodes are built in
+`rewrite.py`, imported only then)."""
 
 from __future__ import annotations
 
 import ast
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from k3patch import model
-from k3patch.edits import Edit, EditError, SourceText, apply_edits, header_end, replace
 from k3patch.model import SiteResult, SourceFile, Verdict, loaded_names, mentioned_names
 from k3patch.shapes import blocks, match, search
 
@@ -26,6 +28,9 @@ from . import (
     METHOD,
     SHAPES,
 )
+
+if TYPE_CHECKING:
+    from k3patch.codemod import Codemod
 
 # The forms told by predicate, not by a skeleton: upstream's, inline, and the older script's.
 UPSTREAM_HELPER = "_is_final_prefill_chunk"
@@ -55,17 +60,17 @@ def classify_sites(src: SourceFile) -> list[SiteResult]:
         why = f"moriio_connector.py has no {CLASS}.{METHOD}; the connector was restructured"
         return [site_result(s, Verdict.DRIFTED, why) for s in (G1, G2)]
     context = Context.of(src.tree)
-    return [classify_site(src, context, site) for site in (G1, G2)]
+    return [classify_site(context, site) for site in (G1, G2)]
 
 
-def classify_site(src: SourceFile, context: Context, site: str) -> SiteResult:
+def classify_site(context: Context, site: str) -> SiteResult:
     chains = site_chains(context, site)
     if chains:
         return classify_chains(context, site, chains)
     gate, why = locate(context, site)
     if gate is None:
         return site_result(site, Verdict.DRIFTED, why, line=context.method.lineno)
-    return gate.classify(src, context)
+    return gate.classify(context)
 
 
 def site_result(
@@ -78,16 +83,17 @@ def site_result(
     return SiteResult("moriio-chunk-gate", site, FILE, verdict, shape, why, line, found, expected)
 
 
-def rewrite_sites(src: SourceFile, pending: list[str]) -> str:
-    context, text = Context.of(src.tree), SourceText(src.text)
-    edits: list[Edit] = []
+def rewrite_sites(src: SourceFile, pending: list[str], codemod: Codemod) -> None:
+    context = Context.of(src.tree)
     for site in pending:
-        if classify_site(src, context, site).verdict is not Verdict.PENDING:
+        if classify_site(context, site).verdict is not Verdict.PENDING:
             raise ValueError(f"{site} is no longer pending")
         chains = site_chains(context, site)
+        for chain in chains or ():
+            chain.rewrite(codemod)
         gate = None if chains else locate(context, site)[0]
-        edits += [c.edit(text) for c in chains] if chains else [gate.edit(text)] if gate else []
-    return apply_edits(src.text, edits)
+        if gate is not None:
+            gate.rewrite(codemod)
 
 
 # The fork's mamba-blockids edit (SITES.md 1), by its statements: a name alone decides nothing.
@@ -188,11 +194,11 @@ class Gate:
         found = model.outline(self.conditions, inner)
         return site_result(self.site, verdict, why, shape, self.node.lineno, found)
 
-    def classify(self, src: SourceFile, context: Context) -> SiteResult:
+    def classify(self, context: Context) -> SiteResult:
         shape = next((s for s in SHAPES[self.site] if s.match(self.loop.body) is not None), None)
         if shape is None:
             return self.classify_fixed(context)
-        problems = self.preconditions(src, context, shape.verdict is Verdict.PENDING)
+        problems = self.preconditions(context, shape.verdict is Verdict.PENDING)
         if not problems:
             name = context.release if shape.name == FROM_SURROUNDINGS else shape.name
             return self.result(shape.verdict, name, shape.origin)
@@ -238,13 +244,13 @@ class Gate:
             return self.result(Verdict.SATISFIED, name, "gates on compute progress")
         return self.result(Verdict.DRIFTED, "", problem)
 
-    def preconditions(self, src: SourceFile, context: Context, pending: bool) -> list[str]:
+    def preconditions(self, context: Context, pending: bool) -> list[str]:
         """Why a gate in a known shape still cannot take (or does not hold) the post-image."""
         problems = []
         if pending:
-            try:
-                self.edit(SourceText(src.text))
-            except EditError:
+            # The codemod removes each temporary's line (statement) whole.
+            others = [s for s in self.block if s not in self.temps]
+            if any(_share_lines(temp, other) for temp in self.temps for other in others):
                 problems.append("its header shares lines with other code")
             if "scheduler_output" not in model.parameter_names(context.method):
                 problems.append(f"{METHOD} has no parameter named scheduler_output")
@@ -281,22 +287,23 @@ class Gate:
             )
         return problems
 
-    def edit(self, src: SourceText) -> Edit:
-        """The gate's header and temporaries replaced by the new header, as whole lines (each
-        must start its line); comments right above the gate stay, those above a temporary go."""
+    def rewrite(self, codemod: Codemod) -> None:
+        """The gate's temporaries go (with the comments above them) and its header becomes the
+        post-image's; comments right above the gate stay. G1's gate then leaves
+        `if new_block_ids is not None:` for the guard after it, which runs for every pending
+        request."""
+        from .rewrite import new_header, under_guard  # libcst: only when rewriting
+
         for temp in self.temps:
-            src.indent_of(temp)
-        first = self.block.index(self.temps[0] if self.temps else self.node)
-        above = self.block[first - 1].end_lineno if first else None
-        start = src.after_line(above) if above else src.starts[self.block[first].lineno - 1]
-        kept_from = src.after_line(self.temps[-1].end_lineno or 0) if self.temps else start
-        kept = src.text[kept_from : src.starts[self.node.lineno - 1]]
-        header = (G1_TEMPLATE if self.site == G1 else G2_TEMPLATE).strip("\n").split("\n")[:-1]
-        # G1's guard goes where `if new_block_ids is not None:` is; the gate stays in place.
-        at = header.index("    if (") if self.site == G1 else 0
-        guard = src.block("\n".join(header[:at]), src.indent_of(self.conditions[0])) if at else ""
-        new = guard + kept + src.block("\n".join(header[at:]), src.indent_of(self.node))
-        return Edit(start, header_end(src, self.node), new[: -len(src.newline)])
+            codemod.remove(temp)
+        if self.site == G1:
+            codemod.change(self.conditions[0], under_guard(G1_TEMPLATE))
+        else:
+            codemod.change(self.node, new_header(G2_TEMPLATE))
+
+
+def _share_lines(a: ast.stmt, b: ast.stmt) -> bool:
+    return a.lineno <= (b.end_lineno or b.lineno) and b.lineno <= (a.end_lineno or a.lineno)
 
 
 def needed_meaning(gate: ast.If) -> str:
@@ -416,7 +423,7 @@ class Chain:
             return "legacy" if names else "other"
         return "progress" if progress_meaning(value, {}) == FINAL else "other"
 
-    def edit(self, src: SourceText) -> Edit:
+    def rewrite(self, codemod: Codemod) -> None:
         """The decision replaced in place by compute progress; an `is None` fallback goes.
         Helper, map and debug lines stay: nothing reads them to decide any more."""
         value = self.decision.value  # `_k3_prefill_done(self, <request id>, <request>)`
@@ -425,7 +432,7 @@ class Chain:
             raise ValueError(f"{self.name}: a decision chain without its request names")
         source = LEGACY_TEMPLATE.format(name=self.name, req=args[2].id, req_id=args[1].id)
         stmts = [self.decision] if self.fallback is None else [self.decision, self.fallback]
-        return replace(src, stmts, source)
+        codemod.replace(stmts, source)
 
 
 def site_chains(context: Context, site: str) -> list[Chain] | None:
