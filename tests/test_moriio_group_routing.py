@@ -684,6 +684,38 @@ def test_formatting_never_changes_a_verdict(fork_tree, line_length, quote):
         ]
 
 
+@pytest.mark.parametrize("style", ["crlf", "tabs"])
+def test_apply_writes_in_the_files_own_newlines_and_indentation(fork_tree, style):
+    # A CRLF file stays CRLF, the new function's docstring included; in a tab-indented file
+    # every statement k3patch adds is indented by tabs, however deep it is nested.
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    tree = fork_tree("c")
+    for rel in FILES:
+        path = tree / rel
+        if style == "crlf":
+            path.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))
+        else:
+            tabs = ["--config", "format.indent-style='tab'", str(path)]
+            subprocess.run([ruff, "format", "--no-cache", "--isolated", *tabs], check=True)
+    original = tree_hashes(tree)
+    assert {s["verdict"] for s in sites(tree).values()} == {"pending"}
+    assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 0
+    assert {s["verdict"] for s in sites(tree).values()} == {"applied"}
+    for rel in FILES:
+        data = (tree / rel).read_bytes()
+        assert tree_hashes(tree)[rel] != original[rel], rel
+        if style == "crlf":
+            assert data.count(b"\n") == data.count(b"\r\n"), rel
+            continue
+        lines = data.decode().splitlines()
+        for stmt in ast.walk(ast.parse(data)):
+            if isinstance(stmt, ast.stmt):
+                indent = lines[stmt.lineno - 1][: stmt.col_offset]
+                assert set(indent) <= {"\t"}, (rel, stmt.lineno, lines[stmt.lineno - 1])
+    assert run_cli("revert", "--vllm", str(tree)).returncode == 0
+    assert tree_hashes(tree) == original
+
+
 def test_composes_with_the_chunk_gate_patch_in_either_order(fork_tree):
     if "moriio-chunk-gate" not in {p.id for p in all_patches()}:
         pytest.skip("moriio-chunk-gate is not registered")
