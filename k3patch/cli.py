@@ -260,7 +260,10 @@ def apply(
             payload = fastpath.apply_payload(outcome)
             if diff and outcome.plan is not None:
                 payload["diff"] = outcome.plan.diff()
+            if outcome.bugs:
+                payload["bugs"] = outcome.bugs
             render.emit_json("apply", code, payload)
+            render.bug_line(outcome)
         else:
             render.print_apply(outcome, quiet=quiet, diff=diff, every_site=sites)
         return code

@@ -301,6 +301,9 @@ class Plan:
     after_results: list[SiteResult]
     new_texts: dict[str, str]  # rel -> new text
     old_texts: dict[str, str]
+    # Patches left out because their rewrite failed its own checks (a k3patch bug, never the
+    # tree's): patch id -> one line saying how. Nothing of them is in `new_texts`.
+    bugs: dict[str, str] = field(default_factory=dict)
 
     def diff(self) -> str:
         chunks: list[str] = []
@@ -320,66 +323,101 @@ def plan(report: Report, refused: Iterable[str] = ()) -> Plan:
     """Rewrite every pending site in memory, compile the results and re-classify them: every
     pending site must now read as applied and no other verdict may change. The patches named
     in `refused` (drifted ones) are not rewritten: each of their sites must keep its verdict,
-    so another patch's edit of a shared file cannot have touched them."""
-    sources = report.sources or Sources(report.tree.read, report.tree.version)
-    refused = frozenset(refused)
-    # One libcst tree per changed file, whichever patches change it. Imported here: status
-    # and a tree with nothing pending never need libcst.
-    from k3patch.codemod import Codemods
+    so another patch's edit of a shared file cannot have touched them.
 
-    files = Codemods(sources)
+    Patch by patch: each is rewritten over the files as the patches before it left them, in
+    its own libcst trees, and checked at once. A patch whose rewrite raises, does not compile,
+    or does not re-classify as exactly that (a k3patch bug) is left out and named in
+    `Plan.bugs`; the files it touched are as the patches before it left them, so it cannot
+    poison another patch's edit of a shared file, and the others go on."""
+    sources = report.sources or Sources(report.tree.read, report.tree.version)
+    skip = frozenset(refused)
     changes: dict[str, str] = {}
+    current: Sources = sources
+    results = {p.id: report.for_patch(p.id) for p in report.patches}
+    rewritten: set[str] = set()
+    bugs: dict[str, str] = {}
     for patch in report.patches:
-        if patch.id in refused:
+        if patch.id in skip:
             continue
-        pending = [r for r in report.for_patch(patch.id) if r.verdict is Verdict.PENDING]
+        pending = [r for r in results[patch.id] if r.verdict is Verdict.PENDING]
         if not pending:
             continue
         try:
-            if len(inspect.signature(patch.rewrite).parameters) == 3:
-                patch.rewrite(sources, pending, files)  # type: ignore[call-arg]
-            else:
-                changes.update(patch.rewrite(sources.with_changes(changes), pending) or {})
-        except Exception as exc:
-            raise PatchBug(f"{patch.id}: rewrite failed: {exc!r}") from exc
+            mine = _rewrite(patch, current, pending)
+            after = current.with_changes(mine)
+            checked = _check(report, after, set(mine), rewritten | {patch.id}, skip)
+        except PatchBug as exc:
+            bugs[patch.id] = str(exc)
+            continue
+        changes.update(mine)
+        current = after
+        results.update(checked)
+        rewritten.add(patch.id)
+    old_texts = {rel: sources[rel].text for rel in changes}
+    after_results = [r for p in report.patches for r in results[p.id]]
+    return Plan(report, after_results, changes, old_texts, bugs)
+
+
+def _rewrite(patch: Patch, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
+    """One patch's new file texts (only the files it changed), in its own libcst trees over
+    `sources`. Imported here: status and a tree with nothing pending never need libcst."""
+    from k3patch.codemod import Codemods
+
     try:
-        changes.update(files.texts())
+        if len(inspect.signature(patch.rewrite).parameters) == 3:
+            files = Codemods(sources)
+            patch.rewrite(sources, pending, files)
+            texts = files.texts()
+        else:  # the older text-splicing rewrite, while the patches move over to codemods
+            older: Any = patch.rewrite
+            texts = dict(older(sources, pending) or {})
     except Exception as exc:
-        raise PatchBug(f"rewrite failed: {exc!r}") from exc
-    after_sources = sources.with_changes(changes)
-    for rel in changes:
+        raise PatchBug(f"{patch.id}: rewrite failed: {exc!r}") from exc
+    changed = {rel: text for rel, text in texts.items() if text != sources[rel].text}
+    if not changed:
+        raise PatchBug(f"{patch.id}: the rewrite of {len(pending)} pending site(s) changed nothing")
+    return changed
+
+
+def _check(
+    report: Report, after: Sources, changed: set[str], rewritten: set[str], refused: frozenset[str]
+) -> dict[str, list[SiteResult]]:
+    """The new results of every patch whose files are in `changed`, checked: each changed file
+    compiles, every pending site of the `rewritten` patches now reads applied and every other
+    site keeps its verdict (so the `refused` patches' sites are untouched). A patch none of
+    whose files changed keeps its results: its inputs are the same bytes."""
+    for rel in changed:
         # Parsed once: the tree feeds both the compile check and the re-classification.
         try:
-            compile(after_sources[rel].tree, f"vllm/{rel}", "exec", dont_inherit=True)
+            compile(after[rel].tree, f"vllm/{rel}", "exec", dont_inherit=True)
         except (SyntaxError, SourceError, ValueError) as exc:
-            raise PatchBug(f"rewritten vllm/{rel} does not compile: {exc}") from exc
-    # A patch none of whose files changed keeps its verdicts: its inputs are the same bytes.
-    after = [
-        r
-        for p in report.patches
-        for r in (
-            _classify(p, after_sources) if set(p.files) & set(changes) else report.for_patch(p.id)
-        )
-    ]
-    before_by_key = {(r.patch_id, r.site, r.file): r for r in report.results}
-    after_keys = {(r.patch_id, r.site, r.file) for r in after}
-    for result in after:
-        old = before_by_key.get((result.patch_id, result.site, result.file))
-        was_rewritten = old is not None and old.patch_id not in refused
-        want = (
-            Verdict.APPLIED
-            if old and was_rewritten and old.verdict is Verdict.PENDING
-            else (old and old.verdict)
-        )
-        if want != result.verdict:
-            raise PatchBug(
-                f"{result.patch_id}: after the rewrite {result.site} in vllm/{result.file} reads "
-                f"{result.verdict.value}, expected {want.value if want else 'no such site'}"
+            why = str(exc).removesuffix("; restore it from the wheel")  # the tree's remedy
+            raise PatchBug(f"rewritten vllm/{rel} does not compile: {why}") from exc
+    before = {(r.patch_id, r.site, r.file): r for r in report.results}
+    out: dict[str, list[SiteResult]] = {}
+    for patch in report.patches:
+        if not set(patch.files) & changed:
+            continue
+        now = _classify(patch, after)
+        for result in now:
+            old = before.get((result.patch_id, result.site, result.file))
+            want = (
+                Verdict.APPLIED
+                if old and old.patch_id in rewritten and old.verdict is Verdict.PENDING
+                else (old and old.verdict)
             )
-    if after_keys != set(before_by_key):
-        raise PatchBug("the rewrite changed which sites exist; nothing was written")
-    old_texts = {rel: sources[rel].text for rel in changes}
-    return Plan(report, after, changes, old_texts)
+            if want != result.verdict:
+                raise PatchBug(
+                    f"after the rewrite {result.site} of {result.patch_id} in vllm/"
+                    f"{result.file} reads {result.verdict.value}, expected "
+                    f"{want.value if want else 'no such site'}"
+                )
+        keys = {(r.site, r.file) for r in now}
+        if keys != {(r.site, r.file) for r in report.for_patch(patch.id)}:
+            raise PatchBug(f"the rewrite changed which sites of {patch.id} exist")
+        out[patch.id] = now
+    return out
 
 
 @dataclass
@@ -395,6 +433,9 @@ class ApplyOutcome:
     recovered: list[str] = field(default_factory=list)
     pycache: list[str] = field(default_factory=list)
     check: bool = False
+    # Patches whose rewrite failed its own checks (a k3patch bug): id -> how. Nothing of them
+    # is written; the others are, unless --all-or-nothing (then nothing at all). Exit 2.
+    bugs: dict[str, str] = field(default_factory=dict)
 
 
 def _record(
@@ -442,7 +483,12 @@ def apply(
     if check:
         the_plan = plan(report, refused) if report.pending_outside(refused) else None
         outcome = _refused(report, refused, check=True)
-        outcome.plan = the_plan
+        if the_plan is not None:
+            outcome.bugs = the_plan.bugs
+            outcome.all_or_nothing = outcome.all_or_nothing or bool(
+                the_plan.bugs and all_or_nothing
+            )
+            outcome.plan = None if the_plan.bugs and all_or_nothing else the_plan
         return outcome
 
     txn = Transaction(tree.package_dir, fault)
@@ -460,6 +506,11 @@ def apply(
         if not report.pending_outside(refused):
             return _refused(report, refused, recovered=recovered)
         the_plan = plan(report, refused)
+        if the_plan.bugs and (all_or_nothing or not the_plan.new_texts):
+            outcome = _refused(report, refused, recovered=recovered)
+            outcome.bugs = the_plan.bugs
+            outcome.all_or_nothing = all_or_nothing
+            return outcome
         sources = report.sources or Sources(tree.read, tree.version)
         # Damaged or of another schema: stop (exit 3) before its saved originals are pruned.
         old = load(tree.state_dir)
@@ -473,7 +524,7 @@ def apply(
             touched = {
                 r.patch_id
                 for r in the_plan.before.pending
-                if r.file == rel and r.patch_id not in refused
+                if r.file == rel and r.patch_id not in refused and r.patch_id not in the_plan.bugs
             }
             files[rel] = FileState(
                 original=prior.original if prior else (None if before is None else sha256(before)),
@@ -501,6 +552,7 @@ def apply(
             refused_patches=refused,
             recovered=recovered,
             pycache=pycache,
+            bugs=the_plan.bugs,
         )
 
 

@@ -80,7 +80,10 @@ def for_status(report: Report) -> int:
 
 def for_apply(outcome: ApplyOutcome) -> int:
     # Pending after a real apply cannot happen (the plan re-checks); under --check it means
-    # "would change". Drift is refused, and an interrupted journal needs a real run.
+    # "would change". Drift is refused, and an interrupted journal needs a real run. A patch
+    # whose rewrite failed its own checks is k3patch's bug: that outweighs everything else.
+    if outcome.bugs:
+        return _decide(ExitCode.USAGE)
     return _decide(ExitCode.ATTENTION if outcome.refused else for_status(outcome.report))
 
 

@@ -205,10 +205,12 @@ def apply_lines(
     all_or_nothing: bool = False,
     check: bool = False,
     every_site: bool = False,
+    bugs: Mapping[str, str] | None = None,
 ) -> list[Line]:
     """The human report of `apply`: per patch its verdict now and, for a patch this run wrote,
     the shape it was in and the files it changed; then the files written, in full.
-    `refused_text` says what was done about the drifted patches in `refused`."""
+    `refused_text` says what was done about the drifted patches in `refused`; `bugs` names the
+    patches left out because their rewrite failed its own checks, and how."""
     summaries: dict[str, str] = {}
     written_set = set(written)
     for patch in patches:
@@ -228,19 +230,34 @@ def apply_lines(
     out += [line(f"recovered: {step}") for step in recovered]
     if refused:
         out.append(line(f"refused: {refused_text}", 2, "error", 0, len("refused:")))
+    out += [
+        line(bug_text(patch_id, why), 2, "error", 0, len("refused:"))
+        for patch_id, why in (bugs or {}).items()
+    ]
+    if bugs and all_or_nothing and not refused:
+        out.append(line("nothing was written (--all-or-nothing)"))
+    held = set(refused) | set(bugs or {})
     if check:
-        pending = sorted({r["patch"] for r in results if r["verdict"] == "pending"} - set(refused))
+        pending = sorted({r["patch"] for r in results if r["verdict"] == "pending"} - held)
         if pending and not all_or_nothing:
             out.append(line("would apply: " + ", ".join(pending) + " (--check: nothing written)"))
-        elif not refused:
+        elif not held:
             out.append(line("nothing to do"))
     elif written:
         out.append(line("wrote:"))
         out += [line(f"  vllm/{rel}") for rel in written]
         out += [line(f"bytecode: {step}") for step in bytecode]
-    elif not refused:
+    elif not held:
         out.append(line("nothing to do"))
     return out
+
+
+def bug_text(patch_id: str, why: str) -> str:
+    """The line naming a patch an apply left out because its rewrite failed its own checks."""
+    return (
+        f"refused: {patch_id} (a k3patch bug: its rewrite failed its own checks; nothing of it "
+        f"was written, report it): {why}"
+    )
 
 
 def list_lines(patches: Sequence[Mapping[str, Any]]) -> list[Line]:

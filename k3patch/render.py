@@ -57,7 +57,7 @@ def emit(lines: Iterable[Line], *, stderr: bool = False) -> None:
 
 
 def emit_json(command: str, exit_code: int, payload: dict[str, Any]) -> None:
-    sys.stdout.write(fastpath.envelope(command, exit_code, payload))
+    sys.stdout.write(formats.envelope(command, exit_code, payload))
 
 
 def error_line(message: str) -> None:
@@ -112,7 +112,12 @@ def print_apply(
                 outcome.all_or_nothing,
             )
         )
+        for patch_id, why in outcome.bugs.items():
+            sys.stdout.write(
+                plaintext.as_text([plaintext.line(f"k3patch: {plaintext.bug_text(patch_id, why)}")])
+            )
         sys.stdout.flush()
+        bug_line(outcome)
         return
     before = outcome.plan.before.results if outcome.plan is not None else []
     emit(
@@ -129,8 +134,22 @@ def print_apply(
             all_or_nothing=outcome.all_or_nothing,
             check=outcome.check,
             every_site=every_site,
+            bugs=outcome.bugs,
         )
     )
+    bug_line(outcome)
+
+
+def bug_line(outcome: ApplyOutcome) -> None:
+    """A k3patch bug is an error (exit 2): one line on stderr too, for whoever reads only that."""
+    if outcome.bugs:
+        names = ", ".join(outcome.bugs)
+        rest = (
+            "nothing of it was written, the others were" if outcome.written else "nothing written"
+        )
+        error_line(
+            f"internal error (a k3patch bug): the rewrite of {names} failed its own checks; {rest}"
+        )
 
 
 def _refused_text(outcome: ApplyOutcome) -> str:

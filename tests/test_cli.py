@@ -147,17 +147,36 @@ def test_internal_error_is_not_attention(make_tree, monkeypatch):
 
 
 @pytest.mark.wheel
-def test_rewrite_bug_writes_nothing(make_tree, monkeypatch):
+def test_rewrite_bug_refuses_that_patch_alone(make_tree, monkeypatch):
+    """A patch whose rewrite does not compile is k3patch's bug: exit 2, named on stdout and in
+    one stderr line; nothing of it is written, the other pending patch is (issue 21 item 3),
+    and with --all-or-nothing nothing at all."""
     site = make_tree("0.31.0")
     patch = next(p for p in all_patches() if p.id == "aiter-mla-gfx942")
     monkeypatch.setattr(
         type(patch), "rewrite", lambda self, sources, pending: {"_aiter_ops.py": "def (:\n"}
     )
     before = tree_hashes(site)
-    result = CliRunner().invoke(app, ["apply", "--vllm", str(site)])
-    assert result.exit_code == 2
-    assert "does not compile" in result.output
+    result = CliRunner().invoke(app, ["apply", "--vllm", str(site), "--all-or-nothing"])
+    assert result.exit_code == 2, result.output
+    assert "aiter-mla-gfx942 (a k3patch bug" in result.stdout and "does not compile" in result.stdout
+    assert "nothing was written (--all-or-nothing)" in result.stdout
     assert tree_hashes(site) == before
+
+    result = CliRunner().invoke(app, ["apply", "--vllm", str(site), "--json"])
+    assert result.exit_code == 2, result.output
+    data = json.loads(result.stdout)
+    assert data["exit_code"] == 2 and list(data["bugs"]) == ["aiter-mla-gfx942"]
+    assert "does not compile" in data["bugs"]["aiter-mla-gfx942"]
+    assert data["written"] == [
+        "vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
+    ]
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("k3patch: error: internal error (a k3patch bug)") and "aiter" in line
+    after = tree_hashes(site)
+    changed = {rel for rel in after if after[rel] != before.get(rel)}
+    assert "vllm/_aiter_ops.py" not in changed and "vllm/platforms/rocm.py" not in changed
+    assert any(rel.endswith("moriio_connector.py") for rel in changed)
 
 
 @pytest.mark.wheel

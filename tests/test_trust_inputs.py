@@ -119,3 +119,115 @@ def test_real_analysis_recursion_is_drift_of_that_file():
     results = engine._classify(patch, Swapped(base, rel, "".join(lines).encode()))
     assert [(r.file, r.verdict) for r in results] == [(rel, Verdict.DRIFTED)], results
     assert "too deeply to analyse" in results[0].detail
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 3: a patch whose rewrite fails its own checks is refused on its own.
+
+CONNECTOR = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
+
+
+@pytest.fixture(scope="module")
+def fork_report():
+    """Fork tree a, where all four patches are pending; two of them change CONNECTOR."""
+    from k3patch.tree import locate
+
+    report = engine.scan(locate(built_fork_tree("a")), use_record=False)
+    assert {p.id: v.value for p, v in zip(report.patches, report.verdicts().values())} == {
+        p.id: "pending" for p in all_patches()
+    }
+    return report
+
+
+@pytest.fixture(scope="module")
+def clean_plan(fork_report):
+    return engine.plan(fork_report)
+
+
+@pytest.fixture(scope="module")
+def without_chunk_gate(fork_report):
+    """The plan with moriio-chunk-gate held back (as a drifted patch is): what the others write."""
+    return engine.plan(fork_report, refused=["moriio-chunk-gate"])
+
+
+def broken(monkeypatch, patch_id: str, how):
+    """Make `patch_id`'s rewrite do `how(original, self, sources, pending, files)` instead."""
+    cls = type(next(p for p in all_patches() if p.id == patch_id))
+    original = cls.rewrite
+
+    def rewrite(self, sources, pending, files):
+        return how(original, self, sources, pending, files)
+
+    monkeypatch.setattr(cls, "rewrite", rewrite)
+
+
+def raises_after_its_edits(original, self, sources, pending, files):
+    original(self, sources, pending, files)  # its codemods are registered on `files` ...
+    raise RuntimeError("a bug in the rewrite")  # ... and then it fails
+
+
+def does_not_compile(original, self, sources, pending, files):
+    original(self, sources, pending, files)
+    files[CONNECTOR].append_definition("return 1\n")  # parses; compile() refuses it
+
+
+def changes_nothing_it_should(original, self, sources, pending, files):
+    files[CONNECTOR].append_definition("def k3patch_unrelated():\n    return 1\n")
+
+
+@pytest.mark.parametrize(
+    "how, says",
+    [
+        (raises_after_its_edits, "rewrite failed: RuntimeError('a bug in the rewrite')"),
+        (does_not_compile, "does not compile: 'return' outside function"),
+        (changes_nothing_it_should, "reads pending, expected applied"),
+    ],
+)
+def test_a_failing_rewrite_is_left_out_and_poisons_nothing(
+    monkeypatch, fork_report, clean_plan, without_chunk_gate, how, says
+):
+    """moriio-chunk-gate fails after (or instead of) its own edits of moriio_connector.py, which
+    moriio-group-routing changes too: the plan names it, leaves its sites pending, and every
+    other patch's edits are exactly what they are without it."""
+    broken(monkeypatch, "moriio-chunk-gate", how)
+    the_plan = engine.plan(fork_report)
+    assert list(the_plan.bugs) == ["moriio-chunk-gate"] and says in the_plan.bugs["moriio-chunk-gate"]
+    ours = [(r.site, r.verdict) for r in the_plan.after_results if r.patch_id == "moriio-chunk-gate"]
+    # As classified (pending); its lines are those of the file the others' edits left.
+    assert ours == [(r.site, r.verdict) for r in fork_report.for_patch("moriio-chunk-gate")]
+    def others(results):
+        return [(r.site, r.verdict, r.shape) for r in results if r.patch_id != "moriio-chunk-gate"]
+
+    assert others(the_plan.after_results) == others(clean_plan.after_results)
+    # What the others wrote is what they write with moriio-chunk-gate held back.
+    assert the_plan.new_texts == without_chunk_gate.new_texts
+    assert without_chunk_gate.new_texts[CONNECTOR] != clean_plan.new_texts[CONNECTOR]
+
+
+def test_apply_writes_the_others_and_exits_2(monkeypatch, fork_tree):
+    from k3patch import exitcodes, state
+    from k3patch.tree import locate
+
+    from conftest import tree_hashes
+
+    site = fork_tree("a")
+    broken(monkeypatch, "moriio-chunk-gate", raises_after_its_edits)
+    before = tree_hashes(site)
+    tree = locate(str(site))
+    held = engine.apply(tree, all_or_nothing=True)
+    assert list(held.bugs) == ["moriio-chunk-gate"] and not held.written and held.all_or_nothing
+    assert exitcodes.for_apply(held) == 2 and tree_hashes(site) == before
+
+    outcome = engine.apply(tree)
+    assert list(outcome.bugs) == ["moriio-chunk-gate"] and exitcodes.for_apply(outcome) == 2
+    assert CONNECTOR in outcome.written  # moriio-group-routing's edit of the shared file
+    record = state.load(tree.state_dir)
+    assert record is not None
+    recorded = {r.patch_id: r.verdict for r in record.results if r.patch_id == "moriio-chunk-gate"}
+    assert recorded == {"moriio-chunk-gate": Verdict.PENDING}
+    # No file is recorded as written by the patch that was left out.
+    assert all("moriio-chunk-gate" not in fs.patches for fs in record.files.values())
+    assert engine.scan(tree).verdicts() == {
+        p.id: Verdict.PENDING if p.id == "moriio-chunk-gate" else Verdict.APPLIED
+        for p in all_patches()
+    }
