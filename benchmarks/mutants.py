@@ -114,6 +114,17 @@ def _g1(old_template: str, new_template: str, old_shape: str, new_shape: str) ->
 
 
 GATE = """GATE = f'os.environ.get("{ENV}", "0") == "1"'"""
+# The rewrite's gate step, and a step after it that rewrites the guard's index without its clamp.
+KDA_NEST = '                codemod.nest_under([node], f"if {GATE}:")\n'
+KDA_UNCLAMP = """\
+                function = model.find_def(sources[site.file].tree, site.name)
+                safe = [s for s in function.body if model.bindings([s], "_safe_idx")]
+                codemod.replace(
+                    safe[:1],
+                    "_safe_idx = torch.where(has_initial_state, indices.to(torch.int64), "
+                    "torch.zeros_like(indices, dtype=torch.int64))",
+                )
+"""
 G1_PROGRESS = """        + scheduler_output.num_scheduled_tokens.get(req_id, 0)
         >= req.num_prompt_tokens
 """
@@ -506,13 +517,7 @@ VARIANTS: tuple[Variant, ...] = (
             "    indices.to(torch.int64).CLAMP(0, _n_state_blocks - 1),",
             "    HOLE_safe_index,",
         ),
-        Sub(
-            KDA_DECL,
-            "apply_edits(sources[rel].text, filter(None, e))",
-            "apply_edits(sources[rel].text, filter(None, e))"
-            '.replace(".clamp(0, _n_state_blocks - 1)", "")'
-            '.replace(".clamp_(0, _n_state_blocks - 1)", "")',
-        ),
+        Sub(KDA_DECL, KDA_NEST, KDA_NEST + KDA_UNCLAMP),
     ),
 )
 
