@@ -1,21 +1,62 @@
-"""aiter-mla-gfx942's probe, in the verify child on the real module: no GPU needed, it stands in
-`vllm.platforms.rocm` with a module whose `on_gfx942` it controls."""
+"""aiter-mla-gfx942's probe, in the verify child on the real module, no GPU needed: it stands in
+`vllm.platforms.rocm` with a module holding the tree's own GPU helpers (rocm.py's `_ON_*` flags
+and `on_*` functions: `on_gfx942`, `on_gfx950`, `on_mi3xx`, ...) computed for a GPU it chooses,
+so a fix that asks any of them sees one consistent GPU.
+
+Every row's expected value comes from SITES.md section 4's rule, `expected` below, never from
+running the code: AITER MLA is on when both AITER flags are on and either the user set
+VLLM_ROCM_USE_AITER_MLA (to anything) or the GPU is not gfx942. The variable's value reaches the
+method only through `_MLA_ENABLED`, which vLLM parses from it (unset: on, its default; `0`: off;
+`1`: on); the method asks only whether it is set. Two tables:
+- FLAG_ROWS, the method's inputs, every combination (variable unset/0/1 x gfx942/gfx950/gfx90a x
+  each flag): the flags stood in directly, so some rows have a flag that differs from the
+  variable (the variable changed after vLLM read the flags): the flag decides, per the rule.
+- VARIABLE_ROWS, the variables alone (VLLM_ROCM_USE_AITER 0/1 x VLLM_ROCM_USE_AITER_MLA
+  unset/0/1/true x the three GPUs), the flags derived by the tree's own
+  `refresh_env_variables()`: here `=0` is the user's "off" on every GPU, and `true` (vLLM's other
+  spelling of on) an explicit "on" as `1` is.
+The unpatched code is wrong in one row of each table (unset on gfx942, both flags on). Every
+other row is a must-not-break row: the unpatched code holds it too, and it is there to kill a
+wrong fix (the explicit-variable branch dropped, the GPU test inverted or asked of another
+helper, a flag no longer required).
+"""
 
 from __future__ import annotations
 
-from k3patch.model import ProbeOutcome
-from k3patch.probekit import Checks, Swap
+import ast
+import itertools
+from typing import Any
 
-# (env value or None for unset, on gfx942, AITER flag, MLA flag) -> expected is_mla_enabled
-TRUTH_TABLE: tuple[tuple[str | None, bool, bool, bool, bool], ...] = (
-    (None, True, True, True, False),
-    ("1", True, True, True, True),
-    ("0", True, True, False, False),
-    ("0", False, True, False, False),
-    (None, False, True, True, True),
-    (None, False, False, True, False),
-    (None, False, True, False, False),
-    ("1", True, False, True, False),
+from k3patch.model import ProbeOutcome
+from k3patch.probekit import Checks, Stub, Swap, package_dir
+
+VARIABLE = "VLLM_ROCM_USE_AITER_MLA"
+AITER_VARIABLE = "VLLM_ROCM_USE_AITER"
+# The arch names ROCm reports; gfx90a (MI200) is a gfx9 that is neither MI300 nor MI350.
+GPUS = {"gfx942": "gfx942:sramecc+:xnack-", "gfx950": "gfx950:sramecc+:xnack-"}
+GPUS["gfx90a"] = "gfx90a:sramecc+:xnack-"
+VALUES: tuple[str | None, ...] = (None, "0", "1")  # None: unset
+
+
+def expected(variable: str | None, gpu: str, aiter: bool, mla: bool) -> bool:
+    """SITES.md section 4: both flags on, and the variable set or a GPU other than gfx942."""
+    return aiter and mla and (variable is not None or gpu != "gfx942")
+
+
+def parsed_mla_flag(variable: str | None) -> bool:
+    """`_MLA_ENABLED` as vLLM reads it from the variable: on unless set to a false value."""
+    return variable is None or variable.lower() in ("1", "true")
+
+
+# (variable, GPU, AITER flag, MLA flag, expected)
+FLAG_ROWS = tuple(
+    (variable, gpu, aiter, mla, expected(variable, gpu, aiter, mla))
+    for variable, gpu, aiter, mla in itertools.product(VALUES, GPUS, (True, False), (True, False))
+)
+# (VLLM_ROCM_USE_AITER, VLLM_ROCM_USE_AITER_MLA, GPU, expected)
+VARIABLE_ROWS = tuple(
+    (aiter, variable, gpu, expected(variable, gpu, aiter == "1", parsed_mla_flag(variable)))
+    for aiter, variable, gpu in itertools.product(("1", "0"), (*VALUES, "true"), GPUS)
 )
 
 
@@ -28,12 +69,63 @@ def probe_truth_table() -> ProbeOutcome:
     checks = Checks("truth table")
     with Swap() as swap:
         fake_rocm = swap.module("vllm.platforms.rocm")
-        for env, gfx942, aiter, mla, expected in TRUTH_TABLE:
-            fake_rocm.on_gfx942 = lambda gfx942=gfx942: gfx942  # type: ignore[attr-defined]
-            swap.env("VLLM_ROCM_USE_AITER_MLA", env)
+        helpers = _gpu_helpers()
+        # refresh_env_variables() rewrites every flag of the class; the Swap puts each back.
+        for name, value in list(vars(rocm_aiter_ops).items()):
+            if name.startswith("_") and not name.startswith("__") and not callable(value):
+                swap.attr(rocm_aiter_ops, name, value)
+        for variable, gpu, aiter, mla, want in FLAG_ROWS:
+            vars(fake_rocm).update(helpers[gpu])
+            swap.env(VARIABLE, variable)
             swap.attr(rocm_aiter_ops, "_AITER_ENABLED", aiter)
             swap.attr(rocm_aiter_ops, "_MLA_ENABLED", mla)
-            gpu = "gfx942" if gfx942 else "gfx950"
-            case = f"VLLM_ROCM_USE_AITER_MLA={env or 'unset'} {gpu} aiter={aiter:d} mla={mla:d}"
-            checks.expect(case, got=bool(func(rocm_aiter_ops)), want=expected)
+            case = f"{VARIABLE}={variable or 'unset'} {gpu} aiter={aiter:d} mla={mla:d}"
+            if mla != parsed_mla_flag(variable):
+                case += " (flag differs from the variable)"
+            checks.expect(case, got=_answer(func, rocm_aiter_ops), want=want)
+        for aiter_variable, variable, gpu, want in VARIABLE_ROWS:
+            vars(fake_rocm).update(helpers[gpu])
+            swap.env(AITER_VARIABLE, aiter_variable)
+            swap.env(VARIABLE, variable)
+            rocm_aiter_ops.refresh_env_variables()
+            case = f"from the variables: {AITER_VARIABLE}={aiter_variable} "
+            case += f"{VARIABLE}={variable or 'unset'} {gpu}"
+            checks.expect(case, got=_answer(func, rocm_aiter_ops), want=want)
     return checks.outcome()
+
+
+def _answer(func: Any, ops: Any) -> bool | str:
+    """The method's answer, or what it raised (a failed row, not a failed probe)."""
+    try:
+        return bool(func(ops))
+    except Exception as exc:
+        return f"raised {type(exc).__name__}: {exc}"
+
+
+def _gpu_helpers() -> dict[str, dict[str, Any]]:
+    """Per GPU of GPUS, the tree's own module-level `_ON_*` assignments and `on_*` functions of
+    platforms/rocm.py run for its arch (older releases ask torch for it, newer ones read
+    `_GCN_ARCH`); decorators (a `functools.cache`) are dropped."""
+    vllm_dir = package_dir("vllm")
+    if vllm_dir is None:
+        raise RuntimeError("vllm is not importable as a package")
+    tree = ast.parse((vllm_dir / "platforms" / "rocm.py").read_text(encoding="utf-8"))
+    body: list[ast.stmt] = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("on_"):
+            node.decorator_list = []
+            body.append(node)
+        elif isinstance(node, ast.Assign) and all(
+            isinstance(t, ast.Name) and t.id.startswith("_ON_") for t in node.targets
+        ):
+            body.append(node)
+    code = compile(ast.Module(body=body, type_ignores=[]), "vllm/platforms/rocm.py", "exec")
+
+    helpers = {}
+    for gpu, arch in GPUS.items():
+        device = Stub(gcnArchName=arch)
+        torch = Stub(cuda=Stub(get_device_properties=lambda *a, device=device, **k: device))
+        names: dict[str, Any] = {"_GCN_ARCH": arch, "torch": torch}
+        exec(code, names)
+        helpers[gpu] = {k: v for k, v in names.items() if k.startswith(("on_", "_ON_"))}
+    return helpers
