@@ -38,20 +38,32 @@ DECODE_OFFSET = 1000
 # MLA layer; vLLM groups the j-th layer of each KDA group together and backs them with one
 # tensor, so same-index KDA layers of different groups have equal geometry.
 Layout = tuple[tuple[str, tuple[str, ...]], ...]
-KIND_NAMES = {"mamba": "KDA", "mla": "MLA"}
+KIND_NAMES = {"mamba": "KDA", "mla": "MLA", "sliding": "sliding-window"}
 
 
 def _layout(*groups: tuple[str, tuple[int, ...]]) -> Layout:
-    suffix = {"mamba": "kda", "mla": "mla", "attention": "attn"}
+    suffix = {"mamba": "kda", "mla": "mla", "attention": "attn", "sliding": "swa"}
     return tuple((k, tuple(f"model.layers.{n}.{suffix[k]}" for n in ns)) for k, ns in groups)
 
 
 K3_LAYOUT = _layout(("mamba", (0, 4)), ("mamba", (1, 5)), ("mamba", (2, 6)), ("mla", (3, 7)))
 TWO_GROUP_LAYOUT = _layout(("attention", (0, 2)), ("mamba", (1, 3)))
+# Models without a Mamba group: one attention group, or full attention and sliding window (two
+# attention groups: the fork's `[0]`/`[1]` choice sends the second one's layers to group 0).
+ATTENTION_LAYOUT = _layout(("attention", (0, 1)))
+TWO_ATTENTION_LAYOUT = _layout(("attention", (0, 2)), ("sliding", (1, 3)))
 # Upstream's checks keep the layer names and block numbers (group g's block 10g+1, decode 100
 # more) they had before the fork drive was written, so their lines read as they always did.
 UPSTREAM_LAYOUT = _layout(("mamba", (0, 3)), ("mamba", (1, 4)), ("mamba", (2, 5)), ("mla", (6, 7)))
 Route = tuple[list[int], list[int]]  # the block ids a layer's plan writes: (prefill, decode)
+# Per-request scheduler state that the recipe's older scripts add and never remove, and that no
+# k3patch patch removes either (it stays, unused, so that revert is exact): reported as a note
+# on every fork tree, before and after apply; any other entry left behind is a failure.
+OLDER_SCRIPT_LEAKS = {
+    "_reqs_save_mamba": "apply_kimik3_moriio_mamba_blockids.py",
+    "_reqs_save_allgrp": "apply_kimik3_moriio_group_routing.py",
+    "_k3_prog": "apply_kimik3_chunk_gate_fix.py",
+}
 
 
 @dataclass(frozen=True)
@@ -61,7 +73,9 @@ class Case:
     a KDA group that never grows) may hold the save forever: not exercised, no routing failure.
     `fork_peer`: the decode node runs the unfixed fork, notifying lists [0] and [1] only; a layer
     may refuse or be right, but one silently written into another group's blocks is the older
-    fix's fallback."""
+    fix's fallback. Not `external`: the decode node computes the whole prompt itself
+    (`num_external_tokens == 0`, a full prefix-cache hit): it still tells the prefill node, once,
+    so that it frees its blocks, but names no block of any group to write into."""
 
     label: str
     layout: Layout
@@ -69,6 +83,7 @@ class Case:
     growing: frozenset[str] = frozenset()
     gate_may_hold: bool = False
     fork_peer: bool = False
+    external: bool = True
 
     def prefill_blocks(self, *chunks: int) -> list[list[int]]:
         """Each group's blocks allocated at `chunks` (1-based; none given: at every chunk)."""
@@ -92,6 +107,27 @@ CASES = (
     Case("two-group, 1 chunk", TWO_GROUP_LAYOUT, (12,)),
     Case("two-group, 3 chunks", TWO_GROUP_LAYOUT, (16, 16, 8), frozenset({"attention"})),
     Case("K3, 1 chunk, decode node without the fix", K3_LAYOUT, (12,), fork_peer=True),
+    # No Mamba group. One attention group: the fork's [0] is right (must not break; the older
+    # fix alone still drops later chunks' blocks). Two: the fork sends the sliding-window
+    # group's layers to group 0's blocks.
+    Case("attention only, 1 chunk", ATTENTION_LAYOUT, (12,)),
+    Case("attention only, 3 chunks", ATTENTION_LAYOUT, (16, 16, 8), frozenset({"attention"})),
+    Case("two attention groups, 1 chunk", TWO_ATTENTION_LAYOUT, (12,)),
+    Case(
+        "two attention groups, 3 chunks",
+        TWO_ATTENTION_LAYOUT,
+        (16, 16, 8),
+        frozenset({"attention", "sliding"}),
+    ),
+    # Must not break: every tree's decode node names no block here; a fix that sends its
+    # per-group lists regardless would have the prefill node overwrite cached KV.
+    Case("K3, 1 chunk, decode without external tokens", K3_LAYOUT, (12,), external=False),
+    Case(
+        "attention only, 1 chunk, decode without external tokens",
+        ATTENTION_LAYOUT,
+        (12,),
+        external=False,
+    ),
 )
 
 
@@ -129,7 +165,9 @@ def probe_routing() -> ProbeOutcome | None:
             checks.fail(f"{case.label}: " + "; ".join(parts))
     return checks.outcome(
         holds="every layer's KV goes to its own KV-cache group's blocks, all chunks', on both "
-        "nodes (K3: KDA -> groups 0-2, MLA -> group 3; two groups as before; {ran} checks)",
+        "nodes (K3: KDA -> groups 0-2, MLA -> group 3; two groups as before; models without a "
+        "Mamba group; no block named without external tokens; no per-request state left "
+        "behind; {ran} checks)",
         broken="{failures}",
     )
 
@@ -156,8 +194,20 @@ def judge(case: Case, drive: Any, checks: Checks) -> list[tuple[int | None, str]
     if drive.saves != [final]:
         left = f"the save left at chunk(s) {drive.saves} of {final}, expected once at chunk {final}"
         failures.append((None, left))
+    older = [leak for leak in drive.leaks if leak.rsplit(" ", 1)[1] in OLDER_SCRIPT_LEAKS]
+    leaks = [leak for leak in drive.leaks if leak not in older]
+    if older:
+        scripts = sorted({OLDER_SCRIPT_LEAKS[leak.rsplit(" ", 1)[1]] for leak in older})
+        checks.note(
+            f"{label}: left by the older scripts ({', '.join(scripts)}): {', '.join(older)}"
+        )
+    line = f"{label}: per-request state once both requests finished: {', '.join(leaks) or 'none'}"
+    if not checks.record(line, not leaks):
+        failures.append((None, f"a leak per request: {', '.join(leaks)} still hold(s) it"))
     if drive.messages != 1:
         return [*failures, (None, f"decode sent {drive.messages} notify messages, expected 1")]
+    if not case.external:
+        return failures + _judge_nothing_to_write(case, drive, checks)
     local, remote = case.prefill_blocks(), case.decode_blocks()
     for g, (kind, names) in enumerate(case.layout):
         want = (local[g], remote[g])
@@ -180,6 +230,40 @@ def judge(case: Case, drive: Any, checks: Checks) -> list[tuple[int | None, str]
     return failures
 
 
+def _judge_nothing_to_write(case: Case, drive: Any, checks: Checks) -> list[tuple[int | None, str]]:
+    """Decode computed the whole prompt itself: its notify names no block, and the prefill node
+    writes none."""
+    named = sorted(_block_ids_in(drive.notify))
+    line = f"{case.label}: decode's notify names blocks {named}"
+    failures: list[tuple[int | None, str]] = []
+    if not checks.record(line, not named):
+        failures.append((None, f"{line}, expected none (no external tokens)"))
+    written = {layer: route for layer, (route, _) in drive.routes.items() if route != ([], [])}
+    if drive.refused is not None:
+        checks.record(f"{case.label}: the prefill node writes nothing ({drive.refused})")
+    elif written or drive.errors:
+        for layer, (local, remote) in written.items():
+            failures.append((None, f"{layer} writes local {local} -> remote {remote}"))
+        for layer, error in drive.errors.items():
+            failures.append((None, f"{layer}: {error}"))
+    else:
+        checks.record(f"{case.label}: the prefill node plans empty writes only")
+    return failures
+
+
+def _block_ids_in(message: Any) -> set[int]:
+    """Every block id a notify message names: the numbers of its list values, nested too."""
+    found: set[int] = set()
+    values = list(message.values()) if isinstance(message, dict) else []
+    while values:
+        value = values.pop()
+        if isinstance(value, list):
+            values += value
+        elif isinstance(value, int) and not isinstance(value, bool) and value >= 100:
+            found.add(value)
+    return found
+
+
 def _whose(got: Route, group: int, want: Route) -> str:
     """Whose blocks a route writes, by their numbers (group: hundreds digit, chunk: units)."""
     groups = sorted({(b % DECODE_OFFSET) // 100 - 1 for b in got[0] + got[1]})
@@ -195,12 +279,15 @@ def _whose(got: Route, group: int, want: Route) -> str:
 
 def drive_write(case: Case) -> Stub:
     """One request through the tree's WRITE path: the chunks at which the save left (`saves`),
-    decode's notify `messages`, and per layer of the (first) save its route and the layer whose
-    offsets call made it, None: not recorded (`routes`), or its error (`errors`)."""
+    decode's notify `messages` and the one it sent (`notify`), what each node's scheduler still
+    holds of the request once it finished (`leaks`), why the prefill node took no remote
+    allocation from the notify (`refused`), and per layer of the (first) save its route and the
+    layer whose offsets call made it, None: not recorded (`routes`), or its error (`errors`)."""
     common = importlib.import_module(COMMON)
     connector = importlib.import_module(CONNECTOR)
     engine = importlib.import_module(ENGINE)
-    drive, prompt = Stub(saves=[], messages=0, routes={}, errors={}), sum(case.chunks)
+    drive = Stub(saves=[], messages=0, notify=None, leaks=[], refused=None, routes={}, errors={})
+    prompt = sum(case.chunks)
     with Swap() as swap:
         swap.on_exit(common.set_role, common.get_role())
         # 1. Prefill scheduler: allocation at chunk 1, then build_connector_meta per chunk.
@@ -218,10 +305,19 @@ def drive_write(case: Case) -> Stub:
         notified: list[bytes] = []
         decode.paths = probekit.Always(Stub(send=notified.append))  # every notify path is open
         decode_request = stub_request("req-decode", prompt, kv_params("prefill"))
-        decode.update_state_after_alloc(decode_request, block_ids(case.decode_blocks()), prompt)
+        decode_blocks = block_ids(case.decode_blocks())
+        decode.update_state_after_alloc(decode_request, decode_blocks, prompt * case.external)
         drive.messages = len(notified)
+        # Both requests end (the prefill one's KV sent, the decode one's generation done).
+        for node, scheduler, req, blocks in (
+            ("prefill", prefill, request, case.prefill_blocks()),
+            ("decode", decode, decode_request, case.decode_blocks()),
+        ):
+            held = finish_request(scheduler, req, blocks[0])
+            drive.leaks += [f"{node} scheduler's {name}" for name in held]
         if drive.messages != 1:
             return drive
+        drive.notify = engine.msgpack.loads(notified[0])
 
         # 3. Prefill node: the notify listener stores where decode wants the KV.
         common.set_role(common.ROLE.PRODUCER)
@@ -235,8 +331,11 @@ def drive_write(case: Case) -> Stub:
             fork.update(block_notify_list=lists[0], type="remote_blocks")
             fork["mamba_block_notify_list"] = lists[1] if len(lists) > 1 else []
             notified[0] = engine.msgpack.dumps(fork)
-        wrapper._handle_message(notified[0])
-        request_info = wrapper.done_remote_allocate_req_dict[TRANSFER_ID]
+        _, drive.refused = probekit.attempt(wrapper._handle_message, notified[0])
+        request_info = wrapper.done_remote_allocate_req_dict.get(TRANSFER_ID)
+        if request_info is None:
+            drive.refused = drive.refused or "no remote allocation stored"
+            return drive
 
         # 4. Prefill worker: its own layer maps, then a write task per layer.
         config = _vllm_config("kv_producer")
@@ -306,11 +405,13 @@ def _spec(kind: str, bare: bool = False) -> Any:
     specs = importlib.import_module("vllm.v1.kv_cache_interface")
     torch = importlib.import_module("torch")
     classes = {"mamba": specs.MambaSpec, "mla": specs.MLAAttentionSpec}
+    classes["sliding"] = specs.SlidingWindowSpec
     cls = classes.get(kind, specs.FullAttentionSpec)
     if kind == "mamba":
         fields: dict[str, Any] = {"shapes": ((4,), (8,)), "dtypes": (torch.float32,) * 2}
     else:
         fields = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.bfloat16}
+        fields.update({"sliding_window": 4 * BLOCK_SIZE} if kind == "sliding" else {})
     if not bare:
         with contextlib.suppress(TypeError):  # another version's fields: only the class is read
             return cls(block_size=BLOCK_SIZE, **fields)
@@ -374,6 +475,56 @@ def block_ids(per_group: list[list[int]]) -> Stub:
     return Stub(get_block_ids=lambda *a, **k: tuple(list(g) for g in per_group))
 
 
+def finish_request(scheduler: Any, request: Any, blocks: list[int]) -> list[str]:
+    """Ends `request` as vLLM's scheduler does (request_finished, a step that names it finished,
+    the worker's ack that its KV was sent, one more step) and names the scheduler's attributes
+    that still hold its request or transfer id: per-request state left behind is a leak."""
+    request.status = importlib.import_module("vllm.v1.request").RequestStatus.FINISHED_LENGTH_CAPPED
+    scheduler.request_finished(request, list(blocks))
+    scheduler.build_connector_meta(_step_output([], finished={request.request_id}))
+    if hasattr(scheduler, "update_connector_output"):
+        ack = dict(finished_sending={request.request_id}, finished_recving=None)
+        scheduler.update_connector_output(Stub(**ack, invalid_block_ids=set()))
+    scheduler.build_connector_meta(_step_output([]))
+    ids = {request.request_id, (request.kv_transfer_params or {}).get("transfer_id")}
+    return [name for name, value in vars(scheduler).items() if _holds(value, ids)]
+
+
+def _holds(value: Any, ids: set[Any]) -> bool:
+    """Whether a mapping's keys or a collection's members name one of `ids`."""
+    if isinstance(value, dict):
+        value = value.keys()
+    elif not isinstance(value, (set, frozenset, list, tuple)):
+        return False
+    return any(isinstance(item, str) and item in ids for item in value)
+
+
+def _step_output(
+    live: list[tuple[Any, int, list[list[int]]]],
+    new: int = 0,
+    finished: set[str] | frozenset[str] = frozenset(),
+) -> Stub:
+    """A SchedulerOutput: `live` (request, tokens, blocks per group) scheduled, the first `new`
+    of them new, the others cached; `finished` the ids that ended since the last step."""
+    cached = live[new:]
+    return Stub(
+        scheduled_new_reqs=[request for request, _, _ in live[:new]],
+        # As vLLM's: computed tokens before this step (the older chunk-gate script reads them).
+        scheduled_cached_reqs=Stub(
+            req_ids=[request.request_id for request, _, _ in cached],
+            new_block_ids=[tuple(map(list, b)) if any(b) else None for _, _, b in cached],
+            num_computed_tokens=[request.num_computed_tokens for request, _, _ in cached],
+            resumed_req_ids=set(),
+            resumed_from_preemption=[False] * len(cached),
+        ),
+        num_scheduled_tokens={request.request_id: tokens for request, tokens, _ in live},
+        total_num_scheduled_tokens=sum(tokens for _, tokens, _ in live),
+        finished_req_ids=set(finished),
+        new_block_ids_to_zero=None,
+        kv_connector_block_state=None,
+    )
+
+
 def drive_prefill(
     scheduler: Any, plans: list[tuple[Any, list[tuple[int, list[list[int]]]]]]
 ) -> list[dict[str, Any]]:
@@ -384,26 +535,10 @@ def drive_prefill(
     sent = []
     for step in range(max(len(steps) for _, steps in plans)):
         live = [(request, *steps[step]) for request, steps in plans if step < len(steps)]
-        new, cached = (live, []) if step == 0 else ([], live)
-        for request, _, blocks in new:
+        new = len(live) if step == 0 else 0
+        for request, _, blocks in live[:new]:
             scheduler.update_state_after_alloc(request, block_ids(blocks), 0)
-        output = Stub(
-            scheduled_new_reqs=[request for request, _, _ in new],
-            # As vLLM's: computed tokens before this step (the older chunk-gate script reads them).
-            scheduled_cached_reqs=Stub(
-                req_ids=[request.request_id for request, _, _ in cached],
-                new_block_ids=[tuple(map(list, b)) if any(b) else None for _, _, b in cached],
-                num_computed_tokens=[request.num_computed_tokens for request, _, _ in cached],
-                resumed_req_ids=set(),
-                resumed_from_preemption=[False] * len(cached),
-            ),
-            num_scheduled_tokens={request.request_id: tokens for request, tokens, _ in live},
-            total_num_scheduled_tokens=sum(tokens for _, tokens, _ in live),
-            finished_req_ids=set(),
-            new_block_ids_to_zero=None,
-            kv_connector_block_state=None,
-        )
-        sent.append(dict(scheduler.build_connector_meta(output).reqs_to_save))
+        sent.append(dict(scheduler.build_connector_meta(_step_output(live, new)).reqs_to_save))
         for request, tokens, _ in live:
             request.num_computed_tokens += tokens
     return sent
@@ -425,6 +560,20 @@ def probe_upstream(connector: Any) -> ProbeOutcome:
     line = f"K3: _split_kv_cache_group_kinds -> attention {split[0]}, mamba {split[1]}"
     expected = [list(part) for part in split] == [[3], [0, 1, 2]]
     checks.record(line, expected, f"{line}, expected attention [3], mamba [0, 1, 2]")
+    # The other layouts (must not break): upstream's split by spec, with and without Mamba.
+    for label, layout in (
+        ("two-group", TWO_GROUP_LAYOUT),
+        ("attention only", ATTENTION_LAYOUT),
+        ("two attention groups", TWO_ATTENTION_LAYOUT),
+    ):
+        stand_in_config = kv_cache_config(layout, bare_specs=True, real=False)
+        split = connector._split_kv_cache_group_kinds(stand_in_config)
+        by_kind = [
+            [g for g, (kind, _) in enumerate(layout) if (kind == "mamba") is m]
+            for m in (False, True)
+        ]
+        line = f"{label}: _split_kv_cache_group_kinds -> attention {split[0]}, mamba {split[1]}"
+        checks.record(line, [list(p) for p in split] == by_kind, f"{line}, expected {by_kind}")
     common, engine = importlib.import_module(COMMON), importlib.import_module(ENGINE)
     plan = probekit.source_of(engine.MoRIIOWriter._prepare_transfer_plan)
     if not (plan and any(find_expressions("self.worker.layer_to_group[task.layer_name]", plan))):
