@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 
 from k3patch import state
-from k3patch.transaction import Transaction
+from k3patch.blobs import Blobs
 from k3patch.tree import VllmTree
 
 
@@ -31,10 +31,10 @@ def recorded_diff(tree: VllmTree) -> str | None:
     record = state.load(tree.state_dir, package_dir=tree.package_dir)
     if record is None:
         return None
-    blobs = Transaction(tree.package_dir)
+    blobs = Blobs(tree.package_dir)
     chunks: list[str] = []
     for rel, recorded in sorted(record.files.items()):
-        before = None if recorded.original is None else blobs.load_blob(recorded.original)
+        before = None if recorded.original is None else blobs.load(recorded.original)
         now = tree.read(rel)
         if before == now:
             continue

@@ -1,10 +1,11 @@
 """The vLLM plugin (entry point group `vllm.general_plugins`): a preflight in every vLLM process.
 
-vLLM calls `preflight()` in the API server, the engine core and every worker. It checks, with the
-no-op path's hash comparison (no libcst, no typer, no rich), that the vLLM tree this process
-imports is in the state k3patch recorded, and that every patch there is applied, satisfied or not
-applicable; and that the target modules already imported came from that tree. A worker started
-from an image whose fix was lost (a rebuilt layer, a reinstalled wheel) is caught before serving.
+vLLM calls `preflight()` in the API server, the engine core and every worker. It asks the no-op
+path's question (`state.fresh_record`: no libcst, typer, rich or patch module) of the vLLM tree
+this process imports: is it in the state k3patch recorded, every patch there applied, satisfied
+or not applicable; and did the target modules already imported come from that tree? A worker
+started from an image whose fix was lost (a rebuilt layer, a reinstalled wheel) is caught
+before serving.
 
 K3PATCH_PREFLIGHT=off | warn (default) | fail. `fail` raises, which stops vLLM.
 
@@ -20,7 +21,7 @@ import logging
 import os
 import sys
 
-from k3patch import fastpath, formats
+from k3patch import formats, state, verdicts
 
 ENV = "K3PATCH_PREFLIGHT"
 _MODES = ("off", "warn", "fail")
@@ -38,43 +39,36 @@ def preflight_problem(package_dir: str) -> str | None:
         tree = locate(package_dir)
     except TreeError as exc:
         return str(exc)
-    state_dir, pkg = tree.state, tree.package
-    if not os.path.exists(os.path.join(state_dir, "state.json")):
+    pkg = tree.package
+    if not os.path.exists(os.path.join(tree.state, state.STATE_FILE)):
         # apply records nothing when a site drifted, so "run apply" would send the operator in
         # a circle: status says which it is.
         return (
             f"no k3patch state record in {pkg}: the fixes were never applied here, or a site "
             "drifted; run `k3patch status` to see which"
         )
-    record = fastpath.fresh_record(state_dir, pkg)
+    record = state.fresh_record(pkg)
     if record is None:
         return (
             f"the vLLM files in {pkg} differ from what k3patch recorded (or k3patch changed); "
             "run `k3patch status` to see which"
         )
+    results = [r.to_json() for r in record.results]
     bad = [
-        formats.quiet_line(str(p["id"]), record["results"])
-        for p in record["patches"]
-        if formats.summary_verdict(r["verdict"] for r in record["results"] if r["patch"] == p["id"])
+        formats.quiet_line(p["id"], results)
+        for p in record.patches
+        if verdicts.summary(r["verdict"] for r in results if r["patch"] == p["id"])
         in ("pending", "drifted")
     ]
     if bad:
         return "; ".join(bad)
-    for rel in sorted(_targets()):
+    for rel in sorted(state.registered_targets()):
         name = "vllm." + rel[: -len(".py")].replace("/", ".")
         module = sys.modules.get(name)
         loaded = getattr(module, "__file__", None)
         if loaded and os.path.realpath(loaded) != os.path.realpath(os.path.join(pkg, rel)):
             return f"{name} was imported from {loaded}, not from the checked tree {pkg}"
     return None
-
-
-def _targets() -> frozenset[str]:
-    """The registry's targets (as the fast path reads them), never the record's own list."""
-    import k3patch.patches
-
-    targets = formats._patch_set(os.path.dirname(k3patch.patches.__file__ or ""))[1]
-    return targets or frozenset()
 
 
 def preflight() -> None:

@@ -16,6 +16,9 @@ import re
 import sys
 from pathlib import Path
 
+from k3patch.errors import EnvironmentProblem
+from k3patch.safefs import NotRegular, open_regular
+
 _PYC_NAME = re.compile(r"^(?P<stem>.+?)\.(?P<tag>[^.]+)(?:\.opt-(?P<opt>\d+))?\.pyc$")
 
 _MODE_BY_FLAGS = {
@@ -28,8 +31,6 @@ _MODE_BY_FLAGS = {
 def check_cache_dir(source: Path) -> None:
     """A `__pycache__` that is a symlink or not a directory would have k3patch write pycs
     outside the tree: refused before the first write."""
-    from k3patch.lock import EnvironmentProblem
-
     cache_dir = source.parent / "__pycache__"
     if os.path.islink(cache_dir) or (os.path.lexists(cache_dir) and not cache_dir.is_dir()):
         raise EnvironmentProblem(
@@ -51,12 +52,20 @@ def pycs_for(source: Path) -> list[Path]:
 
 
 def invalidation_mode(pyc: Path) -> py_compile.PycInvalidationMode | None:
-    """The mode a pyc was written in, or None when it is not this interpreter's pyc."""
+    """The mode a pyc was written in, or None when it is not this interpreter's pyc (or not a
+    regular file: read through safefs, a link or FIFO in `__pycache__` is never followed)."""
     try:
-        with pyc.open("rb") as handle:
-            header = handle.read(8)
+        fd = open_regular(pyc)
+    except (OSError, NotRegular):
+        return None
+    if fd is None:
+        return None
+    try:
+        header = os.read(fd, 8)
     except OSError:
         return None
+    finally:
+        os.close(fd)
     if len(header) < 8 or header[:4] != importlib.util.MAGIC_NUMBER:
         return None
     return _MODE_BY_FLAGS.get(int.from_bytes(header[4:8], "little"))

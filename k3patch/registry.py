@@ -1,17 +1,33 @@
-"""Finds the patches: every module in `k3patch.patches` (the repository's `patches/`) that
-defines `PATCH`. Adding a patch is adding a module; nothing here names one."""
+"""Finds the patches: every module or folder in `k3patch.patches` (the repository's `patches/`)
+that defines `PATCH`. Adding a patch is adding a folder; nothing here names one.
+
+Loading them also checks the patch set against `k3patch.patches.TARGETS`, the static table of
+files the no-op path hashes without importing a patch: a patch whose `files` the table lacks
+would go unchecked there, so the registry refuses to run until the table is right.
+"""
 
 from __future__ import annotations
 
+import graphlib
 import importlib
 import os
 import pkgutil
+import sys
+from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 
-from k3patch import formats
-from k3patch.errors import UnknownPatchError
+from k3patch import state
+from k3patch.errors import PatchBug, UnknownPatchError
 from k3patch.model import Patch
+
+
+class PatchOrderError(ValueError):
+    """The patches' declared `after` ids name an unknown patch or form a cycle."""
+
+
+class PatchSetError(PatchBug):
+    """The patches' `files` and `k3patch.patches.TARGETS` differ (a bug of the patch set)."""
 
 
 @cache
@@ -23,11 +39,23 @@ def all_patches() -> tuple[Patch, ...]:
         patch = getattr(module, "PATCH", None)
         if isinstance(patch, Patch):
             found.append(patch)
+    check_targets(found, state.registered_targets())
     return ordered(found)
 
 
-class PatchOrderError(ValueError):
-    """The patches' declared `after` ids name an unknown patch or form a cycle."""
+def check_targets(patches: Iterable[Patch], targets: frozenset[str]) -> None:
+    """The union of every patch's `files` must be the TARGETS table, exactly."""
+    files = {rel for patch in patches for rel in patch.files}
+    missing, extra = sorted(files - targets), sorted(targets - files)
+    if missing or extra:
+        what = [
+            f"add {', '.join(missing)} to it" if missing else "",
+            f"remove {', '.join(extra)} from it (no patch reads them)" if extra else "",
+        ]
+        raise PatchSetError(
+            "the patches' files and TARGETS in patches/__init__.py differ (the no-op path hashes "
+            "TARGETS): " + "; ".join(w for w in what if w)
+        )
 
 
 def ordered(patches: list[Patch]) -> tuple[Patch, ...]:
@@ -37,17 +65,20 @@ def ordered(patches: list[Patch]) -> tuple[Patch, ...]:
         unknown = [dep for dep in patch.after if dep not in by_id]
         if unknown:
             raise PatchOrderError(f"{patch.id}: after names unknown patch(es) {unknown}")
+    sorter = graphlib.TopologicalSorter({p.id: p.after for p in patches})
+    try:
+        sorter.prepare()
+    except graphlib.CycleError as exc:
+        raise PatchOrderError(
+            f"the after declarations of {sorted(set(exc.args[1]))} form a cycle"
+        ) from None
     done: list[Patch] = []
-    placed: set[str] = set()
-    waiting = sorted(by_id)
-    while waiting:
-        ready = [pid for pid in waiting if set(by_id[pid].after) <= placed]
-        if not ready:
-            raise PatchOrderError(f"the after declarations of {waiting} form a cycle")
-        first = ready[0]
+    ready: list[str] = []
+    while sorter.is_active():
+        ready = sorted([*ready, *sorter.get_ready()])
+        first = ready.pop(0)  # one at a time, so that the smallest id free to go goes first
         done.append(by_id[first])
-        placed.add(first)
-        waiting.remove(first)
+        sorter.done(first)
     return tuple(done)
 
 
@@ -72,13 +103,9 @@ def patches_dir() -> Path:
 
 
 def patch_module_file(patch: Patch) -> Path:
-    import sys
-
     return Path(sys.modules[type(patch).__module__].__file__ or "")
 
 
-@cache
 def patch_set_digest() -> str:
     """A hash of the patch modules' own source: a state record made by other patch code is stale."""
-    package = importlib.import_module("k3patch.patches")
-    return formats.patch_set_digest(os.path.dirname(package.__file__ or ""))
+    return state.patch_set()

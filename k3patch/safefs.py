@@ -1,37 +1,140 @@
-"""Opening and reading inside the tree without trusting it: every directory from the package
-dir down is opened with O_NOFOLLOW, and a file is read only when it is a regular file (a
-symlink, FIFO or device is refused before any read, never followed or blocked on). The writer
-(transaction.py) and the record (state.py) both read through here.
+"""Opening and reading inside the tree without trusting it.
+
+Every directory from the package dir down is opened with O_NOFOLLOW, and a file is read (or
+hashed) only when it is a regular file: a symlink, FIFO or device is refused before any read,
+never followed or blocked on. This is the one reader of tree files: the targets (tree.py), the
+state record and journal (state.py), the saved originals (blobs.py), the writer (replace.py)
+and the no-op path's hashes all go through it. Each caller words its own refusal.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import stat
 from pathlib import Path
 
-from k3patch.lock import EnvironmentProblem, env_error
+from k3patch.errors import EnvironmentProblem
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# Non-blocking: opening a FIFO for reading would otherwise wait for a writer.
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+_HINTS = {
+    errno.EROFS: "the filesystem is read-only; patch the image at build time instead",
+    errno.EACCES: "permission denied; run as the tree's owner",
+    errno.EPERM: "operation not permitted; run as the tree's owner",
+    errno.ENOSPC: "no space left on the device; free some and run again",
+    errno.EDQUOT: "disk quota exceeded; free some and run again",
+}
 
 
-def _not_plain(path: Path | str, what: str = "") -> EnvironmentProblem:
+def env_error(action: str, path: Path | str, exc: OSError) -> EnvironmentProblem:
+    """The one-line error of a filesystem call that failed, with what to do about it."""
+    hint = _HINTS.get(exc.errno or 0, exc.strerror or str(exc))
+    return EnvironmentProblem(f"cannot {action} {path}: {hint}")
+
+
+def not_plain(path: Path | str, what: str = "") -> EnvironmentProblem:
     return EnvironmentProblem(
         f"{path} is a symlink or not a regular {what or 'file'}; k3patch writes only real "
         "files and directories inside the tree. Remove it (reinstall vLLM if it was a package file)"
     )
 
 
-def open_dir(root: Path | str, rel_dir: str, *, create: bool = False) -> int:
-    """An fd of `root/rel_dir`, every component opened without following a symlink."""
+class NotRegular(Exception):
+    """The path is there but is no regular file: `kind` is "symlink", "directory" or
+    "special" (a FIFO, socket or device)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+def open_regular(path: Path | str, *, dir_fd: int | None = None) -> int | None:
+    """A read-only fd of the regular file at `path`, None when it is absent. Raises NotRegular
+    for anything else there, before a byte is read; other failures are the OSError itself."""
     try:
-        fd = os.open(root, _DIR_FLAGS)
+        fd = os.open(path, READ_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
     except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise _not_plain(root, "directory") from None
-        raise env_error("open", root, exc) from None
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+            raise NotRegular("symlink") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotRegular("directory" if stat.S_ISDIR(mode) else "special")
+    return fd
+
+
+def read_fd(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def read_file(path: Path | str, *, dir_fd: int | None = None) -> bytes | None:
+    """The bytes of the regular file at `path`, None when absent (see open_regular)."""
+    fd = open_regular(path, dir_fd=dir_fd)
+    if fd is None:
+        return None
+    try:
+        return read_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def file_sha256(path: Path | str, *, dir_fd: int | None = None) -> str | None:
+    """The sha256 of the regular file at `path`, None when absent (see open_regular)."""
+    fd = open_regular(path, dir_fd=dir_fd)
+    if fd is None:
+        return None
+    try:
+        digest = hashlib.sha256()
+        while chunk := os.read(fd, 1 << 20):
+            digest.update(chunk)
+        return digest.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def read_regular(
+    path: Path | str,
+    *,
+    what: str = "file",
+    dir_fd: int | None = None,
+    shown: Path | str | None = None,
+) -> bytes | None:
+    """k3patch's own files (record, journal, saved copies): a regular file's bytes, None when
+    absent; anything else there, or a failed read, is an EnvironmentProblem that says which
+    (naming `shown`, by default `path`)."""
+    shown = path if shown is None else shown
+    try:
+        return read_file(path, dir_fd=dir_fd)
+    except NotRegular:
+        raise not_plain(shown, what) from None
+    except OSError as exc:
+        if exc.errno in (errno.ENOTDIR, errno.EISDIR):
+            raise not_plain(shown, what) from None
+        raise env_error(f"read the {what}", shown, exc) from None
+
+
+def _open_dir(root: Path | str, rel_dir: str, create: bool) -> int:
+    """`root/rel_dir`, every component opened without following a symlink; OSError as raised,
+    with the path it was raised for as `filename`."""
+    try:
+        fd = os.open(root, DIR_FLAGS)
+    except OSError as exc:
+        exc.filename = str(root)
+        raise
     path = Path(root)
     for part in [p for p in rel_dir.split("/") if p]:
         path = path / part
@@ -41,42 +144,49 @@ def open_dir(root: Path | str, rel_dir: str, *, create: bool = False) -> int:
                     os.mkdir(part, 0o755, dir_fd=fd)
                 except FileExistsError:
                     pass
-            nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
         except OSError as exc:
+            exc.filename = str(path)
+            raise
+        finally:
             os.close(fd)
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise _not_plain(path, "directory") from None
-            raise env_error("open", path, exc) from None
-        os.close(fd)
         fd = nxt
     return fd
 
 
-def _read_fd(fd: int) -> bytes:
-    chunks = []
-    while chunk := os.read(fd, 1 << 20):
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def read_regular(
-    path: Path | str, *, what: str = "file", dir_fd: int | None = None
-) -> bytes | None:
-    """A regular file's bytes, None when absent; never follows a symlink, never opens a FIFO
-    or device (O_NONBLOCK, then fstat), and says which when it is not a plain file."""
+def open_dir(root: Path | str, rel_dir: str, *, create: bool = False) -> int:
+    """An fd of the directory `root/rel_dir` (see _open_dir); with `create`, the directories
+    missing on the way (k3patch's state directories) are made."""
     try:
-        fd = os.open(path, _READ_FLAGS, dir_fd=dir_fd)
+        return _open_dir(root, rel_dir, create)
+    except OSError as exc:
+        path = exc.filename or root
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise not_plain(path, "directory") from None
+        action = "create the state directory" if create else "open"
+        raise env_error(action, path, exc) from None
+
+
+def open_dir_if_there(root: Path | str, rel_dir: str) -> int | None:
+    """As open_dir, but None when a directory on the way is absent."""
+    try:
+        return _open_dir(root, rel_dir, False)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EISDIR):
-            raise _not_plain(path, what) from None
-        raise env_error(f"read the {what}", path, exc) from None
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise not_plain(exc.filename or root, "directory") from None
+        raise env_error("open", exc.filename or root, exc) from None
+
+
+def read_in(root: Path | str, rel: str, *, what: str = "file") -> bytes | None:
+    """k3patch's own file `root/rel` (see read_regular), every directory on the way opened
+    without following a symlink; None when it or a directory on the way is absent."""
+    dfd = open_dir_if_there(root, os.path.dirname(rel))
+    if dfd is None:
+        return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise _not_plain(path, what)
-        return _read_fd(fd)
-    except OSError as exc:
-        raise env_error(f"read the {what}", path, exc) from None
+        name = os.path.basename(rel)
+        return read_regular(name, what=what, dir_fd=dfd, shown=Path(root) / rel)
     finally:
-        os.close(fd)
+        os.close(dfd)

@@ -1,30 +1,34 @@
-"""The state record beside the tree (`vllm/.k3patch/state.json`).
+"""The state record beside the tree (`vllm/.k3patch/state.json`), and the journal next to it.
 
-It holds, per file k3patch changed, the hash of the original (whose bytes are kept as a blob,
-for an exact revert) and of what k3patch wrote; and the classification of the last run with the
-hashes of every target file it read, so that a later run whose hashes all match can reuse it
-without parsing anything (the entrypoint's no-op path). It is a cache plus revert data: verdicts
-never depend on it, only on the code itself.
+The record holds, per file k3patch changed, the hash of the original (whose bytes are kept as a
+blob, for an exact revert) and of what k3patch wrote; and the classification of the last run with
+the hashes of every target file it read, so that a later run whose hashes all match can reuse it
+without parsing anything (`fresh`: the entrypoint's no-op path and the engine ask the same
+question here). It is a cache plus revert data: verdicts never depend on it, only on the code.
+The journal names the files a commit in progress replaces, with their before and after hashes.
 
-Nothing in it is trusted: a record copied from another tree, truncated, written by another k3patch
-or edited by hand must never make k3patch write outside the tree, delete a saved original, or
-report a state the code is not in. So a record is "absent", "of another schema" or "damaged"
-(each its own error) until every field has been checked, and every path it names must be one of
-the registry's targets.
+Nothing in either is trusted: a record copied from another tree, truncated, written by another
+k3patch or edited by hand must never make k3patch write outside the tree, delete a saved original,
+or report a state the code is not in. So a record is "absent", "of another schema" or "damaged"
+(each its own error) until every field has been checked, and every path it or a journal names
+must be one of the registered targets (`k3patch.patches.TARGETS`, which the registry holds every
+patch's `files` to). This module imports no patch: the no-op path loads it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3patch import __version__, formats
-from k3patch.lock import EnvironmentProblem
-from k3patch.model import SiteResult
+from k3patch import __version__, formats, safefs
+from k3patch.errors import EnvironmentProblem
+from k3patch.verdicts import SiteResult
 
 STATE_FILE = "state.json"
 STATE_REL = f".k3patch/{STATE_FILE}"
@@ -45,10 +49,19 @@ class RecordOtherSchema(RecordProblem):
 
 
 def registered_targets() -> frozenset[str]:
-    """Every file a patch of this k3patch may change: the only paths a record may name."""
-    from k3patch.registry import all_patches
+    """Every file a patch of this k3patch may change: the only paths a record may name, and the
+    files the no-op path hashes (never the record's own list)."""
+    import k3patch.patches
 
-    return frozenset(rel for patch in all_patches() for rel in patch.files)
+    return frozenset(k3patch.patches.TARGETS)
+
+
+@functools.cache
+def patch_set() -> str:
+    """The digest of the patch modules' source: a record made by other patch code is stale."""
+    import k3patch.patches
+
+    return formats.patch_set_digest(os.path.dirname(k3patch.patches.__file__ or ""))
 
 
 def is_digest(value: object) -> bool:
@@ -108,9 +121,9 @@ class StateRecord:
         try:
             raw = json.loads(data)
         except (ValueError, RecursionError):
-            raise _damaged(where, "it is not valid JSON (truncated?)") from None
+            raise damaged(where, "it is not valid JSON (truncated?)") from None
         if not isinstance(raw, dict):
-            raise _damaged(where, "it is not a JSON object")
+            raise damaged(where, "it is not a JSON object")
         schema = raw.get("schema_version")
         if schema != SCHEMA:
             raise RecordOtherSchema(
@@ -121,7 +134,7 @@ class StateRecord:
         try:
             return cls._checked(raw, package_dir, allowed)
         except _Bad as exc:
-            raise _damaged(where, str(exc)) from None
+            raise damaged(where, str(exc)) from None
 
     @classmethod
     def _checked(
@@ -194,7 +207,7 @@ class _Bad(Exception):
     pass
 
 
-def _damaged(where: str, why: str) -> RecordDamaged:
+def damaged(where: str, why: str) -> RecordDamaged:
     return RecordDamaged(
         f"{where} is damaged: {why}. Nothing was written and its saved originals are kept. "
         "Restore the file from a backup, or reinstall vLLM (`pip install --force-reinstall "
@@ -205,9 +218,7 @@ def _damaged(where: str, why: str) -> RecordDamaged:
 def read_bytes(state_dir: Path) -> bytes | None:
     """The record's bytes, None when absent. A record that is not a regular file, or a
     `.k3patch` that is not a directory, is an environment problem, never "absent"."""
-    from k3patch.safefs import read_regular
-
-    return read_regular(state_dir / STATE_FILE, what="state record")
+    return safefs.read_in(state_dir.parent, STATE_REL, what="state record")
 
 
 def load(
@@ -231,3 +242,73 @@ def load_or_none(state_dir: Path) -> StateRecord | None:
         return load(state_dir)
     except EnvironmentProblem:
         return None
+
+
+def fresh(record: StateRecord | None, hashes: Mapping[str, str | None]) -> bool:
+    """The record still describes the tree: made by this k3patch and this patch code, from
+    exactly these hashes of every registered target. Its classification then stands."""
+    return (
+        record is not None
+        and record.k3patch_version == __version__
+        and record.patch_set == patch_set()
+        and record.scan == dict(hashes)
+    )
+
+
+def fresh_record(package_dir: str) -> StateRecord | None:
+    """The no-op path's (and the plugin's) question: the record of the tree at `package_dir`
+    when it is fresh and no commit is in progress or interrupted; None on any doubt (the full
+    path then looks at the code itself). Every target is hashed with the one no-follow reader."""
+    state_dir = Path(package_dir) / ".k3patch"
+    try:
+        if journal_bytes(Path(package_dir)) is not None:
+            return None
+        record = load(state_dir, registered_targets(), Path(package_dir))
+        hashes = {
+            rel: safefs.file_sha256(os.path.join(package_dir, rel))
+            for rel in sorted(registered_targets())
+        }
+    except (EnvironmentProblem, OSError, safefs.NotRegular):
+        return None
+    return record if fresh(record, hashes) else None
+
+
+# ------------------------------------------------------------------------------------------
+# The journal of a commit in progress.
+
+JOURNAL = "journal.json"
+JOURNAL_REL = f".k3patch/{JOURNAL}"
+
+
+def journal_data(op: str, files: list[dict[str, Any]], pid: int, when: float) -> bytes:
+    """A journal: the op, who wrote it and when, and each file's path, before and after hash."""
+    journal = {"op": op, "pid": pid, "time": when, "files": files}
+    return json.dumps(journal, indent=1).encode()
+
+
+def journal_bytes(package_dir: Path) -> bytes | None:
+    return safefs.read_in(package_dir, JOURNAL_REL, what="journal")
+
+
+def load_journal(package_dir: Path, allowed: frozenset[str]) -> dict[str, Any] | None:
+    """The journal of an interrupted (or running) commit, checked entry by entry; None when there
+    is none. A journal that names anything but a path in `allowed` is damaged (RecordDamaged)."""
+    data = journal_bytes(package_dir)
+    if data is None:
+        return None
+    where = str(package_dir / JOURNAL_REL)
+    try:
+        loaded = json.loads(data)
+    except (ValueError, RecursionError):
+        raise damaged(where, "it is not valid JSON (truncated?)") from None
+    files = loaded.get("files") if isinstance(loaded, dict) else None
+    if not isinstance(files, list) or not isinstance(loaded.get("op"), str):
+        raise damaged(where, "it lacks op or files")
+    for entry in files:
+        if not isinstance(entry, dict) or not confined(entry.get("path"), package_dir, allowed):
+            raise damaged(where, f"it names {entry!r}, not a k3patch target")
+        for key in ("before", "after"):
+            value = entry.get(key)
+            if value is not None and not is_digest(value):
+                raise damaged(where, f"{key} of {entry.get('path')!r} is not a sha256")
+    return {"op": loaded["op"], "files": files}

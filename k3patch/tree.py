@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
+from pathlib import Path
 
 from k3patch.errors import TreeError
-
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up cost)
-
-if TYPE_CHECKING:
-    from pathlib import Path
+from k3patch.safefs import NotRegular, read_file
 
 
 class VllmTree:
-    """A located vLLM tree. Held as plain strings so the no-op path never imports pathlib;
-    the Path views are made on first use."""
+    """A located vLLM tree: `package` is the `vllm` package directory as a string (what the
+    reports print), `package_dir` the same as a Path."""
 
     __slots__ = ("kind", "package", "version", "version_source")
 
@@ -35,9 +33,17 @@ class VllmTree:
         return hash(self.package)
 
     @property
-    def package_dir(self) -> Path:
-        from pathlib import Path
+    def info(self) -> dict[str, str | None]:
+        """What every report says of the tree (its `vllm` object in the JSON)."""
+        return {
+            "package_dir": self.package,
+            "kind": self.kind,
+            "version": self.version,
+            "version_source": self.version_source,
+        }
 
+    @property
+    def package_dir(self) -> Path:
         return Path(self.package)
 
     @property
@@ -58,46 +64,35 @@ class VllmTree:
         return self.package_dir / rel
 
     def read(self, rel: str) -> bytes | None:
-        """A target file's bytes, or None when absent. A symlinked target is refused."""
+        """A target file's bytes, or None when absent. A symlink, directory, FIFO or device
+        where a module should be is refused before any read (safefs: never followed, never
+        blocked on)."""
         path = os.path.join(self.package, rel)
-        if os.path.islink(path):
-            raise TreeError(
-                f"{path} is a symlink to {os.path.realpath(path)}; k3patch replaces files "
-                "atomically and will not turn a link into a copy. Patch the link's target tree.",
-                usage=True,
-            )
-        import stat
-
         try:
-            # Non-blocking and checked before the first read: a FIFO or device where a module
-            # should be is refused, never opened for reading (that would hang).
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
+            return read_file(path)
+        except NotRegular as exc:
+            if exc.kind == "symlink":
+                raise TreeError(
+                    f"{path} is a symlink to {os.path.realpath(path)}; k3patch replaces files "
+                    "atomically and will not turn a link into a copy. Patch the link's target "
+                    "tree.",
+                    usage=True,
+                ) from None
+            if exc.kind == "directory":
+                raise TreeError(
+                    f"{path} is a directory, expected a Python file", usage=True
+                ) from None
+            raise TreeError(
+                f"{path} is not a regular file (a FIFO, socket or device); expected a "
+                "Python file. Reinstall vLLM",
+                usage=False,
+            ) from None
         except PermissionError:
             raise TreeError(
                 f"{path}: permission denied reading it; run as the tree's owner", usage=False
             ) from None
         except OSError as exc:
             raise TreeError(f"{path}: cannot read it: {exc.strerror}", usage=False) from None
-        try:
-            mode = os.fstat(fd).st_mode
-            if stat.S_ISDIR(mode):
-                raise TreeError(f"{path} is a directory, expected a Python file", usage=True)
-            if not stat.S_ISREG(mode):
-                raise TreeError(
-                    f"{path} is not a regular file (a FIFO, socket or device); expected a "
-                    "Python file. Reinstall vLLM",
-                    usage=False,
-                )
-            chunks = []
-            while chunk := os.read(fd, 1 << 20):
-                chunks.append(chunk)
-            return b"".join(chunks)
-        except OSError as exc:
-            raise TreeError(f"{path}: cannot read it: {exc.strerror}", usage=False) from None
-        finally:
-            os.close(fd)
 
 
 def _looks_like_vllm(package_dir: str) -> bool:
@@ -180,32 +175,20 @@ def locate(path: str | os.PathLike[str] | None = None) -> VllmTree:
 
 
 def _header(text: str, name: str) -> str | None:
-    """The value of the first `Name: value` line of a METADATA file whose value is one word.
-    (Read with str methods: `re` imports `enum`, 3-6 ms on the no-op path of every rank.)"""
-    for line in text.splitlines():
-        if line.startswith(f"{name}:"):
-            value = line[len(name) + 1 :].strip()
-            if value and len(value.split()) == 1:
-                return value
-    return None
+    """The value of the first `Name: value` line of a METADATA file whose value is one word."""
+    match = re.search(rf"^{re.escape(name)}:[ \t]*(\S+)[ \t\r]*$", text, re.MULTILINE)
+    return match.group(1) if match else None
+
+
+# `__version__ = "X"`, or `__version__ = version = "X"` as setuptools-scm writes it.
+_VERSION_PY = re.compile(
+    r"""^__version__[ \t]*=[ \t]*(?:version[ \t]*=[ \t]*)?['"]([^'"\n]+)['"]""", re.M
+)
 
 
 def _version_assignment(text: str) -> str | None:
-    """`__version__ = "X"` (or `__version__ = version = "X"`) at the start of a line: X."""
-    for line in text.splitlines():
-        if not line.startswith("__version__"):
-            continue
-        rest = line[len("__version__") :].lstrip()
-        if not rest.startswith("="):
-            continue
-        rest = rest[1:].lstrip()
-        if rest.startswith("version") and rest[len("version") :].lstrip().startswith("="):
-            rest = rest[len("version") :].lstrip()[1:].lstrip()
-        if rest[:1] in ("'", '"'):
-            end = min((i for i in (rest.find("'", 1), rest.find('"', 1)) if i > 0), default=-1)
-            if end > 1:
-                return rest[1:end]
-    return None
+    match = _VERSION_PY.search(text)
+    return match.group(1) if match else None
 
 
 def _read_text(path: str) -> str | None:

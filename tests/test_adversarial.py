@@ -20,9 +20,17 @@ import crash_campaign
 import pytest
 from conftest import pristine_tree, run_cli, tree_hashes
 
-from k3patch import engine, fastpath, lock, plugin, transaction
-from k3patch.state import STATE_FILE, RecordDamaged, RecordOtherSchema, registered_targets
-from k3patch.transaction import EnvironmentProblem, Transaction
+from k3patch import engine, lock, plugin, registry, replace, safefs
+from k3patch.errors import ConcurrentChange, EnvironmentProblem
+from k3patch.fastpath import try_fast
+from k3patch.state import (
+    STATE_FILE,
+    RecordDamaged,
+    RecordOtherSchema,
+    fresh_record,
+    registered_targets,
+)
+from k3patch.transaction import Transaction
 from k3patch.tree import TreeError, locate
 
 pytestmark = pytest.mark.wheel
@@ -177,17 +185,22 @@ def test_12_record_with_empty_scan_does_not_vouch_for_a_pristine_tree(make_tree)
     data["scan"] = {}
     (pristine / "vllm/.k3patch").mkdir()
     write_record(pristine, data)
-    assert fastpath.fresh_record(str(pristine / "vllm/.k3patch"), str(pristine / "vllm")) is None
+    assert fresh_record(str(pristine / "vllm")) is None
     proc = run_cli("status", "--quiet", "--vllm", str(pristine))
     assert proc.returncode == 1 and "pending" in proc.stdout
     assert plugin.preflight_problem(str(pristine / "vllm")) is not None  # fail mode raises
 
 
-def test_12_fast_path_reads_the_registry_targets_without_importing_patches():
-    import k3patch.patches
-
-    targets = fastpath._patch_set(os.path.dirname(k3patch.patches.__file__))[1]
-    assert targets == registered_targets()
+def test_12_the_static_targets_are_the_patches_files_or_the_registry_refuses():
+    """The no-op path hashes `k3patch.patches.TARGETS` without importing a patch; the registry
+    holds the patches to it, so a patch whose file the table lacks cannot go unchecked."""
+    patches = registry.all_patches()
+    assert registered_targets() == {rel for p in patches for rel in p.files}
+    fewer = registered_targets() - {"_aiter_ops.py"}
+    with pytest.raises(registry.PatchSetError, match=r"add _aiter_ops\.py to it"):
+        registry.check_targets(patches, fewer)
+    with pytest.raises(registry.PatchSetError, match=r"remove extra\.py from it"):
+        registry.check_targets(patches, registered_targets() | {"extra.py"})
 
 
 # -- 5: absent, damaged, of another schema -------------------------------------------------
@@ -293,7 +306,7 @@ def test_4_a_link_at_the_very_name_chosen_is_never_opened(make_tree, tmp_path, m
     victim = tmp_path / "victim"
     victim.write_text("root's file\n")
     os.chmod(victim, 0o600)
-    monkeypatch.setattr(transaction.secrets, "token_hex", lambda n: "0" * 16)
+    monkeypatch.setattr(replace.secrets, "token_hex", lambda n: "0" * 16)
     target = site / "vllm" / AITER
     (target.parent / f".{target.name}.k3patch-tmp.{'0' * 16}").symlink_to(victim)
     before = sources(site)
@@ -429,7 +442,7 @@ def test_10_plugin_survives_an_unexpected_error(make_tree, monkeypatch):
     def boom(path: str) -> str | None:
         raise PermissionError(errno.EACCES, "Permission denied", path)
 
-    monkeypatch.setattr(fastpath, "file_sha256", boom)
+    monkeypatch.setattr(safefs, "file_sha256", boom)
     monkeypatch.setattr(plugin, "preflight_problem", lambda d: boom(d))
     plugin.preflight()
     monkeypatch.setenv(plugin.ENV, "fail")
@@ -542,19 +555,19 @@ def test_9_a_revert_stopped_after_its_commit_finishes_on_the_next_run(make_tree)
 # -- 7: concurrent apply and revert ------------------------------------------------------------
 
 
-def test_7_release_never_removes_a_directory_another_run_holds(make_tree):
+def test_7_the_lock_is_the_package_dir_and_leaves_nothing(make_tree):
+    """The lock is an flock of the vllm package dir, which k3patch never creates or removes:
+    taking and giving it back makes no `.k3patch`, and another process's hold on it is seen."""
     site = make_tree("0.31.0")
-    state = site / "vllm/.k3patch"
-    lock.hold(state, 5)
-    os.rmdir(state)  # what a finishing revert does while it holds the lock
-    state.mkdir()  # another run creates the directory afresh ...
-    fd = os.open(state, os.O_RDONLY | os.O_DIRECTORY)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ... and locks it
-    try:
-        lock.release(state)
-        assert state.is_dir(), "release removed the directory another run holds"
-    finally:
-        os.close(fd)
+    package = site / "vllm"
+    with lock.locked(package, 5):
+        fd = os.open(package, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with pytest.raises(BlockingIOError):  # flock: held per open file, so this fd waits
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    assert not (package / ".k3patch").exists()
 
 
 def test_7_racing_applies_and_reverts_stay_whole(make_tree):
@@ -585,7 +598,7 @@ def test_8_an_edit_before_the_rename_is_kept_and_no_journal_blocks(make_tree, mo
     site = make_tree("0.31.0")
     target = site / "vllm" / AITER
     theirs = target.read_bytes() + b"# theirs\n"
-    real = transaction._write_temp
+    real = replace.write_temp
 
     def racing(dfd: int, name: str, data: bytes, like_fd: int | None) -> str:
         tmp = real(dfd, name, data, like_fd)
@@ -593,8 +606,8 @@ def test_8_an_edit_before_the_rename_is_kept_and_no_journal_blocks(make_tree, mo
             target.write_bytes(theirs)  # lands after the content check, before the rename
         return tmp
 
-    monkeypatch.setattr(transaction, "_write_temp", racing)
-    with pytest.raises(transaction.ConcurrentChange):
+    monkeypatch.setattr(replace, "write_temp", racing)
+    with pytest.raises(ConcurrentChange):
         engine.apply(locate(site))
     assert target.read_bytes() == theirs
     assert not (site / "vllm/.k3patch/journal.json").exists()
@@ -612,7 +625,7 @@ def test_8_an_edit_during_blobs_does_not_leave_a_journal(make_tree):
         if step == "blobs-written":
             target.write_bytes(theirs)
 
-    with pytest.raises(transaction.ConcurrentChange):
+    with pytest.raises(ConcurrentChange):
         engine.apply(locate(site), fault=hook)
     assert target.read_bytes() == theirs
     assert not (site / "vllm/.k3patch/journal.json").exists()
@@ -629,7 +642,7 @@ def test_8_a_file_renamed_in_after_the_last_look_is_not_lost(make_tree, monkeypa
     target = site / "vllm" / AITER
     theirs = target.read_bytes() + b"# theirs, renamed in\n"
     if not exchange:
-        monkeypatch.setattr(transaction, "_exchange", lambda dfd, a, b: False)
+        monkeypatch.setattr(replace, "exchange", lambda dfd, a, b: False)
 
     def hook(step: str) -> None:
         if step == f"renaming:{AITER}":
@@ -638,7 +651,7 @@ def test_8_a_file_renamed_in_after_the_last_look_is_not_lost(make_tree, monkeypa
             os.replace(other, target)
 
     if exchange:
-        with pytest.raises(transaction.ConcurrentChange):
+        with pytest.raises(ConcurrentChange):
             engine.apply(locate(site), fault=hook)
         assert target.read_bytes() == theirs
         assert not (site / "vllm/.k3patch/journal.json").exists()
@@ -661,15 +674,13 @@ def test_13_lock_timeout_must_be_finite(make_tree):
 
 def test_13_fast_path_and_full_path_share_one_timeout(make_tree, monkeypatch):
     site = make_tree("0.31.0")
-    state = site / "vllm/.k3patch"
-    state.mkdir()
-    fd = os.open(state, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(site / "vllm", os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(fd, fcntl.LOCK_EX)  # a stopped lock holder
     clock = [0.0]
     monkeypatch.setattr(lock.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(lock.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
     try:
-        code = fastpath.try_fast(["apply", "--quiet", "--lock-timeout", "7", "--vllm", str(site)])
+        code = try_fast(["apply", "--quiet", "--lock-timeout", "7", "--vllm", str(site)])
     finally:
         os.close(fd)
     assert code == 3
@@ -682,7 +693,7 @@ def test_13_status_waits_for_a_live_apply_instead_of_saying_interrupted(make_tre
     state = site / "vllm/.k3patch"
     journal = state / "journal.json"
     journal.write_text(json.dumps({"op": "apply", "files": []}))
-    fd = os.open(state, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(site / "vllm", os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(fd, fcntl.LOCK_EX)
     proc = subprocess.Popen(
         [sys.executable, "-m", "k3patch", "status", "--json", "--vllm", str(site)],
@@ -739,25 +750,3 @@ def test_pycache_symlink_is_refused_before_any_write(make_tree, tmp_path):
     with pytest.raises(EnvironmentProblem):
         engine.apply(locate(site))
     assert sources(site) == before and list(elsewhere.iterdir()) == []
-
-
-def test_lock_create_open_race_is_retried(make_tree, monkeypatch):
-    """A revert that finishes between our mkdir and our open removes the directory: the lock
-    is taken on a new one instead of failing."""
-    site = make_tree("0.31.0")
-    state = site / "vllm/.k3patch"
-    real_open = os.open
-    removed = []
-
-    def racing_open(path, flags, *args, **kwargs):
-        if str(path) == str(state) and not removed:
-            removed.append(True)
-            os.rmdir(state)
-        return real_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(lock.os, "open", racing_open)
-    lock.hold(state, 5)
-    try:
-        assert removed and state.is_dir()
-    finally:
-        lock.release(state)

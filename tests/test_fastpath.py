@@ -1,5 +1,6 @@
 """The no-op path answers exactly as the full path does, without importing libcst, typer or
-rich, and steps aside the moment anything differs from the state record."""
+rich, and steps aside the moment anything differs from the state record or the command is not
+a form it serves."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import run_cli, tree_hashes
+
 from k3patch import engine
 from k3patch.tree import locate
 
@@ -59,6 +60,9 @@ COMMANDS = [
     ["apply"],
     ["status", "--sites"],
     ["apply", "--sites"],
+    # Options as click reads them: `=` values, repeated ids, the last value winning.
+    ["status", "-q", "--skip=kda-gather-diagnostic", "--skip", "moriio-chunk-gate"],
+    ["apply", "--json", "--lock-timeout", "5", "--lock-timeout=7", "--only=aiter-mla-gfx942"],
 ]
 
 
@@ -104,6 +108,13 @@ def test_fast_path_steps_aside_when_a_byte_changes(make_tree):
         ["status", "--only", "no-such-patch"],
         ["verify"],
         ["status", "--bogus"],
+        ["status", "--lock-timeout", "5"],  # not an option of status: the CLI says so
+        ["apply", "--lock-timeout", "nan"],
+        ["apply", "--lock-timeout=-1"],
+        ["apply", "--all-or-nothing"],
+        ["status", "--vllm"],
+        ["status", "--", "--json"],
+        ["apply", "--digest"],
     ],
 )
 def test_fast_path_declines_what_it_does_not_serve(make_tree, args):
@@ -113,29 +124,33 @@ def test_fast_path_declines_what_it_does_not_serve(make_tree, args):
 
 
 @pytest.mark.parametrize("mode", ["--quiet", "--json", "--sites", None])
-def test_cold_apply_skips_the_cli_stack_and_matches_it(make_tree, mode):
-    """The entrypoint's cold start: `apply` with work to do, its output a log (`--quiet`,
-    `--json` or the human report), goes straight into the engine (no typer, no rich) and prints
-    what the full CLI prints."""
+def test_cold_apply_goes_to_the_full_path_and_writes_the_same(make_tree, mode):
+    """The entrypoint's cold start: `apply` with work to do is not the no-op path's. It hands
+    over without writing, and `k3patch apply` (no-op path first, then the CLI) prints and writes
+    exactly what the CLI alone does."""
     lean_site, full_site = make_tree("0.31.0"), make_tree("0.31.0")
     mode_args = [mode] if mode else []
-    code, heavy, out = fast("apply", *mode_args, "--vllm", str(lean_site))
-    assert code == 0
-    assert not {"typer", "rich", "click"} & set(heavy), heavy
+    before = tree_hashes(lean_site / "vllm")
+    assert fast("apply", *mode_args, "--vllm", str(lean_site))[0] is None
+    assert tree_hashes(lean_site / "vllm") == before
+    both = run_cli("apply", *mode_args, "--vllm", str(lean_site))
     reference = full("apply", *mode_args, "--vllm", str(full_site))
-    normalise = lambda text: text.replace(str(full_site), str(lean_site))
-    assert reference.returncode == 0 and out == normalise(reference.stdout)
+    assert both.returncode == reference.returncode == 0
+    assert both.stdout == reference.stdout.replace(str(full_site), str(lean_site))
     assert tree_hashes(lean_site / "vllm") == tree_hashes(full_site / "vllm")
 
 
 def test_cold_quiet_apply_reports_drift_like_the_cli(make_tree):
-    site = make_tree("0.31.0")
-    target = site / "vllm" / "_aiter_ops.py"
-    target.write_text(target.read_text().replace("cls._AITER_ENABLED and", "cls._AITER_ENABLED or"))
-    code, _, out = fast("apply", "--quiet", "--vllm", str(site))
-    reference = full("apply", "--quiet", "--vllm", str(site))
-    assert code == reference.returncode == 1
-    assert out == reference.stdout
+    site, other = make_tree("0.31.0"), make_tree("0.31.0")
+    for tree in (site, other):
+        target = tree / "vllm" / "_aiter_ops.py"
+        text = target.read_text().replace("cls._AITER_ENABLED and", "cls._AITER_ENABLED or")
+        target.write_text(text)
+    both = run_cli("apply", "--quiet", "--vllm", str(site))
+    reference = full("apply", "--quiet", "--vllm", str(other))
+    assert both.returncode == reference.returncode == 1
+    assert both.stdout == reference.stdout.replace(str(other), str(site))
+    out = both.stdout
     # The drifted patch is refused on its own; the chunk gate (pending on 0.31.0) is applied.
     assert "k3patch: aiter-mla-gfx942: drifted" in out
     assert "k3patch: moriio-chunk-gate: applied" in out

@@ -1,0 +1,281 @@
+"""Replacing one file inside the tree so that a reader sees the old file or the new, never a mix.
+
+The new bytes go to a temp file in the same directory (created O_CREAT|O_EXCL|O_NOFOLLOW under
+an unpredictable name, so a planted link is never written through), fsynced, with the owner,
+mode and xattrs of the file it replaces; then it is renamed over it and the directory fsynced.
+`replace_checked` also keeps another writer's edit: the file must hold the expected bytes when
+read and be the same file right before the rename, and the rename is an atomic exchange where
+the system has one, so a file renamed in after that last look is seen and put back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+import secrets
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+from k3patch.errors import ConcurrentChange
+from k3patch.safefs import (
+    NotRegular,
+    env_error,
+    not_plain,
+    open_dir,
+    open_dir_if_there,
+    open_regular,
+    read_fd,
+)
+
+TMP_MARK = ".k3patch-tmp."
+# What `new_temp` names a temp file: only files named so are ever removed as litter.
+LITTER = re.compile(r"^\..+\.k3patch-tmp\.[0-9a-f]+$")
+
+
+def _copy_xattrs(src_fd: int, dst_fd: int) -> None:
+    """Security labels and ACLs (system.posix_acl_access) travel with the file."""
+    try:
+        names = os.listxattr(src_fd)
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.setxattr(dst_fd, name, os.getxattr(src_fd, name))
+        except OSError:
+            pass
+
+
+def _new_temp(dfd: int, name: str) -> tuple[str, int]:
+    for _ in range(16):
+        tmp = f".{name}{TMP_MARK}{secrets.token_hex(8)}"
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            return tmp, os.open(tmp, flags, 0o600, dir_fd=dfd)
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temp name", name)
+
+
+def write_temp(dfd: int, name: str, data: bytes, like_fd: int | None) -> str:
+    """A new temp file beside `name` in `dfd` holding `data`, fsynced, with the owner, mode and
+    xattrs of `like_fd` (or 0644 less the umask); returns its name."""
+    tmp, fd = _new_temp(dfd, name)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if like_fd is not None:
+            like = os.fstat(like_fd)
+            # Owner first: chown clears setuid/setgid, so the mode goes on after it.
+            if (like.st_uid, like.st_gid) != (os.getuid(), os.getgid()):
+                os.fchown(fd, like.st_uid, like.st_gid)
+            os.fchmod(fd, stat.S_IMODE(like.st_mode))
+            _copy_xattrs(like_fd, fd)
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o644 & ~umask)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        unlink_quietly(dfd, tmp)
+        raise
+    os.close(fd)
+    return tmp
+
+
+def unlink_quietly(dfd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dfd)
+    except OSError:
+        pass
+
+
+def _open_existing(dfd: int, name: str, path: Path | str) -> int | None:
+    try:
+        return open_regular(name, dir_fd=dfd)
+    except NotRegular:
+        raise not_plain(path) from None
+    except IsADirectoryError:
+        raise not_plain(path) from None
+
+
+def write_atomically(
+    path: Path, data: bytes, like: os.stat_result | None = None, *, root: Path | None = None
+) -> None:
+    """Replace `path` with `data` (see the module). Every directory from `root` (default: the
+    file's own directory) down is opened without following a symlink; a missing state directory
+    on the way is created, and removed again when the write fails. With `like`, the file keeps
+    the owner, mode and xattrs of the one it replaces."""
+    root = root or path.parent
+    rel = path.relative_to(root).as_posix()
+    rel_dir, name = os.path.dirname(rel), os.path.basename(rel)
+    made = bool(rel_dir) and not os.path.lexists(root / rel_dir)
+    dfd = open_dir(root, rel_dir, create=made)
+    try:
+        like_fd = _open_existing(dfd, name, path) if like is not None else None
+        try:
+            tmp = write_temp(dfd, name, data, like_fd)
+        finally:
+            if like_fd is not None:
+                os.close(like_fd)
+        try:
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            unlink_quietly(dfd, tmp)
+            raise
+        os.fsync(dfd)
+    except BaseException as exc:
+        if made:
+            try:
+                os.rmdir(root / rel_dir)  # only while still empty: a run that failed leaves none
+            except OSError:
+                pass
+        if isinstance(exc, OSError):
+            raise env_error("write", path, exc) from None
+        raise
+    finally:
+        os.close(dfd)
+
+
+def unlink_in(root: Path, rel: str) -> None:
+    """Remove `root/rel` (absent, or a directory on the way absent, is fine), the directories
+    on the way opened without following a symlink."""
+    dfd = open_dir_if_there(root, os.path.dirname(rel))
+    if dfd is None:
+        return
+    try:
+        os.unlink(os.path.basename(rel), dir_fd=dfd)
+        os.fsync(dfd)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise env_error("remove", root / rel, exc) from None
+    finally:
+        os.close(dfd)
+
+
+# ------------------------------------------------------------------------------------------
+# Replacing a file another process may be writing too.
+
+
+def _snapshot(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_renameat2: list[Callable[..., int] | None] = []  # found on first use; [None]: none here
+
+
+def exchange(dfd: int, a: str, b: str) -> bool:
+    """Swap the names `a` and `b` in `dfd` atomically (Linux renameat2 RENAME_EXCHANGE). False
+    where the system cannot (no such call, or a filesystem that refuses it): the caller then
+    renames plainly, with only its last look before the rename to protect another writer."""
+    if not _renameat2:
+        try:
+            found = ctypes.CDLL(None, use_errno=True).renameat2
+            c_int, c_path = ctypes.c_int, ctypes.c_char_p
+            found.argtypes = [c_int, c_path, c_int, c_path, ctypes.c_uint]
+            _renameat2.append(found)
+        except (OSError, AttributeError):
+            _renameat2.append(None)
+    call = _renameat2[0]
+    if call is None:
+        return False
+    if call(dfd, os.fsencode(a), dfd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        _renameat2[0] = None  # this kernel or filesystem has no exchange: do not ask again
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def _is_same_file(dfd: int, name: str, seen: tuple[int, int, int, int] | None) -> bool:
+    try:
+        return _snapshot(os.stat(name, dir_fd=dfd, follow_symlinks=False)) == seen
+    except FileNotFoundError:
+        return False
+
+
+def changed(path: Path) -> ConcurrentChange:
+    return ConcurrentChange(
+        f"{path} changed while k3patch was working on it; nothing was kept, run again"
+    )
+
+
+def replace_checked(
+    root: Path,
+    rel: str,
+    before: bytes | None,
+    after: bytes | None,
+    *,
+    about_to_rename: Callable[[], None],
+    notes: list[str],
+) -> None:
+    """Replace `root/rel`, which must hold `before` (None: absent), with `after` (None: remove
+    it). Raises ConcurrentChange, with the other writer's file in place, when the file is not
+    `before` or another process changes it before our rename lands. `about_to_rename` is called
+    right before the file is changed (the caller records that it may have been)."""
+    path = root / rel
+    dfd = open_dir(root, os.path.dirname(rel))
+    name = os.path.basename(rel)
+    old_fd: int | None = None
+    try:
+        old_fd = _open_existing(dfd, name, path)
+        current = None if old_fd is None else read_fd(old_fd)
+        if current != before:
+            raise changed(path)
+        seen = None if old_fd is None else _snapshot(os.fstat(old_fd))
+        if old_fd is not None and os.fstat(old_fd).st_nlink > 1:
+            notes.append(
+                f"note: vllm/{rel} had {os.fstat(old_fd).st_nlink} hard links; the "
+                "other names keep the old content"
+            )
+        tmp = None if after is None else write_temp(dfd, name, after, old_fd)
+        # The last look before the rename: another writer's edit must not be overwritten.
+        try:
+            now = _snapshot(os.stat(name, dir_fd=dfd, follow_symlinks=False))
+        except FileNotFoundError:
+            now = None
+        if now != seen:
+            if tmp is not None:
+                unlink_quietly(dfd, tmp)
+            raise changed(path)
+        about_to_rename()
+        if tmp is None:
+            os.unlink(name, dir_fd=dfd)
+        elif old_fd is None or not exchange(dfd, tmp, name):
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        else:
+            # Swapped: `tmp` now names what stood at `name`. Anything but the file we read
+            # means another writer renamed its own file in after our last look.
+            if not _is_same_file(dfd, tmp, seen):
+                exchange(dfd, tmp, name)  # theirs back in place, ours out again
+                unlink_quietly(dfd, tmp)
+                os.fsync(dfd)
+                raise ConcurrentChange(
+                    f"{path} was replaced by another process while k3patch replaced it; "
+                    "its file was put back and nothing of k3patch's was kept, run again"
+                )
+            unlink_quietly(dfd, tmp)
+        os.fsync(dfd)
+        if old_fd is not None and _snapshot(os.fstat(old_fd)) != seen:
+            # An edit landed on the old file in the last instant: put it back, report it.
+            theirs = os.pread(old_fd, os.fstat(old_fd).st_size + 1, 0)
+            tmp = write_temp(dfd, name, theirs, old_fd)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.fsync(dfd)
+            raise ConcurrentChange(
+                f"{path} was written by another process while k3patch replaced it; its "
+                "edit was put back and nothing of k3patch's was kept, run again"
+            )
+    except OSError as exc:
+        raise env_error("write", path, exc) from None
+    finally:
+        if old_fd is not None:
+            os.close(old_fd)
+        os.close(dfd)
