@@ -15,8 +15,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3patch import __version__, formats
-from k3patch.errors import PatchBug
+from k3patch import formats
+from k3patch.errors import EnvironmentProblem, PatchBug
+from k3patch.lock import locked
 from k3patch.model import (
     AmbiguousDefinition,
     Patch,
@@ -27,24 +28,18 @@ from k3patch.model import (
     summarise,
 )
 from k3patch.registry import all_patches, patch_set_digest
+from k3patch.replace import write_atomically
 from k3patch.state import (
     STATE_FILE,
     STATE_REL,
     FileState,
     RecordProblem,
     StateRecord,
+    fresh,
     load,
     load_or_none,
 )
-from k3patch.transaction import (
-    EnvironmentProblem,
-    FaultHook,
-    FileEdit,
-    Transaction,
-    locked,
-    sha256,
-    write_atomically,
-)
+from k3patch.transaction import FaultHook, FileEdit, Transaction, sha256
 from k3patch.tree import VllmTree
 
 DEFAULT_LOCK_TIMEOUT = 120.0
@@ -107,12 +102,7 @@ class Report:
 
     @property
     def vllm_info(self) -> dict[str, Any]:
-        return {
-            "package_dir": str(self.tree.package_dir),
-            "kind": self.tree.kind,
-            "version": self.tree.version,
-            "version_source": self.tree.version_source,
-        }
+        return self.tree.info
 
     def to_json(self) -> dict[str, Any]:
         return formats.report_json(
@@ -234,12 +224,7 @@ def scan(
     interrupted = _interrupted(tree, wait_for_live)
     if use_record and interrupted is None and not os.environ.get("K3PATCH_NO_FASTPATH"):
         record = load_or_none(tree.state_dir)
-        if (
-            record is not None
-            and record.patch_set == patch_set_digest()
-            and record.k3patch_version == __version__
-            and record.scan == hashes
-        ):
+        if record is not None and fresh(record, hashes):
             wanted = {p.id for p in patches}
             results = [r for r in record.results if r.patch_id in wanted]
             return Report(tree, patches, results, hashes, from_record=True)
@@ -255,7 +240,7 @@ def _interrupted(tree: VllmTree, wait: float) -> str | None:
     txn = Transaction(tree.package_dir)
     try:
         journal = txn.pending_journal()
-        if journal is not None and wait > 0 and lock.wait_if_busy(tree.state, wait):
+        if journal is not None and wait > 0 and lock.wait_if_busy(tree.package, wait):
             journal = txn.pending_journal()
     except RecordProblem:
         return "unknown (damaged journal)"
@@ -492,7 +477,7 @@ def apply(
         return outcome
 
     txn = Transaction(tree.package_dir, fault)
-    with locked(tree.state_dir, lock_timeout):
+    with locked(tree.package_dir, lock_timeout):
         recovered = txn.recover()
         # Another run may have finished the work while we waited for the lock (its record then
         # matches every file); if no file changed since our first look, that look stands.
@@ -602,7 +587,7 @@ def revert(
     if not os.path.lexists(tree.state_dir):
         return RevertOutcome(nothing_recorded=True)
     txn = Transaction(tree.package_dir, fault)
-    with locked(tree.state_dir, lock_timeout):
+    with locked(tree.package_dir, lock_timeout):
         recovered = txn.recover()
         # Damaged or of another schema: RecordProblem (exit 3), nothing removed.
         record = load(tree.state_dir)
@@ -662,7 +647,7 @@ def _refresh_record(tree: VllmTree, lock_timeout: float) -> None:
     if not os.access(tree.package_dir, os.W_OK):
         return
     try:
-        with locked(tree.state_dir, lock_timeout):
+        with locked(tree.package_dir, lock_timeout):
             full = scan(tree, all_patches())
             if full.from_record or full.pending or full.drifted or full.interrupted:
                 return
