@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from packaging.version import InvalidVersion, Version
+
 HOLE_PREFIX = "HOLE_"
 _IGNORED = frozenset(
     {"lineno", "col_offset", "end_lineno", "end_col_offset", "ctx", "kind", "type_comment"}
@@ -231,16 +233,16 @@ def find_expressions(pattern: str, node: ast.AST) -> Iterator[ast.expr]:
 # Version ranges
 
 
-_VERSION = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
-
-
 def version_key(version: str) -> tuple[int, int, int] | None:
-    """(major, minor, patch) of a vLLM version string ("0.28.0", "0.29.0+k3fork",
-    "0.28.1.dev3"); None when it has none."""
-    m = _VERSION.match(version.strip())
-    if not m:
+    """(major, minor, micro) of a vLLM version string as PEP 440 reads it ("0.28.0",
+    "0.29.0+k3fork", "0.28.1.dev3", "0.31.0rc1": a build, dev or pre-release of a release is that
+    release's code); None when it is not a version."""
+    try:
+        release = Version(version.strip()).release
+    except InvalidVersion:
         return None
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+    major, minor, micro = (*release, 0, 0)[:3]
+    return major, minor, micro
 
 
 @dataclass(frozen=True)

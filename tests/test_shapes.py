@@ -171,3 +171,12 @@ def test_matches_each_pairs_patterns_with_targets_in_order():
     assert matches_each([], [value])  # no patterns: only the item's name had to be there
     with pytest.raises(ValueError):
         matches_each(["a"], [call.args[0], value])
+
+
+def test_versions_are_read_as_pep_440_releases():
+    """packaging reads the versions: a release candidate, dev, post or local build of a release
+    is that release's code; a string that is no version (or only begins like one) is None."""
+    for build in ("0.31.0rc1", "0.31.0.dev4", "0.31.0.post1", "0.31.0+rocm", "v0.31"):
+        assert version_key(build) == (0, 31, 0), build
+    assert version_key("0.31.0junk") is None and version_key("") is None
+    assert VersionRange("0.30.0", "0.31.0").contains("0.31.0rc2") is True
