@@ -131,7 +131,9 @@ def _run_child(python: str, tree: VllmTree, args: dict[str, Any]) -> dict[str, A
         proc = subprocess.run(
             [python, _verify_child.__file__, json.dumps(args)],
             capture_output=True,
-            text=True,
+            # A module may print anything while it imports: odd bytes are shown, never fatal.
+            encoding="utf-8",
+            errors="replace",
             env=env,
             cwd=tempfile.gettempdir(),
             timeout=600,
@@ -142,10 +144,55 @@ def _run_child(python: str, tree: VllmTree, args: dict[str, Any]) -> dict[str, A
         raise VerifyError(f"importing the patched modules with {python} took over 600 s") from None
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(_verify_child.MARKER):
-            result: dict[str, Any] = json.loads(line[len(_verify_child.MARKER) :])
-            return result
+            try:
+                result = json.loads(line[len(_verify_child.MARKER) :])
+            except ValueError as exc:
+                raise _not_a_result(python, f"text that is not JSON ({exc})") from None
+            return _checked(result, python, args)
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
     raise VerifyError(f"the verify child under {python} exited {proc.returncode}: {tail[0]}")
+
+
+def _not_a_result(python: str, what: str) -> VerifyError:
+    return VerifyError(
+        f"the verify child under {python} printed {what}, not a verify result; nothing was "
+        "verified (is it the interpreter that runs vLLM?)"
+    )
+
+
+def _checked(result: object, python: str, args: dict[str, Any]) -> dict[str, Any]:
+    """The child's result, if it is the object verify reads: an import result for every module
+    asked for, a well-formed probe result for any probe. Anything else is exit 3 naming the
+    interpreter, never a KeyError read as k3patch's bug or, worse, a pass."""
+    if not isinstance(result, dict):
+        raise _not_a_result(python, f"a JSON {type(result).__name__}")
+    imports, probes = result.get("imports"), result.get("probes")
+    if not isinstance(imports, dict) or not isinstance(probes, dict):
+        raise _not_a_result(python, "an object without its imports and probes")
+    if not isinstance(result.get("python", ""), str):
+        raise _not_a_result(python, "an object whose python version is not text")
+    for name in args["modules"]:
+        got = imports.get(name)
+        if not isinstance(got, dict) or not isinstance(got.get("ok"), bool):
+            raise _not_a_result(python, f"no import result for {name}")
+        frames = got.get("frames", [])
+        failure = isinstance(got.get("type"), str) and isinstance(got.get("message"), str)
+        framed = isinstance(frames, list) and all(
+            isinstance(f, dict) and isinstance(f.get("file"), str) for f in frames
+        )
+        if not got["ok"] and not (failure and framed):
+            raise _not_a_result(python, f"a malformed import failure for {name}")
+    for patch_id, probe in probes.items():
+        checks = probe.get("checks", []) if isinstance(probe, dict) else None
+        if not (
+            isinstance(probe, dict)
+            and isinstance(probe.get("ok"), bool)
+            and isinstance(probe.get("summary"), str)
+            and isinstance(checks, list)
+            and all(isinstance(c, str) for c in checks)
+        ):
+            raise _not_a_result(python, f"a malformed probe result for {patch_id}")
+    return result
 
 
 def _patched_files(tree: VllmTree, report: Report) -> set[str]:
@@ -244,6 +291,18 @@ def _refuse_vacuous(verified: VerifyReport, patches: tuple[Patch, ...], chosen: 
     if modules and not any(m.status == IMPORT_OK for m in modules):
         first = modules[0]
         lacking.insert(0, f"no selected module imported (e.g. {first.module}: {first.reason})")
+    if not modules and not verified.extra and all(c.probe_ok is None for c in verified.patches):
+        # No patch selected (`--only X --skip X`), or each one not applicable here: nothing
+        # was imported and no probe ran.
+        names = ", ".join(f"{c.patch_id} {c.verdict.value}" for c in verified.patches)
+        raise VerifyError(
+            "nothing to verify: "
+            + (
+                f"no selected patch has a module to import or a probe to run here ({names})"
+                if names
+                else "--only and --skip leave no patch selected"
+            )
+        )
     if lacking:
         raise VerifyError(
             f"nothing was verified with {verified.python} ({chosen}): "

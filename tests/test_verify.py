@@ -174,3 +174,94 @@ def test_unchecked_hash_pycs_are_rebuilt_so_patched_code_runs(make_tree, verify_
     pyc = next((site / "vllm" / "__pycache__").glob("_aiter_ops.*.pyc"))
     assert int.from_bytes(pyc.read_bytes()[4:8], "little") == 1, "mode changed"
     assert patched_code_runs() is True
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 21 item 9: verify tells the truth about its child. A stand-in interpreter (k3patch's own
+# Python behind a script) prints what a broken or hostile one might; no torch needed.
+
+MARKER = "K3PATCH-VERIFY-RESULT "
+
+
+def stand_in(tmp_path: Path, body: str) -> str:
+    """An executable that takes the child's arguments and runs `body` (Python) instead."""
+    import sys
+
+    script = tmp_path / "python"
+    script.write_text(
+        f"#!{sys.executable}\nimport json, sys\nargs = json.loads(sys.argv[2])\n"
+        f"MARKER = {MARKER!r}\n{body}\n"
+    )
+    script.chmod(0o755)
+    return str(script)
+
+
+GOOD_RESULT = (
+    'result = {"python": "3.11.7", "imports": {m: {"ok": True} for m in args["modules"]},'
+    ' "probes": {p: {"ok": True, "summary": "stand-in", "checks": []} for p in args["probes"]}}'
+)
+
+
+def test_odd_bytes_around_the_result_are_not_fatal(make_tree, tmp_path):
+    python = stand_in(
+        tmp_path,
+        GOOD_RESULT + "\nsys.stdout.buffer.write(b'\\xff\\xfe import noise \\x80\\n')"
+        "\nsys.stderr.buffer.write(b'\\xc3\\x28 warning\\n')\nsys.stdout.flush()"
+        "\nprint(MARKER + json.dumps(result))",
+    )
+    verified = verify_mod.verify(locate(make_tree("0.31.0")), python=python)
+    (routing,) = [c for c in verified.patches if c.probe_ok is not None]
+    assert routing.patch_id == "moriio-group-routing" and routing.probe_summary == "stand-in"
+    assert routing.ok and all(m.status == "ok" for m in routing.modules)
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        ("sys.stderr.buffer.write(b'\\xff\\xfe died\\n'); sys.exit(1)", "exited 1: \ufffd\ufffd died"),
+        ("print(MARKER + '{not json')", "text that is not JSON"),
+        ("print(MARKER + '[1, 2]')", "a JSON list"),
+        ("print(MARKER + '{}')", "without its imports and probes"),
+        ("print(MARKER + json.dumps({'imports': {}, 'probes': {}}))", "no import result for vllm."),
+        (
+            GOOD_RESULT + "\nfor p in result['probes']: result['probes'][p]['ok'] = 'yes'"
+            "\nprint(MARKER + json.dumps(result))",
+            "a malformed probe result for moriio-group-routing",
+        ),
+        (
+            GOOD_RESULT + "\nfor m in result['imports']: result['imports'][m] = {'ok': False}"
+            "\nprint(MARKER + json.dumps(result))",
+            "a malformed import failure",
+        ),
+    ],
+)
+def test_a_child_result_that_is_not_one_is_exit_3_naming_the_interpreter(
+    make_tree, tmp_path, body, says
+):
+    from k3patch.errors import VerifyError
+    from k3patch.exitcodes import for_exception
+
+    python = stand_in(tmp_path, body)
+    with pytest.raises(VerifyError) as caught:
+        verify_mod.verify(locate(make_tree("0.31.0")), python=python)
+    assert says in str(caught.value) and python in str(caught.value)
+    assert for_exception(caught.value) == 3
+
+
+def test_a_selection_that_leaves_nothing_verified_nothing(make_tree):
+    from typer.testing import CliRunner
+
+    from k3patch.cli import app
+
+    site = make_tree("0.31.0")
+    result = CliRunner().invoke(
+        app, ["verify", "--vllm", str(site), "--only", AITER, "--skip", AITER, "--json"]
+    )
+    assert result.exit_code == 3, result.output
+    assert "nothing to verify" in json.loads(result.stdout)["error"]
+    # Every selected patch not applicable here: nothing imported, no probe run: not a pass.
+    result = CliRunner().invoke(
+        app, ["verify", "--vllm", str(site), "--only", "kda-gather-diagnostic"]
+    )
+    assert result.exit_code == 3, result.output
+    assert "kda-gather-diagnostic not applicable" in result.stderr
