@@ -1,7 +1,21 @@
 """moriio-chunk-gate's behaviour probes, run in the verify child (the tree's own interpreter, no
 GPU, no network): the real build_connector_meta driven step by step on moriio-group-routing's
 MoRIIO stand-ins, then vLLM's own Scheduler.schedule() of the tree through the same chunked
-prompts."""
+prompts.
+
+Besides a few cases written out, both drives run rows of one table (TABLE; SCHEDULED, a subset,
+through the Scheduler, which costs more): prompts whose last chunk is 1, 2, block - 1, block and
+block + 1 tokens after 1, 2 and 3 full chunks, in K3's 5,760-token blocks (a last chunk never
+reaches one: there the prompt ends one token short of, at and past the first block's end) and in
+16-token blocks, each as sent and after mamba_n1's truncation. G2 (the `_reqs_need_save` loop)
+decides at chunk 1, G1 (the cached-requests loop) at every later one; every row is followed by a
+decode step where the request has one. The save must leave exactly once, with the final chunk,
+carrying every block allocated by then: a gate that fires 1 or 2 tokens early fails the rows
+whose last chunk is that short (after one full chunk G2's, after two or more G1's), `>` for
+`>=` or a gate without this step's scheduled tokens fails every row (late: at the decode step,
+or never), a block count fails K3's rows whose final chunk allocates no block, and so does a G1
+still under `if new_block_ids is not None:` (never sent), a save that stays pending sends again
+at the decode step, one that misses the final chunk's blocks fails the 16-token rows."""
 
 from __future__ import annotations
 
@@ -10,6 +24,7 @@ import itertools
 import logging
 import os
 import tempfile
+from dataclasses import dataclass
 from typing import Any
 
 from k3patch.model import ProbeOutcome, attribute_assignments
@@ -18,13 +33,17 @@ from k3patch.shapes import match
 
 from ..moriio_group_routing.probe import CONNECTOR, drive_prefill, kv_params, stub_request
 
+CHUNK = 2048  # max_num_batched_tokens in K3's recipe
+K3_BLOCK = 5760  # K3's attention page padded to the KDA page
+SMALL_BLOCK = 16
+
 # (request id, prompt, (tokens, new blocks) per step, the one step (from 1) whose metadata must
 # carry the save, None: no kv_transfer_params, never sent), per case with title and block size.
 Request = tuple[str, int, tuple[tuple[int, int], ...], int | None]
 DIRECT_CASES: tuple[tuple[str, int, tuple[Request, ...]], ...] = (
     (
         "K3: 2,611-token prompt, one 5,760-token block, chunks 2,048 + 563 (no new block)",
-        5760,
+        K3_BLOCK,
         (
             ("k3-2611", 2611, ((2048, 1), (563, 0)), 2),
             # A request without kv_transfer_params beside it is never sent and never fails.
@@ -33,17 +52,82 @@ DIRECT_CASES: tuple[tuple[str, int, tuple[Request, ...]], ...] = (
     ),
     (
         "K3: 5,000-token prompt, chunks 2,048 + 2,048 + 904",
-        5760,
+        K3_BLOCK,
         (("k3-3chunk", 5000, ((2048, 1), (2048, 0), (904, 0)), 3),),
     ),
-    ("last chunk of 2 tokens: no slack", 5760, (("k3-2050", 2050, ((2048, 1), (2, 0)), 2),)),
+    ("last chunk of 2 tokens: no slack", K3_BLOCK, (("k3-2050", 2050, ((2048, 1), (2, 0)), 2),)),
     (
         "16-token blocks, a new block every chunk: the full block list is sent",
-        16,
+        SMALL_BLOCK,
         (("small", 5000, ((2048, 128), (2048, 128), (904, 57)), 3),),
     ),
-    ("a prompt in one chunk", 5760, (("short", 1000, ((1000, 1),), 1),)),
+    ("a prompt in one chunk", K3_BLOCK, (("short", 1000, ((1000, 1),), 1),)),
 )
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """A row of the table: a client's prompt of `tokens`, prefilled in CHUNK-token chunks into
+    `block`-token KV blocks. `truncated`: mamba_n1's P side first drops the prompt's last token
+    (the fork pops it with `num_prompt_tokens -= 1` before the scheduler counts the tokens, so one
+    token less is prefilled and is what the gate compares with) and sets max_tokens to 1 (no
+    decode step)."""
+
+    tokens: int
+    block: int
+    truncated: bool = False
+
+    @property
+    def prompt(self) -> int:
+        return self.tokens - self.truncated
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        full, last = divmod(self.prompt, CHUNK)
+        return (CHUNK,) * full + ((last,) if last else ())
+
+    @property
+    def steps(self) -> tuple[tuple[int, int], ...]:
+        """(tokens, new blocks) per step: each chunk gets the blocks for every token computed by
+        its end, as vLLM allocates; the decode step (1 token) gets none, even where its token
+        starts a block: 0.14.1-0.27.1 index the pending map unguarded for a cached request given
+        a block after its save (a KeyError upstream fixed in 0.28.0; not this gate's)."""
+        held = [0, *(-(-total // self.block) for total in itertools.accumulate(self.chunks))]
+        prefill = zip(self.chunks, (b - a for a, b in itertools.pairwise(held)), strict=True)
+        return (*prefill, *([(1, 0)] if not self.truncated else []))
+
+    @property
+    def label(self) -> str:
+        full, last = divmod(self.prompt, CHUNK)
+        parts = [f"{full} chunk{'s' if full > 1 else ''}"] * bool(full) + [f"{last:,}"] * bool(last)
+        split = " + ".join(parts) if len(self.chunks) > 1 else "one chunk"
+        cut = f", mamba_n1 N-1: {self.prompt:,}" if self.truncated else ""
+        return f"block {self.block:,}: {self.tokens:,} tokens{cut} ({split})"
+
+
+def _table() -> tuple[Prefill, ...]:
+    lasts = {K3_BLOCK: (1, 2), SMALL_BLOCK: (1, 2, SMALL_BLOCK - 1, SMALL_BLOCK, SMALL_BLOCK + 1)}
+    tokens = [
+        (full * CHUNK + last, block)
+        for block, ends in lasts.items()
+        for full in (1, 2, 3)
+        for last in ends
+    ]
+    # K3's first block ends inside the third chunk (5,760 = 2 x 2,048 + 1,664); one chunk: G2 alone.
+    tokens += [(K3_BLOCK + d, K3_BLOCK) for d in (-1, 0, 1)] + [(1000, K3_BLOCK), (CHUNK, K3_BLOCK)]
+    return tuple(Prefill(n, block, cut) for n, block in tokens for cut in (False, True))
+
+
+TABLE = _table()
+
+# The proxy's request id carries both nodes' ZMQ addresses (0.14.1-0.23.0 read the decode peer's
+# from it, later releases fall back to kv_transfer_params); the same ports as kv_params'.
+_PEER = "host:127.0.0.1,handshake:6301,notify:61005"
+
+
+def router_id(name: str) -> str:
+    return f"{name}___prefill_addr_{_PEER}___decode_addr_{_PEER}_{'0' * 32}"
+
 
 # The request maps build_connector_meta reads in some release (`_reqs_save_mamba`: the fork's,
 # SITES.md 1); a fork's or patch's own (`_reqs_save_groups`) are what __init__ sets to {}.
@@ -53,12 +137,16 @@ REQUEST_MAPS = (
 ).split()
 
 
-def _scheduler(mc: Any, block_size: int) -> Any:
-    """A MoRIIO scheduler holding what build_connector_meta and update_state_after_alloc read."""
+def _request_maps(mc: Any) -> list[str]:
     init = source_of(mc.MoRIIOConnectorScheduler.__init__)
     assigned = attribute_assignments([init] if init else [], "self")
     empty = [a for a, v in assigned if any(match(e, v) is not None for e in ("{}", "dict()"))]
-    state: dict[str, Any] = {name: {} for name in [*REQUEST_MAPS, *empty]}
+    return [*REQUEST_MAPS, *empty]
+
+
+def _scheduler(mc: Any, block_size: int, maps: list[str]) -> Any:
+    """A MoRIIO scheduler holding what build_connector_meta and update_state_after_alloc read."""
+    state: dict[str, Any] = {name: {} for name in maps}
     state.update(
         mode=mc.MoRIIOMode.WRITE,
         block_size=block_size,  # 0.14.1-0.29.0 gate
@@ -72,57 +160,121 @@ def _scheduler(mc: Any, block_size: int) -> Any:
 
 
 def _saves(steps: list[int], chunks: int) -> str:
-    saved = ", ".join(map(str, steps))
-    return f"save at chunk {saved} of {chunks}" if steps else f"no save in {chunks} chunks"
+    """Where the save left: chunks of the prefill, and the decode step after it."""
+    at = [step for step in steps if step <= chunks]
+    text = f"save at chunk {', '.join(map(str, at))} of {chunks}" if at else f"no save in {chunks}"
+    text += "" if at else (" chunks" if chunks > 1 else " chunk")
+    return text + (" and at the decode step after" if len(at) < len(steps) else "")
 
 
-def _direct_case(scheduler: Any, title: str, requests: tuple[Request, ...], checks: Checks) -> None:
-    """The real build_connector_meta through one case, a check per request."""
+def _expected(final: int | None) -> str:
+    if final is None:
+        return "expected none"
+    return f"expected chunk {final} only ({'G2' if final == 1 else 'G1'})"
+
+
+def truncate(request: Any) -> None:
+    """mamba_n1's P-side truncation as the fork makes it (SITES.md 0), once per request."""
+    params = request.kv_transfer_params
+    if params.get("_p_side_truncated"):
+        return
+    request.prompt_token_ids.pop()
+    if hasattr(request, "_all_token_ids"):  # vLLM's Request; num_tokens follows it
+        request._all_token_ids.pop()
+    else:
+        request.num_tokens -= 1
+    request.num_prompt_tokens -= 1
+    request.max_tokens = 1
+    params["_p_side_truncated"] = True
+
+
+# A request through the direct drive: the stand-in, (tokens, new blocks) per step, the step whose
+# metadata must carry the save (None: never sent), how many of the steps are prefill chunks.
+Planned = tuple[Any, tuple[tuple[int, int], ...], int | None, int]
+
+
+def _direct(scheduler: Any, requests: list[Planned]) -> list[tuple[str, bool]]:
+    """The real build_connector_meta through chunked prefills run side by side: per request its
+    line and whether the save left once, at its final chunk, with every block allocated by then."""
     counter = itertools.count()  # block ids in allocation order, step by step across requests
-    allocated: dict[str, list[list[int]]] = {req_id: [] for req_id, *_ in requests}
-    for step in range(max(len(steps) for _, _, steps, _ in requests)):
-        for req_id, _, steps, _ in requests:
+    allocated: dict[str, list[list[int]]] = {r.request_id: [] for r, *_ in requests}
+    for step in range(max(len(steps) for _, steps, *_ in requests)):
+        for request, steps, *_ in requests:
             if step < len(steps):
-                allocated[req_id].append(list(itertools.islice(counter, steps[step][1])))
+                ids = list(itertools.islice(counter, steps[step][1]))
+                allocated[request.request_id].append(ids)
     plans = [
-        (
-            stub_request(req_id, prompt, kv_params("decode", f"t-{req_id}") if want else None),
-            [(tokens, [ids]) for (tokens, _), ids in zip(steps, allocated[req_id], strict=True)],
-        )
-        for req_id, prompt, steps, want in requests
+        (r, [(n, [ids]) for (n, _), ids in zip(steps, allocated[r.request_id], strict=True)])
+        for r, steps, *_ in requests
     ]
-    emitted: dict[str, list[tuple[int, list[int]]]] = {req_id: [] for req_id, *_ in requests}
+    emitted: dict[str, list[tuple[int, list[int]]]] = {r.request_id: [] for r, *_ in requests}
     for step, saves in enumerate(drive_prefill(scheduler, plans), 1):
         for req_id, meta in saves.items():
-            ids = list(meta.local_block_ids)
-            nested = ids and isinstance(ids[0], list | tuple)
-            emitted[req_id].append((step, [*itertools.chain(*ids)] if nested else [*map(int, ids)]))
-    for req_id, _, steps, want in requests:
-        got = emitted[req_id]
+            sent = list(meta.local_block_ids)
+            nested = sent and isinstance(sent[0], list | tuple)
+            emitted[req_id].append(
+                (step, [*itertools.chain(*sent)] if nested else [*map(int, sent)])
+            )
+    results = []
+    for request, _, want, chunks in requests:
+        got = emitted[request.request_id]
         saved = [step for step, _ in got]
-        expected = f"chunk {want} only" if want else "none"
-        line = f"{title} [{req_id}]: {_saves(saved, len(steps))}, expected {expected}"
+        line = f"{_saves(saved, chunks)}, {_expected(want)}"
         ok = saved == ([] if want is None else [want])
-        blocks = [b for ids in allocated[req_id][:want] for b in ids]
+        blocks = [b for ids in allocated[request.request_id][:want] for b in ids]
         if ok and got and got[0][1] != blocks:
             ok = False
             line += f"; sent blocks {got[0][1][:8]} ({len(got[0][1])}), allocated {len(blocks)}"
-        checks.record(line, ok)
+        results.append((line, ok))
+    return results
+
+
+def _direct_case(scheduler: Any, title: str, requests: tuple[Request, ...], checks: Checks) -> None:
+    """One written-out case, a check per request."""
+    planned: list[Planned] = [
+        (
+            stub_request(
+                router_id(req_id), n, kv_params("decode", f"t-{req_id}") if want else None
+            ),
+            steps,
+            want,
+            len(steps),
+        )
+        for req_id, n, steps, want in requests
+    ]
+    for (req_id, *_), (line, ok) in zip(requests, _direct(scheduler, planned), strict=True):
+        checks.record(f"{title} [{req_id}]: {line}", ok)
+
+
+def _direct_row(scheduler: Any, row: Prefill, checks: Checks) -> None:
+    """One row of the table alone, the truncation made before the scheduler first sees it."""
+    request = stub_request(router_id(f"row-{row.tokens}"), row.tokens, kv_params("decode"))
+    if row.truncated:
+        truncate(request)
+    chunks = len(row.chunks)
+    ((line, ok),) = _direct(scheduler, [(request, row.steps, chunks, chunks)])
+    checks.record(f"{row.label}: {line}", ok)
 
 
 # The second probe: vLLM's own `Scheduler.schedule()` drives the connector's scheduler side
 # through chunked prefills, built on CPU as vLLM's unit tests build one (a MoRIIO producer, one
-# full-attention group, a config.json written here: no download, no tokenizer), with a block
-# bigger than a chunk as K3's padded pages are; it also records `req.num_computed_tokens`.
-BLOCK = 5760
-CHUNK = 2048
+# full-attention group, a config.json written here: no download, no tokenizer), with K3's block,
+# bigger than a chunk; it also records `req.num_computed_tokens`.
 MAX_LEN = 16384
 
-# (request id, prompt, the one chunk whose step must carry the save)
-SCHEDULER_CASES = (
-    ("sched-2611", 2611, 2),  # 2,048 + 563 in one 5,760-token block
-    ("sched-2050", 2050, 2),  # a last chunk of 2 tokens: no slack
-    ("sched-5000", 5000, 3),  # 2,048 + 2,048 + 904
+# (request id, row): the written-out cases first, then the rows that tell each wrong gate of G1
+# and of G2 from the right one (slack of 1 and 2 after one and two chunks, a block count at
+# chunk 3, one chunk for `>` and a gate without this step's tokens, the truncation).
+SCHEDULED = (
+    ("sched-2611", Prefill(2611, K3_BLOCK)),  # 2,048 + 563 in one 5,760-token block
+    ("sched-5000", Prefill(5000, K3_BLOCK)),  # 2,048 + 2,048 + 904
+    *(
+        (f"sched-{n}{'-n1' if cut else ''}", Prefill(n, K3_BLOCK, cut))
+        for n, cut in (
+            *((n, False) for n in (2049, 2050, 4097, 4098, 6145, 1000)),
+            *((n, True) for n in (4098, 2049)),
+        )
+    ),
 )
 
 # A model vLLM knows, small; only its config is read (the scheduler runs no model).
@@ -142,7 +294,7 @@ def _vllm_scheduler(model_dir: str) -> Any:
     structured_output = importlib.import_module("vllm.v1.structured_output")
     extra = {"host_ip": "127.0.0.1", "handshake_port": 6301, "notify_port": 6401}
     sched = dict(max_num_seqs=4, max_num_batched_tokens=CHUNK, max_model_len=MAX_LEN)
-    cache = dict(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto")
+    cache = dict(block_size=K3_BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto")
     config = vc.VllmConfig(
         model_config=vc.ModelConfig(
             model=model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=MAX_LEN
@@ -158,7 +310,11 @@ def _vllm_scheduler(model_dir: str) -> Any:
     )
     config.cache_config.num_gpu_blocks = 64
     spec = call_accepted(
-        specs.FullAttentionSpec, block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32
+        specs.FullAttentionSpec,
+        block_size=K3_BLOCK,
+        num_kv_heads=1,
+        head_size=1,
+        dtype=torch.float32,
     )
     groups = [specs.KVCacheGroupSpec(["layer"], spec)]
     kv_cache = specs.KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
@@ -167,7 +323,7 @@ def _vllm_scheduler(model_dir: str) -> Any:
         vllm_config=config,
         kv_cache_config=kv_cache,
         structured_output_manager=structured_output.StructuredOutputManager(config),
-        block_size=BLOCK,
+        block_size=K3_BLOCK,
         log_stats=False,
     )
 
@@ -182,40 +338,57 @@ def _seen_in_output(output: Any, req_id: str) -> int | None:
     return None
 
 
-def drive_scheduler(scheduler: Any, req_id: str, prompt: int, final: int, checks: Checks) -> None:
-    """One request through vLLM's Scheduler until its prefill is done: whether each chunk's
-    connector metadata carried the save, and `req.num_computed_tokens` inside
-    build_connector_meta beside what scheduler_output says."""
+def drive_scheduler(scheduler: Any, name: str, row: Prefill, checks: Checks) -> None:
+    """One request through vLLM's Scheduler until it finishes: whether each step's connector
+    metadata carried the save, and `req.num_computed_tokens` inside build_connector_meta beside
+    what scheduler_output says. A truncated row goes through the fork's own truncation where the
+    tree has it (mamba_n1), else the probe's; the others get one decode step (max_tokens 2)."""
     from vllm import SamplingParams
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
-    fields = dict(request_id=req_id, prompt_token_ids=[1] * prompt, pooling_params=None)
-    request = call_accepted(Request, sampling_params=SamplingParams(max_tokens=1), **fields)
-    request.kv_transfer_params = {**kv_params("decode", f"t-{req_id}"), "do_remote_prefill": False}
-    chunks, saves = 0, []
-    seen: list[tuple[int, int | None]] = []
-    prompts: list[int] = []  # the prompt the connector compares with (mamba_n1 truncates it)
+    req_id = router_id(name)
+    fields = dict(request_id=req_id, prompt_token_ids=[1] * row.tokens, pooling_params=None)
+    request = call_accepted(Request, sampling_params=SamplingParams(max_tokens=2), **fields)
+    request.kv_transfer_params = {**kv_params("decode", f"t-{name}"), "do_remote_prefill": False}
+    steps, saves = 0, []
+    seen: list[tuple[int, int | None, int]] = []
+    prompts: list[int] = []  # the prompt the connector compares with
     connector = scheduler.connector.connector_scheduler
-    build = connector.build_connector_meta
+    build, matched = connector.build_connector_meta, connector.get_num_new_matched_tokens
+    cut = getattr(connector, "_truncate_mamba_request_for_prefill", truncate)
 
     def watched(scheduler_output: Any) -> Any:
         if req_id in scheduler_output.num_scheduled_tokens:
             live = scheduler.requests[req_id]
-            seen.append((int(live.num_computed_tokens), _seen_in_output(scheduler_output, req_id)))
+            scheduled = int(scheduler_output.num_scheduled_tokens[req_id])
+            seen.append(
+                (
+                    int(live.num_computed_tokens),
+                    _seen_in_output(scheduler_output, req_id),
+                    scheduled,
+                )
+            )
             prompts.append(int(live.num_prompt_tokens))
         return build(scheduler_output)
 
+    def truncating(live: Any, *args: Any, **kwargs: Any) -> Any:
+        if live.request_id == req_id:
+            cut(live)
+        return matched(live, *args, **kwargs)
+
     with Swap() as swap:
         swap.attr(connector, "build_connector_meta", watched)
+        if row.truncated:
+            swap.attr(connector, "get_num_new_matched_tokens", truncating)
         scheduler.add_request(request)
-        for _ in range(final + 3):
+        for _ in range(len(row.chunks) + 3):
             output = scheduler.schedule()
             if req_id not in output.num_scheduled_tokens:
                 break
-            chunks += 1
+            steps += 1
             if req_id in getattr(output.kv_connector_metadata, "reqs_to_save", {}):
-                saves.append(chunks)
+                saves.append(steps)
             ids = list(output.num_scheduled_tokens)
             done = [scheduler.requests[r] for r in ids]
             sampled = [[7] if r.num_computed_tokens >= r.num_prompt_tokens else [] for r in done]
@@ -223,14 +396,20 @@ def drive_scheduler(scheduler: Any, req_id: str, prompt: int, final: int, checks
             ran.update(req_id_to_index={r: i for i, r in enumerate(ids)}, pooler_output=[])
             model_output = call_accepted(ModelRunnerOutput, sampled_token_ids=sampled, **ran)
             scheduler.update_from_output(output, model_output)
-    head = f"Scheduler.schedule() [{req_id}]:"
-    line = f"{head} {_saves(saves, chunks)}, expected chunk {final} only"
-    checks.record(line, saves == [final] and chunks == final)
-    fresh = all(a == b for a, b in seen) and bool(seen)
+    chunks = len(row.chunks)
+    head = f"Scheduler.schedule() [{name}] {row.label}:"
+    line = f"{head} {_saves(saves, chunks)}, {_expected(chunks)}"
+    scheduled = [n for _, _, n in seen]
+    want = [*row.chunks, *([1] if not row.truncated else [])]
+    if scheduled != want:
+        line += f"; scheduled {scheduled} tokens, expected {want}"
+    checks.record(line, saves == [chunks] and scheduled == want)
+    fresh = all(a == b for a, b, _ in seen) and bool(seen)
     checks.record(
-        f"{head} inside build_connector_meta (num_prompt_tokens {prompts[-1] if prompts else 0}) "
-        f"req.num_computed_tokens = {', '.join(str(a) for a, _ in seen)} at chunks "
-        f"1-{len(seen)}; scheduler_output says {', '.join(str(b) for _, b in seen)}"
+        f"Scheduler.schedule() [{name}]: inside build_connector_meta (num_prompt_tokens "
+        f"{prompts[-1] if prompts else 0}) req.num_computed_tokens = "
+        f"{', '.join(str(a) for a, _, _ in seen)} at steps 1-{len(seen)}; scheduler_output says "
+        f"{', '.join(str(b) for _, b, _ in seen)}"
         + (" (the count before this step's chunk, not stale)" if fresh else " (STALE)"),
         fresh,
     )
@@ -239,11 +418,14 @@ def drive_scheduler(scheduler: Any, req_id: str, prompt: int, final: int, checks
 def probe_chunk_gate() -> ProbeOutcome:
     """Both probes: the direct drive of build_connector_meta, then vLLM's own Scheduler."""
     checks, mc = Checks("chunk gate"), importlib.import_module(CONNECTOR)
+    maps = _request_maps(mc)
     with Swap() as swap:
         # The producer role is process-global state set at connector start; pin it here.
         swap.attr(mc, "get_role", lambda: mc.ROLE.PRODUCER)
         for title, block_size, requests in DIRECT_CASES:
-            _direct_case(_scheduler(mc, block_size), title, requests, checks)
+            _direct_case(_scheduler(mc, block_size, maps), title, requests, checks)
+        for row in TABLE:
+            _direct_row(_scheduler(mc, row.block, maps), row, checks)
     with Swap() as swap, tempfile.TemporaryDirectory(prefix="k3patch-probe-model-") as model:
         # The scheduler side sets the process-wide MoRIIO role: later probes get theirs back.
         swap.on_exit(mc.set_role, mc.get_role())
@@ -251,11 +433,19 @@ def probe_chunk_gate() -> ProbeOutcome:
         swap.on_exit(logging.disable, logging.NOTSET)
         for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
             swap.env(key, "1")
+        # A fork's mamba_n1 truncates every request with this set; the rows say which to cut.
+        swap.env("K3_MAMBA_N1_FORCE", None)
+        # vLLM inspects the model class in a child interpreter unless its cache (keyed by the
+        # release's model file) holds it: 10-15 s in a fresh container. Here, in this process
+        # (CPU only, so nothing initialises a GPU), with a cache of its own.
+        swap.env("VLLM_CACHE_ROOT", model)
+        registry = importlib.import_module("vllm.model_executor.models.registry")
+        swap.attr(registry, "_run_in_subprocess", lambda fn: fn())
         with open(os.path.join(model, "config.json"), "w") as handle:
             handle.write(_PROBE_MODEL_CONFIG)
         scheduler = _vllm_scheduler(model)
-        for req_id, prompt, final in SCHEDULER_CASES:
-            drive_scheduler(scheduler, req_id, prompt, final, checks)
+        for name, row in SCHEDULED:
+            drive_scheduler(scheduler, name, row, checks)
     return checks.outcome(
         holds="the save is emitted once, with the final prefill chunk, by build_connector_meta "
         "driven directly and under vLLM's Scheduler ({ran} checks)",
