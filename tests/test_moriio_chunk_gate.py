@@ -818,6 +818,17 @@ def test_every_pending_row_rewrites_to_applied(name, g1, g2, want):
         assert after[site].verdict.value == expected
 
 
+@pytest.mark.wheel
+def test_a_temporary_sharing_its_line_is_drift():
+    # The codemod removes the temporary's line whole, which would take `x = 0` with it.
+    text, old = _connector_text("0.31.0"), "tokens_covered = ("
+    assert classify_text(text)[gate.G2].verdict is Verdict.PENDING
+    assert text.count(old) == 1
+    result = classify_text(text.replace(old, "x = 0; " + old))[gate.G2]
+    assert result.verdict is Verdict.DRIFTED
+    assert "tokens_covered shares its line with another statement" in result.detail
+
+
 def test_shapes_are_distinct_and_read_like_sites_md():
     prints = [s.fingerprint for shapes in gate.SHAPES.values() for s in shapes]
     assert len(set(prints)) == len(prints)

@@ -1,7 +1,6 @@
 """How moriio-chunk-gate reads and rewrites its sites (stdlib ast only, to stay fast): the older
 script's decision chains, else the one gate `if`: a known shape, or a fixed form by its meaning.
-A rewrite hands the ast statements it found to the file's `Codemod` (libcst nodes are built in
-`rewrite.py`, imported only then)."""
+A rewrite hands the statements it found to the file's `Codemod` (libcst only in rewrite.py)."""
 
 from __future__ import annotations
 
@@ -247,13 +246,8 @@ class Gate:
     def preconditions(self, context: Context, pending: bool) -> list[str]:
         """Why a gate in a known shape still cannot take (or does not hold) the post-image."""
         problems = []
-        if pending:
-            # The codemod removes each temporary's line (statement) whole.
-            others = [s for s in self.block if s not in self.temps]
-            if any(_share_lines(temp, other) for temp in self.temps for other in others):
-                problems.append("its header shares lines with other code")
-            if "scheduler_output" not in model.parameter_names(context.method):
-                problems.append(f"{METHOD} has no parameter named scheduler_output")
+        if pending and "scheduler_output" not in model.parameter_names(context.method):
+            problems.append(f"{METHOD} has no parameter named scheduler_output")
         bound = model.stored_names([self.loop.target])
         needs = {"req_id"} if self.site == G1 else {"req_id", "req"}
         if not needs <= bound:
@@ -262,7 +256,12 @@ class Gate:
             name = model.assigned_name(temp)
             if name in loaded_names(self.loop.body, skip=[*self.temps, self.node.test]):
                 problems.append(f"{name} is read outside the gate test; it cannot be dropped")
-            if any(s is not temp and s.lineno == temp.lineno for s in self.block):
+            # The codemod removes a temporary's lines whole: no other statement may be on them.
+            end = temp.end_lineno or temp.lineno
+            if any(
+                s is not temp and s.lineno <= end and temp.lineno <= (s.end_lineno or 0)
+                for s in self.block
+            ):
                 problems.append(f"{name} shares its line with another statement")
         if self.site != G1:
             return problems
@@ -300,10 +299,6 @@ class Gate:
             codemod.change(self.conditions[0], under_guard(G1_TEMPLATE))
         else:
             codemod.change(self.node, new_header(G2_TEMPLATE))
-
-
-def _share_lines(a: ast.stmt, b: ast.stmt) -> bool:
-    return a.lineno <= (b.end_lineno or b.lineno) and b.lineno <= (a.end_lineno or a.lineno)
 
 
 def needed_meaning(gate: ast.If) -> str:
