@@ -3,15 +3,18 @@ formatting insensitivity, marker comments, semantic drift, and missing precondit
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import probe_child
 import pytest
-from conftest import run_cli, sha, tree_hashes
+from conftest import built_fork_tree, pristine_tree, run_cli, sha, tree_hashes
 from conftest import status_json as _status_json
 from k3patch.patches import aiter_mla_gfx942 as aiter
+from k3patch.patches.aiter_mla_gfx942 import probe as truth
 
 from k3patch.model import Verdict, source_fingerprint
 
@@ -179,3 +182,71 @@ def test_docstring_variant_of_0_12_is_pending():
     '''
     assert source_fingerprint(source) == aiter.UPSTREAM_BUGGY.fingerprint
     assert aiter.UPSTREAM_BUGGY.verdict is Verdict.PENDING
+
+
+# --------------------------------------------------------------------------------------------
+# The truth table on every tree where the patch is pending: one child on the unpatched tree,
+# one `verify` child on the applied copy, each asserted over every row.
+
+
+def table() -> list[tuple[str, bool, bool]]:
+    """Every row: (its label, the rule's value, what the unpatched `_AITER_ENABLED and
+    _MLA_ENABLED` answers)."""
+    rows = [
+        (truth.flag_case(variable, gpu, aiter_on, mla), want, aiter_on and mla)
+        for variable, gpu, aiter_on, mla, want in truth.FLAG_ROWS
+    ]
+    rows += [
+        (
+            truth.variable_case(aiter_variable, variable, gpu),
+            want,
+            aiter_variable == "1" and truth.parsed_mla_flag(variable),
+        )
+        for aiter_variable, variable, gpu, want in truth.VARIABLE_ROWS
+    ]
+    return rows
+
+
+def test_the_table_is_every_combination_with_the_rules_value():
+    assert len(truth.FLAG_ROWS) == 3 * 3 * 2 * 2 and len(truth.VARIABLE_ROWS) == 2 * 4 * 3
+    assert len({label for label, _, _ in table()}) == len(table())
+    rows = {(v, gpu, a, m): want for v, gpu, a, m, want in truth.FLAG_ROWS}
+    # SITES.md section 4: unset on gfx942 off; =1 on gfx942 on; =0 (its flag off) off
+    # anywhere; unset on gfx950 on; and off whenever a flag is.
+    assert rows[None, "gfx942", True, True] is False
+    assert rows["1", "gfx942", True, True] is True
+    assert not any(want for (v, _, _, m), want in rows.items() if v == "0" and not m)
+    assert rows[None, "gfx950", True, True] and rows[None, "gfx90a", True, True]
+    assert not any(want for (_, _, a, m), want in rows.items() if not (a and m))
+    # The bug shows in one row of each table; every other row is a must-not-break row.
+    assert [label for label, want, old in table() if want != old] == [
+        "VLLM_ROCM_USE_AITER_MLA=unset gfx942 aiter=1 mla=1",
+        "from the variables: VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MLA=unset gfx942",
+    ]
+
+
+def line(label: str, got: bool, want: bool) -> str:
+    return f"{label} -> {got!r}: " + ("ok" if got == want else f"FAILED (expected {want!r})")
+
+
+PENDING = [*VERSIONS, "fork-a", "fork-b", "fork-c", "fork-d"]
+
+
+@pytest.mark.wheel
+@pytest.mark.verify
+@pytest.mark.parametrize("tree", PENDING)
+def test_truth_table_fails_unpatched_and_holds_applied(make_tree, fork_tree, verify_python, tree):
+    fork = tree.removeprefix("fork-") if tree.startswith("fork-") else None
+    before = probe_child.run_probe(
+        aiter.PATCH, verify_python, built_fork_tree(fork) if fork else pristine_tree(tree)
+    )
+    assert before["ok"] is False
+    assert before["checks"] == [line(label, old, want) for label, want, old in table()]
+
+    site = fork_tree(fork, full=True) if fork else make_tree(tree, full=True)
+    assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
+    proc = run_cli("verify", "--vllm", str(site), "--python", verify_python, "--json", *ONLY)
+    check = json.loads(proc.stdout)["verify"]["patches"][0]
+    assert proc.returncode == 0, check
+    assert check["probe"]["ok"] is True, check["probe"]["summary"]
+    assert check["probe"]["checks"] == [line(label, want, want) for label, want, _ in table()]

@@ -60,6 +60,16 @@ VARIABLE_ROWS = tuple(
 )
 
 
+def flag_case(variable: str | None, gpu: str, aiter: bool, mla: bool) -> str:
+    case = f"{VARIABLE}={variable or 'unset'} {gpu} aiter={aiter:d} mla={mla:d}"
+    return case + (" (flag differs from the variable)" if mla != parsed_mla_flag(variable) else "")
+
+
+def variable_case(aiter_variable: str, variable: str | None, gpu: str) -> str:
+    head = f"from the variables: {AITER_VARIABLE}={aiter_variable}"
+    return f"{head} {VARIABLE}={variable or 'unset'} {gpu}"
+
+
 def probe_truth_table() -> ProbeOutcome:
     from vllm._aiter_ops import rocm_aiter_ops  # type: ignore[import-not-found]
 
@@ -79,17 +89,14 @@ def probe_truth_table() -> ProbeOutcome:
             swap.env(VARIABLE, variable)
             swap.attr(rocm_aiter_ops, "_AITER_ENABLED", aiter)
             swap.attr(rocm_aiter_ops, "_MLA_ENABLED", mla)
-            case = f"{VARIABLE}={variable or 'unset'} {gpu} aiter={aiter:d} mla={mla:d}"
-            if mla != parsed_mla_flag(variable):
-                case += " (flag differs from the variable)"
+            case = flag_case(variable, gpu, aiter, mla)
             checks.expect(case, got=_answer(func, rocm_aiter_ops), want=want)
         for aiter_variable, variable, gpu, want in VARIABLE_ROWS:
             vars(fake_rocm).update(helpers[gpu])
             swap.env(AITER_VARIABLE, aiter_variable)
             swap.env(VARIABLE, variable)
             rocm_aiter_ops.refresh_env_variables()
-            case = f"from the variables: {AITER_VARIABLE}={aiter_variable} "
-            case += f"{VARIABLE}={variable or 'unset'} {gpu}"
+            case = variable_case(aiter_variable, variable, gpu)
             checks.expect(case, got=_answer(func, rocm_aiter_ops), want=want)
     return checks.outcome()
 

@@ -234,10 +234,10 @@ def _judge_nothing_to_write(case: Case, drive: Any, checks: Checks) -> list[tupl
     """Decode computed the whole prompt itself: its notify names no block, and the prefill node
     writes none."""
     named = sorted(_block_ids_in(drive.notify))
-    line = f"{case.label}: decode's notify names blocks {named}"
+    what = f"decode's notify names blocks {named}"
     failures: list[tuple[int | None, str]] = []
-    if not checks.record(line, not named):
-        failures.append((None, f"{line}, expected none (no external tokens)"))
+    if not checks.record(f"{case.label}: {what}", not named):
+        failures.append((None, f"{what}, expected none (no external tokens)"))
     written = {layer: route for layer, (route, _) in drive.routes.items() if route != ([], [])}
     if drive.refused is not None:
         checks.record(f"{case.label}: the prefill node writes nothing ({drive.refused})")
