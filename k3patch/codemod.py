@@ -28,6 +28,8 @@ import libcst.matchers as m
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 
+from k3patch.model import module_binds
+
 if TYPE_CHECKING:
     from k3patch.model import Sources
 
@@ -191,6 +193,7 @@ class Codemod:
     """The libcst tree of one file and the changes a patch makes to it."""
 
     def __init__(self, text: str, tree: ast.Module) -> None:
+        self.text, self.tree = text, tree
         self.module = cst.parse_module(text)
         self.newline = self.module.default_newline
         self._slots, self._parents = _index(self.module, tree)
@@ -322,9 +325,11 @@ class Codemod:
         self._definitions += [with_leading_lines(new[0], [blank, blank]), *new[1:]]
 
     def ensure_import(self, name: str) -> None:
-        """`import name`, unless the module already imports it (libcst's AddImportsVisitor
-        puts it after the module's imports)."""
-        self._imports.append(name)
+        """`import name` unless the module binds `name` at its top level, however (libcst's
+        AddImportsVisitor, which puts it after the module's first block of imports, only
+        knows imports of the module itself)."""
+        if not module_binds(self.tree, name):
+            self._imports.append(name)
 
     def transform(self, transformer: cst.CSTTransformer) -> None:
         """Run `transformer` over the file after the statement changes (a patch's own
@@ -356,13 +361,16 @@ class Codemod:
             # Comments and blank lines that ended the file stay above the new definitions.
             first = with_leading_lines(self._definitions[0], module.footer)
             body = [*module.body, first, *self._definitions[1:]]
-            module = module.with_changes(body=body, footer=[])
+            module = module.with_changes(body=body, footer=[], has_trailing_newline=True)
         if self._imports:
             context = CodemodContext()
             for name in self._imports:
                 AddImportsVisitor.add_needed_import(context, name)
             module = module.visit(AddImportsVisitor(context))
-        return module.code
+        code = module.code
+        if self.text.endswith(("\n", "\r")) and not code.endswith(("\n", "\r")):
+            code += module.default_newline  # libcst drops a lone `\r` that ends the file
+        return code
 
 
 def _preorder(node: cst.CSTNode) -> Iterator[cst.CSTNode]:

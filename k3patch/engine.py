@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import difflib
-import inspect
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -350,13 +349,9 @@ def _rewrite(patch: Patch, sources: Sources, pending: list[SiteResult]) -> dict[
     from k3patch.codemod import Codemods
 
     try:
-        if len(inspect.signature(patch.rewrite).parameters) == 3:
-            files = Codemods(sources)
-            patch.rewrite(sources, pending, files)
-            texts = files.texts()
-        else:  # the older text-splicing rewrite, while the patches move over to codemods
-            older: Any = patch.rewrite
-            texts = dict(older(sources, pending) or {})
+        files = Codemods(sources)
+        patch.rewrite(sources, pending, files)
+        texts = files.texts()
     except Exception as exc:
         raise PatchBug(f"{patch.id}: rewrite failed: {exc!r}") from exc
     changed = {rel: text for rel, text in texts.items() if text != sources[rel].text}

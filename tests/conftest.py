@@ -267,20 +267,6 @@ def classify_files(patch_id: str, files: dict[str, str]) -> dict[str, object]:
     return {r.site: r for r in patch_named(patch_id).classify(sources)}
 
 
-def assert_rewrites(patch_id: str, before: dict[str, str], after: dict[str, str]) -> None:
-    """`before` reads pending; the rewrite gives exactly `after` (the changed files only); and
-    `after` reads good with nothing left to do, so a second apply is a no-op."""
-    from k3patch.model import Sources, Verdict
-
-    patch = patch_named(patch_id)
-    sources = Sources(lambda rel: before[rel].encode() if rel in before else None)
-    pending = [r for r in patch.classify(sources) if r.verdict is Verdict.PENDING]
-    assert pending, "the before-image is not pending: the test proves nothing"
-    assert patch.rewrite(sources, pending) == after
-    again = classify_files(patch_id, {**before, **after})
-    assert all(r.verdict.is_good for r in again.values()), again
-
-
 def assert_untouched(patch_id: str, files: dict[str, str]) -> dict[str, object]:
     """Nothing to write: no site is pending, or a drifted site makes the engine refuse the patch.
     Returns the site results for the caller's own assertions."""

@@ -255,3 +255,103 @@ def test_a_scoped_transformer_changes_only_its_qualified_name():
     out = codemod.code()
     assert rename.found == 1
     assert out == text.replace("    def m(self)", "    def renamed(self)")
+
+
+def _run(text: str, name: str = "x") -> object:
+    scope: dict = {}
+    exec(compile(text, "t.py", "exec"), scope)
+    return scope.get(name)
+
+
+@pytest.mark.parametrize("char", ["\f", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"])
+def test_odd_line_break_characters_in_strings_are_not_lines(char):
+    text = f'def f():\n    s = "a{char}b"\n    x = 1\n    return x\n'
+    tree = ast.parse(text)
+    codemod = Codemod(text, tree)
+    codemod.insert_after(tree.body[0].body[1], "x = x + 41")
+    new = codemod.code()
+    assert f'"a{char}b"' in new
+    assert _run(new + "x = f()\n") == 42
+
+
+@pytest.mark.parametrize("newline", ["\r\n", "\r"])
+def test_crlf_and_cr_files_keep_their_newlines(newline):
+    text = newline.join(["def f():", "    x = 1", "    return x", ""])
+    tree = ast.parse(text)
+    codemod = Codemod(text, tree)
+    codemod.insert_after(tree.body[0].body[0], "x += 1\nx += 1")
+    codemod.nest_under([tree.body[0].body[1]], "if x:")
+    new = codemod.code()
+    assert new.replace(newline, "") == new.replace(newline, "").replace("\n", "")
+    assert new.count(newline) == text.count(newline) + 3
+    assert _run(new + newline + "x = f()" + newline) == 3
+
+
+def test_nest_under_leaves_multiline_string_content_alone():
+    text = 'def f(x):\n    if x:\n        log("""bad\nindices""", x)\n    return x\n'
+    tree = ast.parse(text)
+    codemod = Codemod(text, tree)
+    codemod.nest_under([tree.body[0].body[0]], "if True:")
+    assert codemod.code() == (
+        'def f(x):\n    if True:\n        if x:\n            log("""bad\nindices""", x)\n'
+        "    return x\n"
+    )
+
+
+def test_nest_under_uses_the_files_own_step():
+    text = "def f(x):\n  if x:\n    x = 2\n  return x\n"
+    tree = ast.parse(text)
+    codemod = Codemod(text, tree)
+    codemod.nest_under([tree.body[0].body[0]], "if True:")
+    assert codemod.code() == "def f(x):\n  if True:\n    if x:\n      x = 2\n  return x\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("f(\n    a=1,\n    b=2,  # mark\n)\n", "f(\n    a=1,\n    b=2,  # mark\n    c=3,\n)\n"),
+        ("f(\n    a=1,\n    b=2\n)\n", "f(\n    a=1,\n    b=2,\n    c=3\n)\n"),
+        ("f(x, k=1, *rest)\n", "f(x, k=1, *rest, c=3)\n"),
+    ],
+)
+def test_an_argument_is_laid_out_like_the_others(text, want):
+    tree = ast.parse(text)
+    codemod = Codemod(text, tree)
+    codemod.append_to(first(tree, ast.Call), "c=3", within=tree.body[0])
+    assert codemod.code() == want
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("def f(a, b=1, *args):\n    pass\n", "def f(a, b=1, c=2, *args):\n    pass\n"),
+        ('d = {"a": 1, **other}\n', 'd = {"a": 1, **other, "b": 2}\n'),
+    ],
+)
+def test_an_item_goes_after_the_last_of_its_kind(text, want):
+    tree = ast.parse(text)
+    codemod = Codemod(text, tree)
+    holder = first(tree, ast.FunctionDef) if text.startswith("def") else first(tree, ast.Dict)
+    item = "c=2" if text.startswith("def") else '"b": 2'
+    codemod.append_to(holder, item, within=tree.body[0])
+    assert codemod.code() == want
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("x = 1", "x = 1\n\n\ndef g():\n    return 1\n"),  # no final newline
+        ("x = 1\r\n", "x = 1\r\n\r\n\r\ndef g():\r\n    return 1\r\n"),
+    ],
+)
+def test_a_definition_takes_the_files_newlines(text, want):
+    codemod = Codemod(text, ast.parse(text))
+    codemod.append_definition("\n    def g():\n        return 1\n")
+    assert codemod.code() == want
+
+
+@pytest.mark.parametrize("bound", ["import os\n", "import os.path\n", "from x import os\n"])
+def test_an_import_is_not_added_twice(bound):
+    codemod = Codemod(bound, ast.parse(bound))
+    codemod.ensure_import("os")
+    assert codemod.code() == bound
