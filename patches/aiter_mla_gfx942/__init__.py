@@ -94,7 +94,8 @@ class AiterMlaGfx942(Patch):
     def rewrite(self, sources: Sources, pending: list[SiteResult], files: Codemods) -> None:
         from .rewrite import ExcludeGfx942  # libcst: only when there is something to rewrite
 
-        files[FILE].transform(ExcludeGfx942(SITE, POST_IMAGE))
+        codemod = files[FILE]
+        codemod.transform(ExcludeGfx942(SITE, POST_IMAGE, codemod.newline))
 
     def probe(self) -> ProbeOutcome:
         from .probe import probe_truth_table

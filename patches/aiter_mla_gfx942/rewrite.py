@@ -11,10 +11,10 @@ class ExcludeGfx942(ScopedTransformer):
     """`rocm_aiter_ops.is_mla_enabled` (decorators included) becomes `post_image`; the blank
     lines and comments above it stay."""
 
-    def __init__(self, scope: str, post_image: str) -> None:
+    def __init__(self, scope: str, post_image: str, newline: str) -> None:
         super().__init__()
         self.scope = scope
-        self.new = statements(post_image)[0]
+        self.new = statements(post_image, newline)[0]
 
     def leave_scope(self, node: cst.CSTNode) -> cst.CSTNode:
         if not isinstance(node, cst.FunctionDef):
