@@ -13,19 +13,36 @@ defect is pinned here by the blocks the probe names:
   group 0's offsets;
 - (d) with its chunked companion and the chunk-gate fix: the offsets cache defect alone.
 After `k3patch apply`, `verify` runs the probe and it passes on each; upstream 0.31.0 and 0.33.0
-route natively (satisfied) and pass too.
+route natively (satisfied) and pass too. One child per fork tree and state (`probed`), shared by
+the tests that read it.
+
+The cases issue 19 added: models without a Mamba group (one attention group; full attention and
+sliding window), decode without external tokens, and both schedulers holding nothing of a
+request once it finished. Where the unpatched code fails them: two attention groups on every
+fork tree (the fork's [0]/[1] choice sends group 1 to group 0's blocks), one attention group over
+3 chunks on (c) (the older fix's lists captured at chunk 1). The others are must-not-break cases:
+the fork gets them right, and they catch wrong fixes (a per-request entry left after its save,
+group 0 used where no group is Mamba, blocks named without external tokens).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import probe_child
 import pytest
-from conftest import run_cli
+from conftest import built_fork_tree, run_cli
 from k3patch.patches.moriio_group_routing import PATCH
+from k3patch.patches.moriio_group_routing.probe import (
+    ATTENTION_LAYOUT,
+    CASES,
+    KIND_NAMES,
+    TWO_ATTENTION_LAYOUT,
+)
 
 pytestmark = pytest.mark.verify
 ONLY = ["--only", "moriio-group-routing"]
@@ -46,12 +63,36 @@ def lines(probe: dict[str, Any], prefix: str) -> list[str]:
     return [c for c in probe["checks"] if c.startswith(prefix)]
 
 
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory, verify_python) -> Callable[[str, bool], dict[str, Any]]:
+    """probed(name, applied): fork tree `name`'s probe result, unpatched (the probe alone, on
+    the cached tree) or applied (`verify --json` on a copy after `k3patch apply`: its patch
+    entry, with `rc`); one child each per module."""
+    found: dict[tuple[str, bool], dict[str, Any]] = {}
+
+    def get(name: str, applied: bool) -> dict[str, Any]:
+        if (name, applied) not in found:
+            if not applied:
+                found[name, applied] = run_probe(verify_python, built_fork_tree(name))
+            else:
+                site = tmp_path_factory.mktemp(f"fork-{name}") / "site"
+                ignore = shutil.ignore_patterns(".complete")
+                shutil.copytree(built_fork_tree(name), site, ignore=ignore)
+                proc = run_cli("apply", "--vllm", str(site))
+                assert proc.returncode == 0, proc.stdout + proc.stderr
+                rc, check = verify_json(verify_python, site)
+                found[name, applied] = {"rc": rc, **check}
+        return found[name, applied]
+
+    return get
+
+
 # --------------------------------------------------------------------------------------------
 # The unpatched fork trees: the probe fails and names the misrouted layers and blocks.
 
 
-def test_the_fork_pre_image_writes_mla_into_a_kda_groups_blocks(fork_tree, verify_python):
-    probe = run_probe(verify_python, fork_tree("a", full=True))
+def test_the_fork_pre_image_writes_mla_into_a_kda_groups_blocks(probed):
+    probe = probed("a", False)
     assert probe["ok"] is False
     summary = probe["summary"]
     # MLA (group 3) into group 0's blocks on both nodes; KDA group 0 into group 1's.
@@ -79,8 +120,8 @@ def test_the_fork_pre_image_writes_mla_into_a_kda_groups_blocks(fork_tree, verif
     assert lines(probe, "two-group") and not lines(probe, "FAIL two-group")
 
 
-def test_the_older_fix_alone_never_sends_later_chunks(fork_tree, verify_python):
-    probe = run_probe(verify_python, fork_tree("c", full=True))
+def test_the_older_fix_alone_never_sends_later_chunks(probed):
+    probe = probed("c", False)
     assert probe["ok"] is False
     # Captured at chunk 1, never grown: MLA's blocks of chunks 2 and 3 are left out.
     assert (
@@ -105,10 +146,10 @@ def test_the_older_fix_alone_never_sends_later_chunks(fork_tree, verify_python):
     ) in probe["summary"]
 
 
-def test_the_older_fix_with_its_companions_still_shares_kda_offsets(fork_tree, verify_python):
-    probe = run_probe(verify_python, fork_tree("d", full=True))
+def test_the_older_fix_with_its_companions_still_shares_kda_offsets(probed):
+    probe = probed("d", False)
     assert probe["ok"] is False
-    failed = [f for f in lines(probe, "FAIL ") if "without the fix" not in f]
+    failed = [f for f in lines(probe, "FAIL K3") if "without the fix" not in f]
     # Only KDA groups 1 and 2 (every layer, every case), from group 0's cached offsets.
     assert {f.split(": ", 1)[1].split(" (")[0] for f in failed} == {
         "model.layers.1.kda",
@@ -141,12 +182,9 @@ def test_the_older_fix_with_its_companions_still_shares_kda_offsets(fork_tree, v
 
 
 @pytest.mark.parametrize("name", ["a", "c", "d"])
-def test_verify_passes_the_probe_after_apply(fork_tree, verify_python, name):
-    site = fork_tree(name, full=True)
-    applied = run_cli("apply", "--vllm", str(site))
-    assert applied.returncode == 0, applied.stdout + applied.stderr
-    rc, check = verify_json(verify_python, site)
-    assert rc == 0, check
+def test_verify_passes_the_probe_after_apply(probed, name):
+    check = probed(name, True)
+    assert check["rc"] == 0, check
     assert check["verdict"] == "applied"
     assert [m["status"] for m in check["modules"]] == ["ok", "ok", "ok"]
     assert check["probe"]["ran"] and check["probe"]["ok"], check["probe"]["summary"]
@@ -172,17 +210,67 @@ def routes(probe: dict[str, Any], prefix: str) -> list[str]:
     return [c.split(" (offsets reused")[0] for c in lines(probe, prefix) if "@chunk" in c]
 
 
-def test_a_two_group_model_routes_as_before(fork_tree, verify_python):
-    site = fork_tree("a", full=True)
-    before = routes(run_probe(verify_python, site), "two-group")
-    assert run_cli("apply", "--vllm", str(site)).returncode == 0
-    after = routes(run_probe(verify_python, site), "two-group")
+def test_a_two_group_model_routes_as_before(probed):
+    before = routes(probed("a", False), "two-group")
+    after = routes(probed("a", True)["probe"], "two-group")
     assert len(before) == 8  # 4 layers x (1 chunk, 3 chunks)
     assert after == before
     assert (
         "two-group, 3 chunks @chunk 3: model.layers.2.attn (attention group 0): "
         "local [101, 102, 103] -> remote [1101, 1102, 1103]"
     ) in after
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 19's cases on every fork tree: failing where the unpatched code misroutes, passing
+# applied, asserted over every case of the table.
+
+NEW_CASES = [
+    c for c in CASES if c.layout in (ATTENTION_LAYOUT, TWO_ATTENTION_LAYOUT) or not c.external
+]
+FORK_TREES = ["a", "a-comments", "a-nodebug", "b", "c", "d"]
+
+
+def failed_cases(probe: dict[str, Any]) -> set[str]:
+    return {c.removeprefix("FAIL ").split(": ")[0] for c in lines(probe, "FAIL ")}
+
+
+def expected_lines(case: Any) -> list[str]:
+    """What the applied probe says of `case`: no state left; then each layer's own group's
+    blocks of every chunk on both nodes, or (no external tokens) no block named or written."""
+    head = f"{case.label}: per-request state once both requests finished: none"
+    if case.fork_peer:  # refused per layer, the lines test_verify_passes_... reads
+        return [head]
+    if not case.external:
+        return [head, f"{case.label}: decode's notify names blocks []"]
+    local, remote = case.prefill_blocks(), case.decode_blocks()
+    return [head] + [
+        f"{case.label} @chunk {len(case.chunks)}: {layer} ({KIND_NAMES.get(kind, kind)} group "
+        f"{g}): local {local[g]} -> remote {remote[g]}"
+        for g, (kind, names) in enumerate(case.layout)
+        for layer in names
+    ]
+
+
+@pytest.mark.parametrize("name", FORK_TREES)
+def test_issue_19_cases_fail_where_the_fork_misroutes_and_pass_applied(probed, name):
+    before = probed(name, False)
+    misrouted = {"two attention groups, 1 chunk", "two attention groups, 3 chunks"}
+    misrouted |= {"attention only, 3 chunks"} if name == "c" else set()
+    assert failed_cases(before) & {c.label for c in NEW_CASES} == misrouted, before["summary"]
+    # The unpatched trees leave only the older scripts' own dicts behind (noted, not failed).
+    assert not [c for c in lines(before, "FAIL ") if "a leak per request" in c]
+    assert any(
+        "left by the older scripts (" in c and "mamba_blockids.py" in c for c in before["checks"]
+    )
+
+    after = probed(name, True)
+    assert after["rc"] == 0 and after["probe"]["ok"], after["probe"]["summary"]
+    checks = after["probe"]["checks"]
+    assert not lines(after["probe"], "FAIL")
+    for case in CASES:
+        for want in expected_lines(case):
+            assert any(c.startswith(want) for c in checks), want
 
 
 # --------------------------------------------------------------------------------------------
