@@ -2,8 +2,10 @@
 `build_connector_meta` of a tree (unpatched and patched) with synthetic scheduler steps, then
 vLLM's own `Scheduler.schedule()` of the tree with the MoRIIO connector's scheduler side, in the
 verify child (the tree's interpreter, PYTHONPATH = the tree, the patch module loaded by file
-path). Unpatched 0.28.0-0.31.0 and the fork trees send after chunk 1 (the bug); patched, they
-send once, at the final chunk; upstream 0.33.0 does too; the older script's slack shows."""
+path). One child per tree and state, asserting over the probe's whole table (probe.TABLE, and
+probe.SCHEDULED through the Scheduler): on every tree where the patch is pending, each row fails
+that the tree's gate gets wrong, and only those; applied, and on upstream's fix, every row passes.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +13,12 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import pristine_tree, run_cli
+from conftest import built_fork_tree, pristine_tree, run_cli
+from k3patch.patches.moriio_chunk_gate.probe import SCHEDULED, TABLE, Prefill
 
+from k3patch import engine
 from k3patch import verify as verify_mod
+from k3patch.model import Verdict
 from k3patch.registry import all_patches
 from k3patch.tree import locate
 
@@ -22,7 +27,7 @@ ONLY = ["--only", PATCH_ID]
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
 K3_BUG = "[k3-2611]: save at chunk 1 of 2, expected chunk 2 only"
 K3_FIXED = "[k3-2611]: save at chunk 2 of 2, expected chunk 2 only"
-THREE_CHUNKS_FIXED = "[k3-3chunk]: save at chunk 3 of 3, expected chunk 3 only"
+NOT_STALE = "(the count before this step's chunk, not stale)"
 
 
 def run_probe(python: str, root: Path) -> dict:
@@ -35,6 +40,7 @@ def run_probe(python: str, root: Path) -> dict:
     assert result["imports"][MODULE]["ok"], result["imports"][MODULE]
     assert result["imports"][MODULE]["file"].startswith(str(root))
     probe: dict = result["probes"][PATCH_ID]
+    assert "error" not in probe, probe
     return probe
 
 
@@ -44,23 +50,94 @@ def verify_cli(site: Path, python: str) -> tuple[int, dict]:
     return proc.returncode, json.loads(proc.stdout)["verify"]["patches"][0]
 
 
-@pytest.mark.wheel
-@pytest.mark.verify
-@pytest.mark.parametrize("version", ["0.29.0", "0.31.0"])
-def test_probe_reproduces_the_bug_on_unpatched_code(verify_python, version):
-    probe = run_probe(verify_python, pristine_tree(version))
-    assert probe["ok"] is False
-    assert K3_BUG in probe["summary"]
-    assert "[k3-3chunk]: save at chunk 1 of 3, expected chunk 3 only" in probe["summary"]
-    # A normal block size was never affected: block count and progress agree there.
-    assert any("[small]: save at chunk 3 of 3" in c for c in probe["checks"])
+def row_results(probe: dict) -> dict[str, bool]:
+    """Each table row's check, direct and through the Scheduler, by its line's head: passed?"""
+    heads = [f"{row.label}: " for row in TABLE]
+    heads += [f"Scheduler.schedule() [{req_id}] {row.label}: " for req_id, row in SCHEDULED]
+    failures = "" if probe["ok"] else probe["summary"].split(" checks: ", 1)[1]
+    lines = {head: [c for c in probe["checks"] if c.startswith(head)] for head in heads}
+    assert all(len(found) == 1 for found in lines.values()), lines
+    # A failure is its whole line in the "; "-joined summary (one line holds another's text).
+    return {head: f"; {line};" not in f"; {failures};" for head, (line,) in lines.items()}
+
+
+def rows_wrong(where_wrong) -> set[str]:
+    """The heads of the rows (direct and scheduled) a gate gets wrong, by `where_wrong(row)`."""
+    heads = {f"{row.label}: " for row in TABLE if where_wrong(row)}
+    scheduled = [(req_id, row) for req_id, row in SCHEDULED if where_wrong(row)]
+    return heads | {f"Scheduler.schedule() [{req_id}] {row.label}: " for req_id, row in scheduled}
+
+
+def block_count_wrong(row: Prefill) -> bool:
+    """The unpatched gate sends once the allocated blocks cover the prompt: at the first chunk
+    that allocates the last block the prompt needs. That is the final chunk, and the gate right,
+    exactly where the final chunk allocates a block (every 16-token row: chunks end on a block;
+    K3's 5,761 and 6,144-token prompts) or the prompt takes one chunk (G2 sends at once)."""
+    final = len(row.chunks)
+    return final > 1 and row.steps[final - 1][1] == 0
+
+
+def slack_wrong(row: Prefill) -> bool:
+    """The older k3-chunk-gate script gates on progress minus a slack of 2: it sends a chunk
+    early exactly where the last chunk is 1 or 2 tokens (any block size)."""
+    return len(row.chunks) > 1 and row.chunks[-1] <= 2
+
+
+# Every tree where the patch is pending, with what its unpatched gate gets wrong.
+PENDING = [
+    *(pytest.param(v, block_count_wrong, id=v) for v in ("0.23.0", "0.27.1", "0.28.0")),
+    *(pytest.param(v, block_count_wrong, id=v) for v in ("0.29.0", "0.30.0", "0.31.0")),
+    *(pytest.param(f"fork-{n}", block_count_wrong, id=f"fork-{n}") for n in "abc"),
+    # The older script's real form (tree d): its slack, and its block-count fallback unused.
+    pytest.param("fork-d", slack_wrong, id="fork-d"),
+]
 
 
 @pytest.mark.wheel
 @pytest.mark.verify
-@pytest.mark.parametrize("version", ["0.29.0", "0.31.0"])
-def test_verify_on_patched_real_tree(make_tree, verify_python, version):
-    site = make_tree(version, full=True)
+@pytest.mark.parametrize(("tree", "wrong"), PENDING)
+def test_pending_tree_fails_the_rows_its_gate_gets_wrong_and_passes_all_applied(
+    make_tree, fork_tree, verify_python, tree, wrong
+):
+    fork = tree.removeprefix("fork-") if tree.startswith("fork-") else None
+    before = run_probe(verify_python, built_fork_tree(fork) if fork else pristine_tree(tree))
+    assert before["ok"] is False
+    failed = {head for head, ok in row_results(before).items() if not ok}
+    assert failed == rows_wrong(wrong), (failed ^ rows_wrong(wrong), before["summary"])
+    # The older script's docstring says req.num_computed_tokens is stale (0) inside
+    # build_connector_meta; vLLM's own scheduler shows it is the count before the chunk.
+    inside = [c for c in before["checks"] if "inside build_connector_meta" in c]
+    assert len(inside) == len(SCHEDULED) and all(NOT_STALE in c for c in inside), inside
+    if wrong is block_count_wrong:
+        assert K3_BUG in before["summary"]
+
+    site = fork_tree(fork, full=True) if fork else make_tree(tree, full=True)
+    patch = tuple(p for p in all_patches() if p.id == PATCH_ID)
+    assert engine.apply(locate(site), patch).report.verdict(PATCH_ID) is Verdict.APPLIED
+    after = run_probe(verify_python, site)
+    assert after["ok"] is True, after["summary"]
+    assert all(row_results(after).values())
+    assert any(K3_FIXED in c for c in after["checks"])
+    # A truncated row's gate compares with N-1 (a fork's own mamba_n1 truncation cut it).
+    truncated = "Scheduler.schedule() [sched-4098-n1]: inside build_connector_meta "
+    assert any(c.startswith(truncated + "(num_prompt_tokens 4097)") for c in after["checks"])
+
+
+@pytest.mark.wheel
+@pytest.mark.verify
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+def test_verify_passes_every_row_on_upstream_fix(make_tree, verify_python, version):
+    code, check = verify_cli(make_tree(version, full=True), verify_python)
+    assert code == 0, check
+    assert check["verdict"] == "satisfied"
+    assert check["probe"]["ok"] is True, check["probe"]["summary"]
+    assert all(row_results(check["probe"]).values())
+
+
+@pytest.mark.wheel
+@pytest.mark.verify
+def test_verify_on_patched_real_tree(make_tree, verify_python):
+    site = make_tree("0.31.0", full=True)
     assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
     code, check = verify_cli(site, verify_python)
     assert code == 0, check
@@ -69,115 +146,7 @@ def test_verify_on_patched_real_tree(make_tree, verify_python, version):
     assert check["probe"]["ok"] is True, check["probe"]["summary"]
     checks = check["probe"]["checks"]
     assert any(K3_FIXED in c for c in checks)
-    assert any(THREE_CHUNKS_FIXED in c for c in checks)
-    assert any("[k3-2050]: save at chunk 2 of 2" in c for c in checks)
     assert any("[local]: no save in 2 chunks" in c for c in checks)
-
-
-@pytest.mark.wheel
-@pytest.mark.verify
-def test_verify_on_upstream_fix(make_tree, verify_python):
-    site = make_tree("0.33.0", full=True)
-    code, check = verify_cli(site, verify_python)
-    assert code == 0, check
-    assert check["verdict"] == "satisfied"
-    assert check["probe"]["ok"] is True
-    assert any(K3_FIXED in c for c in check["probe"]["checks"])
-
-
-@pytest.mark.wheel
-@pytest.mark.verify
-def test_probe_on_patched_shape_b(make_tree, verify_python):
-    # 0.27.1 (shape B: no skip of unregistered requests) imports on torch 2.13 CPU too.
-    site = make_tree("0.27.1", full=True)
-    assert run_probe(verify_python, site)["ok"] is False
-    assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
-    probe = run_probe(verify_python, site)
-    assert probe["ok"] is True, probe["summary"]
-
-
-# The operators' real trees and vLLM's own Scheduler. Unpatched fork code (shape C gates)
-# sends at chunk 1; the older script's real form sends a 2-token last chunk one chunk early
-# (its slack); patched, both send once, at the final chunk, also under Scheduler.schedule().
-
-SCHED_BUG = "Scheduler.schedule() [sched-2611]: save at chunk 1 of 2, expected chunk 2 only"
-SCHED_FIXED = "Scheduler.schedule() [sched-2611]: save at chunk 2 of 2, expected chunk 2 only"
-SCHED_SLACK = "Scheduler.schedule() [sched-2050]: save at chunk 1 of 2, expected chunk 2 only"
-NOT_STALE = "(the count before this step's chunk, not stale)"
-
-
-def _scheduler_lines(probe: dict) -> list[str]:
-    return [c for c in probe["checks"] if c.startswith("Scheduler.schedule()")]
-
-
-def _assert_fixed(probe: dict) -> None:
-    assert probe["ok"] is True, probe["summary"]
-    lines = _scheduler_lines(probe)
-    assert SCHED_FIXED in lines
-    assert "Scheduler.schedule() [sched-5000]: save at chunk 3 of 3, expected chunk 3 only" in lines
-    assert "Scheduler.schedule() [sched-2050]: save at chunk 2 of 2, expected chunk 2 only" in lines
-
-
-@pytest.mark.wheel
-@pytest.mark.verify
-@pytest.mark.parametrize("name", ["a", "c"])
-def test_probe_on_fork_tree_before_and_after(fork_tree, verify_python, name):
-    site = fork_tree(name, full=True)
-    before = run_probe(verify_python, site)
-    assert before["ok"] is False
-    assert K3_BUG in before["summary"]
-    assert SCHED_BUG in before["summary"]
-    assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
-    _assert_fixed(run_probe(verify_python, site))
-
-
-@pytest.mark.wheel
-@pytest.mark.verify
-def test_probe_shows_the_legacy_slack_and_verify_after_repair(fork_tree, verify_python):
-    # Tree d: the older script's real form sends a 2,611-token prompt whole, but its slack of
-    # 2 sends a prompt whose last chunk is 2 tokens one chunk early, in both probes.
-    site = fork_tree("d", full=True)
-    probe = run_probe(verify_python, site)
-    assert probe["ok"] is False
-    assert probe["summary"].startswith("wrong in 2 of 12 checks")
-    assert "[k3-2050]: save at chunk 1 of 2, expected chunk 2 only" in probe["summary"]
-    assert SCHED_SLACK in probe["summary"]
-    assert SCHED_FIXED in probe["checks"]
-    assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
-    code, check = verify_cli(site, verify_python)
-    assert code == 0, check
-    assert check["verdict"] == "applied"
-    _assert_fixed(check["probe"])
-
-
-@pytest.mark.wheel
-@pytest.mark.verify
-def test_scheduler_probe_on_unpatched_and_patched_0_28_0(make_tree, verify_python):
-    site = make_tree("0.28.0", full=True)
-    before = run_probe(verify_python, site)
-    assert SCHED_BUG in before["summary"]
-    assert "Scheduler.schedule() [sched-5000]: save at chunk 1 of 3" in before["summary"]
-    # The older script's docstring says req.num_computed_tokens is stale (0) inside
-    # build_connector_meta; vLLM's own scheduler shows it is the count before the chunk.
-    stale = [c for c in before["checks"] if "inside build_connector_meta" in c]
-    assert len(stale) == 3 and all(NOT_STALE in c for c in stale), stale
-    assert any(
-        "(num_prompt_tokens 2611) req.num_computed_tokens = 0, 2048 at chunks 1-2" in c
-        for c in stale
-    )
-    assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
-    _assert_fixed(run_probe(verify_python, site))
-
-
-@pytest.mark.wheel
-@pytest.mark.verify
-def test_scheduler_probe_on_0_31_0_and_0_33_0(make_tree, verify_python):
-    site = make_tree("0.31.0", full=True)
-    assert SCHED_BUG in run_probe(verify_python, site)["summary"]
-    assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
-    _assert_fixed(run_probe(verify_python, site))
-    # 0.33.0 carries upstream's fix: it passes unpatched.
-    _assert_fixed(run_probe(verify_python, pristine_tree("0.33.0")))
 
 
 @pytest.mark.wheel
@@ -198,24 +167,6 @@ def test_with_group_routing_on_the_fork(fork_tree, verify_python):
     assert proc.returncode == 0, proc.stdout
     verdicts = {p["id"]: p["verdict"] for p in json.loads(proc.stdout)["patches"]}
     assert verdicts == {PATCH_ID: "applied", "moriio-group-routing": "applied"}
-    _assert_fixed(run_probe(verify_python, site))
-
-
-@pytest.mark.wheel
-@pytest.mark.verify
-def test_mamba_n1_truncation_needs_no_slack(fork_tree, verify_python, monkeypatch):
-    # The older chunk-gate script says its slack absorbs mamba_n1's P-side truncation
-    # (`request.num_prompt_tokens -= 1`). With the truncation on, the scheduler computes N-1
-    # tokens and the gate compares with the truncated count: k3patch's gate still sends once,
-    # at the final chunk, and the older form still sends a 2-token last chunk early.
-    monkeypatch.setenv("K3_MAMBA_N1_FORCE", "1")
-    truncated = "[sched-2050]: inside build_connector_meta (num_prompt_tokens 2049)"
-    legacy = fork_tree("d", full=True)
-    probe = run_probe(verify_python, legacy)
-    assert any(truncated in c for c in probe["checks"]), probe["checks"]
-    assert SCHED_SLACK in probe["summary"]
-    patched = fork_tree("a", full=True)
-    assert run_cli("apply", "--vllm", str(patched), *ONLY).returncode == 0
-    probe = run_probe(verify_python, patched)
-    assert any(truncated in c for c in probe["checks"]), probe["checks"]
-    _assert_fixed(probe)
+    probe = run_probe(verify_python, site)
+    assert probe["ok"] is True, probe["summary"]
+    assert all(row_results(probe).values())
