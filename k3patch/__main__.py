@@ -11,6 +11,13 @@ import sys
 
 
 def main() -> None:
+    # Every path's exit code survives whatever happens to stdout and stderr (exitcodes.guarded).
+    from k3patch.exitcodes import guarded
+
+    guarded(_main)
+
+
+def _main() -> None:
     if sys.argv[1:] == ["--version"]:
         # Entrypoints log it on every start: not worth importing typer (150-200 ms) for.
         from k3patch import __version__
@@ -25,9 +32,12 @@ def main() -> None:
             code = try_fast(sys.argv[1:])
         except Exception:
             # The shortcut must never be the thing that fails: the full path decides and
-            # reports. (Its own errors, e.g. a lock timeout, are returned as codes.)
+            # reports. (Its own errors, e.g. a lock timeout, are returned as codes.) Debugging
+            # shows the traceback but must not change the code.
             if os.environ.get("K3PATCH_DEBUG"):
-                raise
+                import traceback
+
+                traceback.print_exc()
             code = None
         if code is not None:
             sys.exit(code)

@@ -32,7 +32,55 @@ class _Command(_FlagsWithoutTypes, typer.core.TyperCommand):
 
 
 class _Group(_FlagsWithoutTypes, typer.core.TyperGroup):
-    pass
+    def main(  # type: ignore[override]
+        self,
+        args: list[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        """Usage errors (an unknown option or patch id, a value that is not one) are one line
+        on stderr with code 2, and with --json also the error envelope on stdout; SIGINT is one
+        line and 130. Click would print a usage block, or for SIGINT nothing at all."""
+        import sys
+
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            code = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer._click.exceptions.NoArgsIsHelpError as exc:
+            exc.show()  # `k3patch` alone: the help, as before
+            code = exc.exit_code
+        except typer._click.exceptions.ClickException as exc:
+            code = _usage_error(argv, exc)
+        except typer.Abort:  # end of input where a prompt read one
+            code = 130
+        code = 0 if code is None else int(code)
+        if code == 130:  # typer's answer to KeyboardInterrupt
+            from k3patch import render
+
+            render.error_line("interrupted", prefix="k3patch:")
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+def _usage_error(argv: list[str], exc: Any) -> int:
+    """A usage error's one line, and its JSON envelope under --json; its code."""
+    from k3patch import exitcodes, render
+
+    command = next((a for a in argv if not a.startswith("-")), "k3patch")
+    ctx = getattr(exc, "ctx", None)
+    if ctx is not None and ctx.parent is not None:
+        command = ctx.info_name or command
+    message = f"{exc.format_message()} (see `k3patch {command} --help`)".replace(
+        "k3patch k3patch", "k3patch"
+    )
+    code = exitcodes.ExitCode.USAGE
+    if "--json" in argv[: argv.index("--") if "--" in argv else len(argv)]:
+        render.emit_json(command, code, {"error": message})
+    render.error_line(message)
+    return code
 
 
 app = typer.Typer(
@@ -75,12 +123,25 @@ SitesOpt = Annotated[
         help="Show every site (file, line, shape and reason), not only those that need a look.",
     ),
 ]
+
+
+def _seconds(value: float) -> float:
+    """--lock-timeout is checked where it is parsed, on every path: a tree with nothing to do
+    never takes the lock, and must not accept what a tree with work refuses."""
+    import math
+
+    if not math.isfinite(value) or value < 0:
+        raise typer.BadParameter(f"{value} is not a finite number of seconds >= 0")
+    return value
+
+
 LockOpt = Annotated[
     float,
     typer.Option(
         "--lock-timeout",
         metavar="SECONDS",
         help="How long to wait for another k3patch run on the same tree; then exit 3.",
+        callback=_seconds,
     ),
 ]
 
@@ -99,17 +160,16 @@ def _guarded(command: str, as_json: bool, body: Callable[[], int]) -> None:
     except (typer.Exit, typer.Abort, KeyboardInterrupt):
         raise
     except Exception as exc:
-        if isinstance(exc, OSError) and exitcodes.decided:
-            # The work is done (maybe a commit); only printing it failed: keep its code.
-            raise typer.Exit(exitcodes.output_failed(exc)) from None
-        if os.environ.get("K3PATCH_DEBUG"):
-            raise
+        # Output never raises here (exitcodes.guarded): an OSError is the work's own.
+        if os.environ.get("K3PATCH_DEBUG") and exitcodes.is_internal(exc):
+            import traceback
+
+            traceback.print_exc()  # for whoever debugs k3patch; the code stays the same
         code = int(for_exception(exc))
         message = describe(exc)
         if as_json:
             render.emit_json(command, code, {"error": message})
-        else:
-            render.error_line(message)
+        render.error_line(message)
     raise typer.Exit(code)
 
 

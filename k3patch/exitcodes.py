@@ -15,7 +15,8 @@ from k3patch.errors import (
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up cost)
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
+    from typing import Any, NoReturn
 
     from k3patch.engine import ApplyOutcome, Report, RevertOutcome
     from k3patch.verify import VerifyReport
@@ -66,6 +67,121 @@ def output_failed(exc: OSError) -> int:
     return decided[-1]
 
 
+class Stream:
+    """stdout or stderr as the commands see it: a write or flush that fails (a closed pipe, a
+    full disk, a closed descriptor) never raises. The first failure is kept, later output is
+    dropped, and the descriptor is pointed at /dev/null so the interpreter's own flush at exit
+    cannot fail again; `guarded` then says so in one line and exits with the command's code."""
+
+    def __init__(self, stream: Any, fd: int) -> None:
+        self._stream = stream  # None: the descriptor was closed when k3patch started
+        self._fd = fd
+        self.failed: OSError | None = None
+        self.wrote = False
+        self.encoding = getattr(stream, "encoding", None) or "utf-8"
+        self.errors = getattr(stream, "errors", None) or "strict"
+
+    def write(self, text: str) -> int:
+        if self.failed is None:
+            self.wrote = self.wrote or bool(text)
+            try:
+                if self._stream is None:
+                    raise OSError(9, f"{'stdout' if self._fd == 1 else 'stderr'} is closed")
+                self._stream.write(text)
+            except (OSError, ValueError) as exc:
+                self._fail(exc)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.failed is None and self._stream is not None:
+            try:
+                self._stream.flush()
+            except (OSError, ValueError) as exc:
+                self._fail(exc)
+
+    def isatty(self) -> bool:
+        try:
+            return self.failed is None and self._stream is not None and self._stream.isatty()
+        except (OSError, ValueError):
+            return False
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def writable(self) -> bool:
+        return True
+
+    def _fail(self, exc: OSError | ValueError) -> None:
+        import os
+
+        self.failed = exc if isinstance(exc, OSError) else OSError(9, str(exc))
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._fd)
+            os.close(devnull)
+        except OSError:
+            pass
+
+
+def _open_standard_fds() -> None:
+    """A descriptor 0, 1 or 2 closed at start (`>&-`) is opened on /dev/null: otherwise the next
+    file k3patch opens (a target, the record) would be given that number, and anything written
+    to "stdout" would land in it."""
+    import os
+
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            got = os.open(os.devnull, os.O_RDWR)
+            if got != fd:
+                os.dup2(got, fd)
+                os.close(got)
+
+
+def guarded(run: Callable[[], object]) -> NoReturn:
+    """Run the whole program (`python -m k3patch`, the console script) so that its exit code
+    never depends on what happens to its output: every command, error and path. Whatever is
+    not written (closed, full or broken stdout; closed stderr) leaves the code as it was and at
+    most one line on stderr (none for a closed pipe: `| head -1` is normal); SIGINT is one line
+    and 130; an error outside any command is one line and its documented code (a traceback
+    too under K3PATCH_DEBUG when it is an internal error). No traceback otherwise."""
+    import errno
+    import os
+    import sys
+
+    _open_standard_fds()
+    out, err = Stream(sys.stdout, 1), Stream(sys.stderr, 2)
+    sys.stdout, sys.stderr = out, err  # type: ignore[assignment]
+    try:
+        run()
+        code = ExitCode.OK
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or ExitCode.OK
+        else:  # a message (sys.exit("...")): one line, a usage error
+            err.write(f"k3patch: error: {exc.code}\n")
+            code = ExitCode.USAGE
+    except KeyboardInterrupt:
+        err.write("k3patch: interrupted\n")
+        code = 130
+    except Exception as exc:  # raised outside a command's own guard (start-up, the no-op path)
+        if os.environ.get("K3PATCH_DEBUG") and is_internal(exc):
+            import traceback
+
+            traceback.print_exc()
+        code = for_exception(exc)
+        err.write(f"k3patch: error: {describe(exc)}\n")
+    out.flush()
+    if out.failed is not None and out.failed.errno != errno.EPIPE and not err.wrote:
+        err.write(
+            f"k3patch: could not write the output ({out.failed.strerror or out.failed}); the "
+            "command itself completed, see its exit code\n"
+        )
+    err.flush()
+    sys.exit(code)
+
+
 def code_for_verdicts(verdicts: Iterable[str], *, interrupted: bool) -> int:
     """Site verdicts (their string values) -> the code of a reporting command."""
     if interrupted or any(v in ("pending", "drifted") for v in verdicts):
@@ -111,6 +227,11 @@ def for_exception(exc: BaseException) -> int:
     if isinstance(exc, PatchBug):
         return ExitCode.USAGE
     return ExitCode.USAGE
+
+
+def is_internal(exc: BaseException) -> bool:
+    """Whether an error is k3patch's own (a bug), not one it expects and explains."""
+    return describe(exc).startswith("internal error")
 
 
 def describe(exc: BaseException) -> str:

@@ -30,8 +30,20 @@ GOOD = ("applied", "satisfied", "not applicable")
 VERDICT_WIDTH = len("not applicable")
 
 
+# Every control character but the tab (C0, DEL, C1, and the Unicode line and paragraph
+# separators) as its escape: a newline in a path must not start a line of its own.
+_CONTROLS = {
+    c: repr(chr(c))[1:-1] for c in [*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029] if c != 0x09
+}
+
+
+def escape_controls(text: str) -> str:
+    """`text` with every control character but the tab shown escaped (`\\n`, `\\x1b`)."""
+    return text.translate(_CONTROLS)
+
+
 def line(text: str, hang: int = 4, style: str = "", start: int = 0, end: int = 0) -> Line:
-    return (text, hang, style, start, end)
+    return (escape_controls(text), hang, style, start, end)
 
 
 def _chunks(text: str) -> list[str]:
@@ -50,10 +62,34 @@ def _chunks(text: str) -> list[str]:
     return out
 
 
+def code(text: str, margin: int = 6) -> list[Line]:
+    """Source code as a preformatted block: each of its lines a line of the report, `margin`
+    columns in, its own indentation kept (tabs expanded as Python reads them), blank lines too.
+    Such a line is never reflowed as prose; one longer than the width is cut (see `_cut`)."""
+    return [
+        line((" " * margin + src.expandtabs(8)).rstrip(), -1 - margin) for src in text.splitlines()
+    ]
+
+
+def _cut(text: str, width: int, margin: int) -> list[str]:
+    """A code line cut to `width` columns: every piece but the last ends in `\\` (the mark of a
+    cut line), and each piece after the first starts at the block's `margin`."""
+    step = max(width - 1 - margin, 8)
+    out = [text[: width - 1] + "\\"] if len(text) > width else [text]
+    rest = text[width - 1 :] if len(text) > width else ""
+    while rest:
+        piece, rest = rest[:step], rest[step:]
+        out.append(" " * margin + piece + ("\\" if rest else ""))
+    return out
+
+
 def wrap(text: str, width: int, hang: int = 4) -> list[str]:
     """Break `text` on spaces into lines of at most `width` columns, continuation lines indented
     by `hang`. A word is never split: a line's indent shrinks so that its first word fits, and a
-    word longer than the width stands whole on its own line."""
+    word longer than the width stands whole on its own line. A negative `hang` marks a line of
+    code (`code`): cut, never reflowed."""
+    if hang < 0:
+        return _cut(text, width, -1 - hang)
     if len(text) <= width:
         return [text]
     chunks = _chunks(text)
@@ -127,9 +163,11 @@ def site_lines(site: Mapping[str, Any]) -> list[Line]:
         out.append(line(f"    {reason}", 6))
     if site.get("found"):
         out.append(line("    found:", 6))
-        out += [line(f"      {code}", 10) for code in site["found"].splitlines() if code.strip()]
+        out += code(site["found"])
     if site.get("expected"):
-        out.append(line("    expected one of: " + ", ".join(site["expected"]), 6))
+        out.append(line("    expected one of:", 6))
+        for shape in site["expected"]:
+            out += code(shape)
     return out
 
 

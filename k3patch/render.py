@@ -13,8 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 from k3patch import fastpath, formats, plaintext
-from k3patch.engine import ApplyOutcome, Report, RevertOutcome, patch_meta
-from k3patch.model import Patch
+from k3patch.engine import ApplyOutcome, Patch, Report, RevertOutcome, patch_meta
 from k3patch.verify import BLOCKED, BROKEN, IMPORT_OK, ModuleCheck, VerifyReport
 
 if TYPE_CHECKING:
@@ -60,18 +59,21 @@ def emit_json(command: str, exit_code: int, payload: dict[str, Any]) -> None:
     sys.stdout.write(formats.envelope(command, exit_code, payload))
 
 
-def error_line(message: str) -> None:
-    """An error stays one line, however long: scripts and tests take it as one record."""
-    prefix = "k3patch: error:"
+def error_line(message: str, *, prefix: str = "k3patch: error:") -> None:
+    """An error stays one line, however long and whatever it names: scripts and tests take it
+    as one record. A control character (a newline in a path) is shown escaped, and on a
+    terminal Rich neither wraps nor crops it at the terminal's width."""
+    text = f"{prefix} {plaintext.escape_controls(message)}"
     if not sys.stderr.isatty():
-        sys.stderr.write(f"{prefix} {message}\n")
+        sys.stderr.write(f"{text}\n")
+        sys.stderr.flush()
         return
     from rich.console import Console
     from rich.text import Text
 
-    text = Text(f"{prefix} {message}")
-    text.stylize(_STYLE["error"], 0, len(prefix))
-    Console(file=sys.stderr, highlight=False).print(text)
+    styled = Text(text)
+    styled.stylize(_STYLE["error"], 0, len(prefix))
+    Console(file=sys.stderr, highlight=False).print(styled, soft_wrap=True)
 
 
 def _results(report: Report) -> list[dict[str, Any]]:
