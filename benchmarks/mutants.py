@@ -117,8 +117,8 @@ GATE = """GATE = f'os.environ.get("{ENV}", "0") == "1"'"""
 # The rewrite's gate step, and a step after it that rewrites the guard's index without its clamp.
 KDA_NEST = '                codemod.nest_under([node], f"if {GATE}:")\n'
 KDA_UNCLAMP = """\
-                function = model.find_def(sources[site.file].tree, site.name)
-                safe = [s for s in function.body if model.bindings([s], "_safe_idx")]
+                function = astkit.find_def(sources[site.file].tree, site.name)
+                safe = [s for s in function.body if astkit.bindings([s], "_safe_idx")]
                 codemod.replace(
                     safe[:1],
                     "_safe_idx = torch.where(has_initial_state, indices.to(torch.int64), "

@@ -2,7 +2,7 @@
 interpreter may not have k3patch's dependencies. It imports the modules it is given, then runs
 each patch's probe, and prints one JSON line after MARKER.
 
-argv[1] is a JSON object: {"model": path of k3patch/model.py, "patches": {id: file},
+argv[1] is a JSON object: {"package_dir": k3patch's directory, "patches": {id: file},
 "modules": [...], "probes": [ids], "overlay": {abs path of a source: abs path of the text
 to import instead}}. With an overlay, the listed sources are imported from other text (the
 originals, to tell "broken by the patch" from "blocked by the environment").
@@ -105,7 +105,6 @@ def main() -> int:
         patches_pkg = types.ModuleType("k3patch.patches")
         patches_pkg.__path__ = [args["patches_dir"]] if args.get("patches_dir") else []
         sys.modules.setdefault("k3patch.patches", patches_pkg)
-        _load_file("k3patch.model", args["model"])
         needs = args.get("probe_modules", {})
         for patch_id in args["probes"]:
             failed = [m for m in needs.get(patch_id, []) if not out["imports"][m]["ok"]]

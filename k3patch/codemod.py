@@ -28,10 +28,10 @@ import libcst.matchers as m
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 
-from k3patch.model import module_binds
+from k3patch.astkit import module_binds
 
 if TYPE_CHECKING:
-    from k3patch.model import Sources
+    from k3patch.sources import Sources
 
 Statement = cst.SimpleStatementLine | cst.BaseCompoundStatement
 Change = Callable[[Statement], "Statement | Sequence[Statement]"]

@@ -15,19 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3patch import formats
+from k3patch.astkit import AmbiguousDefinition
 from k3patch.errors import EnvironmentProblem, PatchBug
 from k3patch.lock import locked
-from k3patch.model import (
-    AmbiguousDefinition,
-    Patch,
-    SiteResult,
-    SourceError,
-    Sources,
-    Verdict,
-    summarise,
-)
+from k3patch.patch import Patch
 from k3patch.registry import all_patches, patch_set_digest
 from k3patch.replace import write_atomically
+from k3patch.sources import SourceError, Sources
 from k3patch.state import (
     STATE_FILE,
     STATE_REL,
@@ -40,6 +34,7 @@ from k3patch.state import (
 )
 from k3patch.transaction import FaultHook, FileEdit, Transaction, sha256
 from k3patch.tree import VllmTree
+from k3patch.verdicts import SiteResult, Verdict, summarise
 
 DEFAULT_LOCK_TIMEOUT = 120.0
 

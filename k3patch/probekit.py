@@ -5,7 +5,7 @@ holds every key), calls that fit any release's signature, the tree's own stateme
 their own, and a list of checks that becomes a `ProbeOutcome`.
 
 Runs in the tree's own interpreter, where k3patch is not installed: standard library and
-`k3patch.model` only.
+k3patch's own standard-library modules only.
 
     checks = Checks("truth table")
     with Swap() as swap:
@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from k3patch.model import ProbeOutcome
+from k3patch.patch import ProbeOutcome
 
 _ABSENT = object()
 T = TypeVar("T")

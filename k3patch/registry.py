@@ -19,7 +19,7 @@ from pathlib import Path
 
 from k3patch import state
 from k3patch.errors import PatchBug, UnknownPatchError
-from k3patch.model import Patch
+from k3patch.patch import Patch
 
 
 class PatchOrderError(ValueError):

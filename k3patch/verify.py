@@ -27,11 +27,12 @@ from typing import Any
 from k3patch import _verify_child
 from k3patch.engine import Report, scan
 from k3patch.errors import VerifyError
-from k3patch.model import Patch, Verdict
+from k3patch.patch import Patch
 from k3patch.registry import all_patches, patch_module_file, patches_dir
 from k3patch.state import load_or_none
 from k3patch.transaction import Transaction
 from k3patch.tree import VllmTree
+from k3patch.verdicts import Verdict
 
 IMPORT_OK = "ok"
 BROKEN = "broken by the patch"
@@ -226,13 +227,11 @@ def verify(
     verdicts = report.verdicts()
     live = [p for p in patches if verdicts[p.id] in (Verdict.APPLIED, Verdict.SATISFIED)]
     modules = list(dict.fromkeys([m for p in live for m in p.modules] + list(extra_modules)))
-    from k3patch import model
 
     args = {
-        "model": model.__file__,
         # The child imports k3patch's standard-library modules and the patch packages from
         # these directories (k3patch itself is not installed in the tree's interpreter).
-        "package_dir": os.path.dirname(model.__file__),
+        "package_dir": os.path.dirname(os.path.abspath(__file__)),
         "patches_dir": str(patches_dir()),
         "patch_modules": {p.id: type(p).__module__ for p in patches},
         "patches": {p.id: str(patch_module_file(p)) for p in patches},

@@ -261,7 +261,7 @@ def patch_named(patch_id: str):
 
 def classify_files(patch_id: str, files: dict[str, str]) -> dict[str, object]:
     """The patch's site results on `files` (absent paths read as absent files), by site name."""
-    from k3patch.model import Sources
+    from k3patch.sources import Sources
 
     sources = Sources(lambda rel: files[rel].encode() if rel in files else None)
     return {r.site: r for r in patch_named(patch_id).classify(sources)}
@@ -270,7 +270,7 @@ def classify_files(patch_id: str, files: dict[str, str]) -> dict[str, object]:
 def assert_untouched(patch_id: str, files: dict[str, str]) -> dict[str, object]:
     """Nothing to write: no site is pending, or a drifted site makes the engine refuse the patch.
     Returns the site results for the caller's own assertions."""
-    from k3patch.model import Verdict, summarise
+    from k3patch.verdicts import Verdict, summarise
 
     found = classify_files(patch_id, files)
     assert summarise(r.verdict for r in found.values()) is not Verdict.PENDING, found

@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from k3patch import model
 from k3patch import verify as verify_mod
-from k3patch.model import Patch
+from k3patch.patch import Patch
 from k3patch.registry import patches_dir
 from k3patch.tree import locate
 
@@ -18,12 +17,11 @@ from k3patch.tree import locate
 def child_args(patch: Patch, package_dir: Path | None = None, patches: Path | None = None) -> dict:
     """The verify child's arguments for `patch`'s probe alone; k3patch's modules and the
     patches from the given directories (default: this checkout's)."""
-    package_dir = package_dir or Path(model.__file__).parent
+    package_dir = package_dir or Path(verify_mod.__file__).parent
     patches = patches or patches_dir()
     module = type(patch).__module__
     file = Path(sys.modules[module].__file__ or "")
     return {
-        "model": str(package_dir / "model.py"),
         "package_dir": str(package_dir),
         "patches_dir": str(patches),
         "patch_modules": {patch.id: module},

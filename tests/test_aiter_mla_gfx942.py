@@ -16,7 +16,8 @@ from conftest import status_json as _status_json
 from k3patch.patches import aiter_mla_gfx942 as aiter
 from k3patch.patches.aiter_mla_gfx942 import probe as truth
 
-from k3patch.model import Verdict, source_fingerprint
+from k3patch.fingerprints import source_fingerprint
+from k3patch.verdicts import Verdict
 
 VERSIONS = ["0.29.0", "0.31.0", "0.33.0"]
 ONLY = ["--only", "aiter-mla-gfx942"]

@@ -20,9 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from k3patch import engine
-from k3patch.model import Shape, Sources, Verdict, source_fingerprint
+from k3patch.fingerprints import Shape, source_fingerprint
 from k3patch.registry import all_patches
+from k3patch.sources import Sources
 from k3patch.tree import locate
+from k3patch.verdicts import Verdict
 
 pytestmark = pytest.mark.wheel
 

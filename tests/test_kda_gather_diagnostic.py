@@ -31,11 +31,12 @@ from conftest import (
 from k3patch.patches import kda_gather_diagnostic as kda
 from k3patch.patches.kda_gather_diagnostic import syncs
 
-from k3patch import model
 from k3patch import verify as verify_mod
 from k3patch.codemod import Codemods
 from k3patch.registry import patches_dir
+from k3patch.sources import Sources
 from k3patch.tree import locate
+from k3patch.verdicts import Verdict
 
 PATCH = "kda-gather-diagnostic"
 ONLY = ["--only", PATCH]
@@ -227,8 +228,8 @@ def codemod(files: dict[str, str]) -> dict[str, str]:
     """What the patch's codemod makes of `files` (the changed files only), as the engine runs
     it: one Codemods over the sources, every pending site handed to rewrite."""
     patch = patch_named(PATCH)
-    sources = model.Sources(lambda rel: files[rel].encode() if rel in files else None)
-    pending = [r for r in patch.classify(sources) if r.verdict is model.Verdict.PENDING]
+    sources = Sources(lambda rel: files[rel].encode() if rel in files else None)
+    pending = [r for r in patch.classify(sources) if r.verdict is Verdict.PENDING]
     if not pending:
         return {}
     codemods = Codemods(sources)
@@ -240,7 +241,7 @@ def assert_codemod(before: dict[str, str], after: dict[str, str]) -> None:
     """`before` -> `after`; then `after` -> `after`: it reads good, nothing is left pending, so
     a second apply changes nothing (the idempotence proof)."""
     found = classify_files(PATCH, before).values()
-    assert any(r.verdict is model.Verdict.PENDING for r in found), "the test proves nothing"
+    assert any(r.verdict is Verdict.PENDING for r in found), "the test proves nothing"
     assert codemod(before) == after
     again = {**before, **after}
     assert all(r.verdict.is_good for r in classify_files(PATCH, again).values())
@@ -587,8 +588,7 @@ def run_probe(python: str, root: Path) -> dict:
         python,
         locate(root),
         {
-            "model": model.__file__,
-            "package_dir": str(Path(model.__file__).parent),
+            "package_dir": str(Path(verify_mod.__file__).parent),
             "patches_dir": str(patches_dir()),
             "patch_modules": {PATCH: "k3patch.patches.kda_gather_diagnostic"},
             "patches": {PATCH: str(Path(kda.__file__))},
@@ -665,7 +665,8 @@ def test_probe_sees_a_lost_clamp(fork_tree, verify_python):
 def test_patch_imports_only_stdlib_and_k3patch_stdlib_modules():
     # The verify child imports the patch with nothing but the stdlib and these k3patch modules;
     # the codemod driver (libcst) only under TYPE_CHECKING, and no text splicing (k3patch.edits).
-    allowed = {"k3patch.model", "k3patch.shapes", "k3patch.probekit"}
+    allowed = {"k3patch.astkit", "k3patch.fingerprints", "k3patch.patch", "k3patch.probekit"}
+    allowed |= {"k3patch.shapes", "k3patch.sources", "k3patch.verdicts"}
     for path in sorted(Path(kda.__file__).parent.glob("*.py")):
         top = set()
         for node in ast.parse(path.read_text()).body:

@@ -4,45 +4,47 @@ from __future__ import annotations
 
 import ast
 
-from k3patch.model import (
-    Shape,
-    SourceFile,
-    Verdict,
+from k3patch.patches.kda_gather_diagnostic import (
+    drifted,
+    imported_module,
+    string_constants,
+    walk_scope,
+)
+from k3patch.patches.kda_gather_diagnostic.syncs import truth_tests, walk_code
+from k3patch.patches.moriio_chunk_gate.gates import (
     ancestors,
+    expression_dump,
+    loops_over,
+    outline,
+    parent_map,
+)
+from k3patch.patches.moriio_chunk_gate.names import (
     assigned_name,
     attribute_names,
+    loaded_names,
+    named_values,
+    resolve_name,
+    runtime_module_names,
+    temporaries_before,
+    unbound_names,
+    unset_attributes,
+)
+from k3patch.patches.moriio_chunk_gate.progress import is_call_to, strip_nots
+from k3patch.patches.moriio_group_routing.sites import clip_lines, combined_verdict, named_items
+
+from k3patch.astkit import (
     attribute_owner,
     bindings,
     callee_name,
-    clip_lines,
-    combined_verdict,
-    drifted,
-    expression_dump,
     find_class,
-    imported_module,
     imported_names,
-    is_call_to,
-    loaded_names,
-    loops_over,
-    named_items,
-    named_values,
-    normalised_dump,
-    outline,
     parameter_names,
-    parent_map,
-    resolve_name,
-    runtime_module_names,
     stored_names,
-    string_constants,
-    strip_nots,
-    temporaries_before,
-    truth_tests,
-    unbound_names,
-    unset_attributes,
-    walk_code,
-    walk_scope,
 )
+from k3patch.fingerprints import Shape, normalised_dump
 from k3patch.shapes import VersionRange
+from k3patch.sources import SourceFile
+from k3patch.verdicts import Verdict
 
 
 def test_an_attribute_store_does_not_rebind_the_class():
@@ -284,7 +286,7 @@ def test_string_constants_reads_the_nodes_given_not_their_children():
 
 
 def test_attribute_assignments_are_the_owner_s_one_target_assignments_with_their_values():
-    from k3patch.model import attribute_assignments
+    from k3patch.patches.moriio_chunk_gate.names import attribute_assignments
 
     init = ast.parse(
         "def __init__(self, other):\n"

@@ -24,8 +24,10 @@ from k3patch.patches import moriio_chunk_gate as gate
 from k3patch.patches.moriio_chunk_gate import gates
 from patch_table import Change, assert_rewrite, assert_untouched
 
+from k3patch.astkit import find_def
 from k3patch.codemod import Codemods
-from k3patch.model import Sources, Verdict, find_def
+from k3patch.sources import Sources
+from k3patch.verdicts import Verdict
 
 ONLY = ["--only", "moriio-chunk-gate"]
 REL = "vllm/" + gate.FILE

@@ -18,9 +18,9 @@ from k3patch.patches.moriio_chunk_gate.probe import SCHEDULED, TABLE, Prefill
 
 from k3patch import engine
 from k3patch import verify as verify_mod
-from k3patch.model import Verdict
 from k3patch.registry import all_patches
 from k3patch.tree import locate
+from k3patch.verdicts import Verdict
 
 PATCH_ID = "moriio-chunk-gate"
 ONLY = ["--only", PATCH_ID]

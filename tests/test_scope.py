@@ -10,7 +10,7 @@ import json
 import pytest
 from conftest import run_cli, sha
 
-from k3patch.model import (
+from k3patch.astkit import (
     AmbiguousDefinition,
     find_class,
     find_def,
@@ -109,7 +109,7 @@ def test_duplicated_site_is_drift_and_nothing_of_it_is_written(make_tree, where)
 
 
 def _patch(pid: str, after: tuple[str, ...] = ()):
-    from k3patch.model import Patch
+    from k3patch.patch import Patch
 
     patch = Patch()
     patch.id = pid

@@ -7,11 +7,12 @@ from __future__ import annotations
 import functools
 
 import pytest
-
 from conftest import built_fork_tree, pristine_tree
+
 from k3patch import engine
-from k3patch.model import SourceFile, Sources, Verdict
 from k3patch.registry import all_patches
+from k3patch.sources import SourceFile, Sources
+from k3patch.verdicts import Verdict
 
 pytestmark = pytest.mark.wheel
 
@@ -205,10 +206,10 @@ def test_a_failing_rewrite_is_left_out_and_poisons_nothing(
 
 
 def test_apply_writes_the_others_and_exits_2(monkeypatch, fork_tree):
+    from conftest import tree_hashes
+
     from k3patch import exitcodes, state
     from k3patch.tree import locate
-
-    from conftest import tree_hashes
 
     site = fork_tree("a")
     broken(monkeypatch, "moriio-chunk-gate", raises_after_its_edits)

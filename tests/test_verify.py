@@ -12,8 +12,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
+
 from k3patch import verify as verify_mod
 from k3patch.registry import all_patches, patch_module_file, patches_dir
 from k3patch.tree import locate
@@ -32,8 +32,9 @@ def verify_json(site: Path, python: str, *extra: str) -> tuple[int, dict]:
 
 @pytest.fixture(scope="module")
 def applied_tree(tmp_path_factory, request):
-    from conftest import pristine_tree
     import shutil
+
+    from conftest import pristine_tree
 
     src = pristine_tree("0.31.0")
     site = tmp_path_factory.mktemp("verify") / "site"
@@ -63,14 +64,12 @@ def test_probe_fails_on_unpatched_code(make_tree, verify_python):
     site = make_tree("0.31.0", full=True)
     tree = locate(site)
     patch = next(p for p in all_patches() if p.id == AITER)
-    from k3patch import model
 
     result = verify_mod._run_child(
         verify_python,
         tree,
         {
-            "model": model.__file__,
-            "package_dir": str(Path(model.__file__).parent),
+            "package_dir": str(Path(verify_mod.__file__).parent),
             "patches_dir": str(patches_dir()),
             "patch_modules": {AITER: type(patch).__module__},
             "patches": {AITER: str(patch_module_file(patch))},

@@ -16,9 +16,12 @@ from __future__ import annotations
 from dataclasses import replace as with_fields
 from typing import TYPE_CHECKING
 
-import k3patch.model as model
-from k3patch.model import Patch, ProbeOutcome, Shape, SiteResult, Sources, Verdict
+import k3patch.astkit as astkit
+from k3patch.fingerprints import Shape, match_shapes
+from k3patch.patch import Patch, ProbeOutcome
 from k3patch.shapes import VersionRange
+from k3patch.sources import Sources
+from k3patch.verdicts import SiteResult, Verdict
 
 if TYPE_CHECKING:
     from k3patch.codemod import Codemods
@@ -72,19 +75,19 @@ class AiterMlaGfx942(Patch):
 
     def classify(self, sources: Sources) -> list[SiteResult]:
         src = sources[FILE]
-        if not src.exists or (method := model.find_def(src.tree, SITE)) is None:
+        if not src.exists or (method := astkit.find_def(src.tree, SITE)) is None:
             why = (
                 f"{SITE} is absent: no AITER MLA switch" if src.exists else f"vllm/{FILE} is absent"
             )
             return [self.result(SITE, FILE, Verdict.NOT_APPLICABLE, why)]
-        result = model.match_shapes(self.id, SITE, src, method, SHAPES)
+        result = match_shapes(self.id, SITE, src, method, SHAPES)
         if result.verdict is not Verdict.PENDING:
             return [result]
         # The post-image calls `envs.is_set` and imports `on_gfx942`; both exist from 0.15.1 on.
         missing, rocm = [], sources[ROCM_FILE]
-        if not model.module_binds(src.tree, "envs"):
+        if not astkit.module_binds(src.tree, "envs"):
             missing.append("`import vllm.envs as envs` in _aiter_ops.py")
-        if not rocm.exists or model.find_function(rocm.tree, "on_gfx942") is None:
+        if not rocm.exists or astkit.find_function(rocm.tree, "on_gfx942") is None:
             missing.append("`on_gfx942()` in vllm/platforms/rocm.py (vLLM 0.15.1 or later)")
         if missing:
             detail = "known buggy shape, but the fix needs " + "; ".join(missing)

@@ -27,7 +27,7 @@ import ast
 import itertools
 from typing import Any
 
-from k3patch.model import ProbeOutcome
+from k3patch.patch import ProbeOutcome
 from k3patch.probekit import Checks, Stub, Swap, package_dir
 
 VARIABLE = "VLLM_ROCM_USE_AITER_MLA"

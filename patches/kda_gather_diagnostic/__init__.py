@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import ast
 import textwrap
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
-import k3patch.model as model
-from k3patch.model import Patch, ProbeOutcome, Shape, SiteResult, SourceFile, Sources, Verdict
+import k3patch.astkit as astkit
+from k3patch.fingerprints import Shape, shape_detail
+from k3patch.patch import Patch, ProbeOutcome
 from k3patch.shapes import VersionRange, holes, match
+from k3patch.sources import SourceFile, Sources
+from k3patch.verdicts import SiteResult, Verdict, summarise
 
 from .syncs import ENV, sync_points
 
@@ -125,7 +129,7 @@ def match_diagnostic(node: ast.stmt, names: tuple[str, str] | None = None) -> Sh
     the index tensor and the pool size must be exactly those names."""
     for shape in DIAGNOSTIC_SHAPES:
         found = shape.match(node)
-        text = holes(found) if found and model.string_constants([found["HOLE_message"]]) else {}
+        text = holes(found) if found and string_constants([found["HOLE_message"]]) else {}
         if text and names in (None, (text["HOLE_indices"], text["HOLE_bound"])):
             return shape
     return None
@@ -134,8 +138,8 @@ def match_diagnostic(node: ast.stmt, names: tuple[str, str] | None = None) -> Sh
 def diagnostic_units(func: ast.FunctionDef) -> list[ast.If]:
     """The `if` statements that are the diagnostic, or a gate around it, in source order: those
     whose test names the variable, and those outside them whose test can sync."""
-    ifs = [node for node in model.walk_scope(func.body) if isinstance(node, ast.If)]
-    gates = [n for n in ifs if any(ENV in s for s in model.string_constants(ast.walk(n.test)))]
+    ifs = [node for node in walk_scope(func.body) if isinstance(node, ast.If)]
+    gates = [n for n in ifs if any(ENV in s for s in string_constants(ast.walk(n.test)))]
     inside = {id(n) for gate in gates for n in ast.walk(gate)}
     syncing = [n for n in ifs if id(n) not in inside and sync_points(ast.If(n.test, [], []))]
     return sorted(gates + syncing, key=lambda n: (n.lineno, n.col_offset))
@@ -144,10 +148,10 @@ def diagnostic_units(func: ast.FunctionDef) -> list[ast.If]:
 def fork_traces(func: ast.FunctionDef) -> list[str]:
     """What in `func` says a fork's guard or diagnostic was here, in whatever form: the names and
     texts that only the guard (or a fix of it) puts there."""
-    nodes = list(model.walk_scope(func.body))
+    nodes = list(walk_scope(func.body))
     names = {n.id for n in nodes if isinstance(n, ast.Name)}
-    names |= {name for n in nodes if isinstance(n, ast.Import) for name in model.imported_names(n)}
-    strings = model.string_constants(nodes)
+    names |= {name for n in nodes if isinstance(n, ast.Import) for name in astkit.imported_names(n)}
+    strings = string_constants(nodes)
     found = [f"name {n}" for n in names & {"_n_state_blocks", "_safe_idx", "_bad", "_k3os"}]
     return sorted(found + [f"text {t!r}" for t in (ENV, "k3-kda") if any(t in s for s in strings)])
 
@@ -171,11 +175,11 @@ class KdaGatherDiagnostic(Patch):
     def locate(self, sources: Sources, site: Site) -> Located:
         """One site as classify finds it (the rewrite locates it again the same way)."""
         src = sources[site.file]
-        func = model.find_def(src.tree, site.name) if src.exists else None
+        func = astkit.find_def(src.tree, site.name) if src.exists else None
         if func is None:
             return self.result(site.name, site.file, Verdict.NOT_APPLICABLE, site.absent), []
         body, guarded = func.body, site.file == OPS_FILE
-        blocks = (i for i, s in enumerate(body) if model.bindings([s], "_n_state_blocks"))
+        blocks = (i for i, s in enumerate(body) if astkit.bindings([s], "_n_state_blocks"))
         start = next(blocks, None) if guarded else None
         if start is None:
             units = diagnostic_units(func)
@@ -192,7 +196,7 @@ class KdaGatherDiagnostic(Patch):
         ends = (i for i in range(start, len(body)) if match(GUARD_END, body[i]) is not None)
         run = body[start : next(ends, len(body) - 1) + 1]
         # The older anchor script may put its `import os as _k3os` anywhere in the run.
-        core = [s for s in run if model.imported_module([s], "_k3os") != "os"]
+        core = [s for s in run if imported_module([s], "_k3os") != "os"]
         guard = next((g for g in GUARD_SHAPES if g.match(core) is not None), None)
         if guard is None or not isinstance(core[2], ast.If):
             return self._drift(src, site, run, "the k3-kda guard is in no known shape")
@@ -207,15 +211,15 @@ class KdaGatherDiagnostic(Patch):
         # Inside the guard the index tensor and the pool size are the guard's own names.
         names = GUARD_NAMES if site.file == OPS_FILE else None
         shapes = [match_diagnostic(unit, names) for unit in units]
-        scope = [*src.tree.body, *model.walk_scope(func.body)]
-        k3os = {model.imported_module([s], "_k3os") for s in scope if isinstance(s, ast.Import)}
+        scope = [*src.tree.body, *walk_scope(func.body)]
+        k3os = {imported_module([s], "_k3os") for s in scope if isinstance(s, ast.Import)}
         for unit, shape in zip(units, shapes, strict=True):
             if shape is None:
                 return self._drift(src, site, [unit], "the diagnostic is in no known shape")
             if shape is LEGACY_DIAGNOSTIC and "os" not in k3os:
                 why = "legacy gate without `import os as _k3os`: NameError on every call"
                 return self._drift(src, site, [unit], why)
-        os_module = model.imported_module(src.tree.body, "os")
+        os_module = imported_module(src.tree.body, "os")
         if APPLIED_DIAGNOSTIC in shapes and os_module != "os":
             why = "gated, but the module does not `import os`: NameError"
             return self._drift(src, site, [units[0]], why)
@@ -223,8 +227,8 @@ class KdaGatherDiagnostic(Patch):
             why = "the module binds `os` to something else; the gate needs it"
             return self._drift(src, site, [units[0]], why)
         known = [s for s in shapes if s is not None]
-        verdict = model.summarise(s.verdict for s in known)
-        detail = "; ".join(dict.fromkeys(model.shape_detail(s, src) for s in known))
+        verdict = summarise(s.verdict for s in known)
+        detail = "; ".join(dict.fromkeys(shape_detail(s, src) for s in known))
         named = "; ".join(dict.fromkeys(s.name for s in known))
         result = self.result(site.name, site.file, verdict, detail, named)
         pending = [u for u, s in zip(units, shapes, strict=True) if s is FORK_DIAGNOSTIC]
@@ -233,7 +237,7 @@ class KdaGatherDiagnostic(Patch):
     def _drift(self, src: SourceFile, site: Site, nodes: list[ast.stmt], why: str) -> Located:
         guards = [f"{g.name} + " for g in GUARD_SHAPES] if site.file == OPS_FILE else [""]
         expected = [f"{g}{d.name} ({d.verdict.value})" for g in guards for d in DIAGNOSTIC_SHAPES]
-        return model.drifted(self.id, site.name, src, nodes, why, expected), []
+        return drifted(self.id, site.name, src, nodes, why, expected), []
 
     def rewrite(self, sources: Sources, pending: list[SiteResult], files: Codemods) -> None:
         """Each diagnostic moves one level in under the gate, GATE_COMMENT above it; a module
@@ -247,7 +251,7 @@ class KdaGatherDiagnostic(Patch):
             codemod = files[site.file]
             # Pending means `os` is unbound or `import os`; AddImportsVisitor sees only the
             # first import block, so an `import os` further down would be written again.
-            if model.imported_module(sources[site.file].tree.body, "os") is None:
+            if imported_module(sources[site.file].tree.body, "os") is None:
                 codemod.ensure_import("os")
             for node in found:
                 codemod.insert_before(node, GATE_COMMENT)
@@ -257,6 +261,64 @@ class KdaGatherDiagnostic(Patch):
         from .probe import probe_no_sync_unless_asked
 
         return probe_no_sync_unless_asked()
+
+
+def walk_scope(nodes: Iterable[ast.AST]) -> Iterator[ast.AST]:
+    """`nodes` (a scope's statements) and every node under them that belongs to that scope: a
+    nested function or class is yielded but not entered (its code runs when it is called, or
+    never)."""
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def string_constants(nodes: Iterable[ast.AST]) -> list[str]:
+    """The values of the string constants among `nodes` (not under them), in order."""
+    return [n.value for n in nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def imported_module(body: Iterable[ast.stmt], name: str) -> str | None:
+    """The module `name` stands for where every statement of `body` (a scope's) that binds it
+    is an `import` of one module: `import os` and `import os.path` bind `os` to "os", `import
+    posix as os` to "posix". "" when anything else binds it too (a def, an assignment, `from m
+    import name`, a second module); None when nothing binds it."""
+    found = astkit.bindings(body, name)
+    if not found:
+        return None
+    modules = {
+        alias.name if alias.asname else alias.name.split(".")[0]
+        for stmt in found
+        if isinstance(stmt, ast.Import)
+        for alias in stmt.names
+        if (alias.asname or alias.name.split(".")[0]) == name
+    }
+    plain = len(modules) == 1 and all(isinstance(stmt, ast.Import) for stmt in found)
+    return modules.pop() if plain else ""
+
+
+def drifted(
+    patch_id: str,
+    site: str,
+    source: SourceFile,
+    nodes: Sequence[ast.AST],
+    why: str,
+    expected: Iterable[str] = (),
+) -> SiteResult:
+    """A drifted site: `why` and that nothing will be written, the source of `nodes` (one or
+    more statements of `source`) as found, at the first one's line, and what was expected."""
+    return SiteResult(
+        patch_id=patch_id,
+        site=site,
+        file=source.rel,
+        verdict=Verdict.DRIFTED,
+        detail=f"{why}; nothing will be written",
+        line=getattr(nodes[0], "lineno", None),
+        found="\n".join(source.segment(node) for node in nodes),
+        expected=tuple(expected),
+    )
 
 
 PATCH = KdaGatherDiagnostic()

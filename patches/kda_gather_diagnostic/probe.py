@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 import k3patch.probekit as probekit
-from k3patch.model import ProbeOutcome, find_def, find_function
+from k3patch.astkit import find_def, find_function
+from k3patch.patch import ProbeOutcome
 from k3patch.probekit import Checks, Swap, TorchTrace
 
 from . import OPS_FILE, OPS_MODULE, SITES

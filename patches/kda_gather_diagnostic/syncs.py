@@ -4,8 +4,9 @@ classify spots a diagnostic in no known form with it, the probe proves each one 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 
-from k3patch.model import attribute_owner, callee_name, truth_tests, walk_code
+from k3patch.astkit import attribute_owner, callee_name
 from k3patch.shapes import match
 
 ENV = "K3_KDA_GATHER_LOG"
@@ -95,3 +96,32 @@ def ungated_sync_points(func: ast.AST) -> tuple[list[str], list[str]]:
     for node, kind in sync_points(func):
         found[id(node) not in inside].append(f"{kind} at line {getattr(node, 'lineno', '?')}")
     return found
+
+
+def walk_code(root: ast.AST) -> Iterator[ast.AST]:
+    """`root` and every node under it except annotations (where `A | B` and `x[...]` are types)
+    and a def's parameter list (its defaults are walked); nested defs are entered."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        yield node
+        for name, value in ast.iter_fields(node):
+            if name not in ("returns", "annotation") and not isinstance(value, ast.arguments):
+                children = value if isinstance(value, list) else [value]
+                stack.extend(c for c in children if isinstance(c, ast.AST))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            args = node.args
+            stack.extend(d for d in [*args.defaults, *args.kw_defaults] if d is not None)
+
+
+def truth_tests(node: ast.AST) -> list[ast.expr]:
+    """The expressions that `node` itself uses as truth values: the test of an `if`, `while`,
+    conditional expression or `assert`, the operands of `and`/`or` and `not`, a comprehension's
+    `if`s."""
+    if isinstance(node, ast.If | ast.While | ast.IfExp | ast.Assert):
+        return [node.test]
+    if isinstance(node, ast.BoolOp):
+        return node.values
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        return [node.operand]
+    return node.ifs if isinstance(node, ast.comprehension) else []

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from k3patch.model import Patch, ProbeOutcome, Shape, SiteResult, Sources, Verdict
+from k3patch.fingerprints import Shape
+from k3patch.patch import Patch, ProbeOutcome
 from k3patch.shapes import VersionRange
+from k3patch.sources import Sources
+from k3patch.verdicts import SiteResult, Verdict
 
 if TYPE_CHECKING:
     from k3patch.codemod import Codemods
@@ -164,6 +167,32 @@ if (
 ):
     pass
 """
+
+
+# The forms told by predicate, not by a skeleton: upstream's, inline, and the older script's.
+SATISFIED_UPSTREAM = "upstream fix (_is_final_prefill_chunk, 0.32.0 and later)"
+SATISFIED_INLINE = "upstream-style progress gate (inline)"
+LEGACY_PENDING = "older k3-chunk-gate script (legacy, defective)"
+LEGACY_APPLIED = "k3patch (the older k3-chunk-gate form, repaired in place)"
+# What a drift report says a site may be in, after its shapes.
+FIXED_FORMS = (
+    f"{SATISFIED_UPSTREAM} (satisfied)",
+    f"{SATISFIED_INLINE} (satisfied)",
+    f"{LEGACY_PENDING} (pending)",
+    f"{LEGACY_APPLIED} (applied)",
+)
+LOOPS = {G1: "scheduler_output.scheduled_cached_reqs", G2: "self._reqs_need_save"}
+SWEEP = "self._reqs_need_pending_save"
+
+
+def site_result(
+    site: str, verdict: Verdict, why: str, shape: str = "", line: int | None = None, found: str = ""
+) -> SiteResult:
+    """A drift located at a line says what it found and what was expected."""
+    drifted = verdict is Verdict.DRIFTED and line is not None
+    shapes = tuple(f"{s.name} ({s.verdict.value})" for s in SHAPES[site])
+    found, expected = (found, (*shapes, *FIXED_FORMS)) if drifted else ("", ())
+    return SiteResult("moriio-chunk-gate", site, FILE, verdict, shape, why, line, found, expected)
 
 
 class MoriioChunkGate(Patch):

@@ -6,56 +6,58 @@ from __future__ import annotations
 
 import ast
 import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from k3patch import model
-from k3patch.model import SiteResult, SourceFile, Verdict, loaded_names, mentioned_names
-from k3patch.shapes import blocks, match, search
+from k3patch import astkit
+from k3patch.astkit import mentioned_names
+from k3patch.fingerprints import normalised_dump
+from k3patch.shapes import blocks, search
+from k3patch.sources import SourceFile
+from k3patch.verdicts import SiteResult, Verdict
 
 from . import (
     CLASS,
-    FILE,
     FROM_SURROUNDINGS,
     G1,
     G1_TEMPLATE,
     G2,
     G2_TEMPLATE,
-    LEGACY_DEFECTS,
     LEGACY_HELPER,
-    LEGACY_HELPER_SHAPE,
+    LOOPS,
     METHOD,
+    SATISFIED_INLINE,
+    SATISFIED_UPSTREAM,
     SHAPES,
+    SWEEP,
+    names,
+    site_result,
+)
+from .legacy import classify_chains, site_chains
+from .progress import (
+    FINAL,
+    WRONG,
+    flip,
+    is_call_to,
+    needed_meaning,
+    progress_meaning,
+    strip_nots,
 )
 
 if TYPE_CHECKING:
     from k3patch.codemod import Codemod
 
-# The forms told by predicate, not by a skeleton: upstream's, inline, and the older script's.
 UPSTREAM_HELPER = "_is_final_prefill_chunk"
-SATISFIED_UPSTREAM = "upstream fix (_is_final_prefill_chunk, 0.32.0 and later)"
-SATISFIED_INLINE = "upstream-style progress gate (inline)"
-LEGACY_PENDING = "older k3-chunk-gate script (legacy, defective)"
-LEGACY_APPLIED = "k3patch (the older k3-chunk-gate form, repaired in place)"
-# What a drift report says a site may be in, after its shapes.
-FIXED_FORMS = (
-    f"{SATISFIED_UPSTREAM} (satisfied)",
-    f"{SATISFIED_INLINE} (satisfied)",
-    f"{LEGACY_PENDING} (pending)",
-    f"{LEGACY_APPLIED} (applied)",
-)
-LOOPS = {G1: "scheduler_output.scheduled_cached_reqs", G2: "self._reqs_need_save"}
-SWEEP = "self._reqs_need_pending_save"
 # Names whose appearance in an `if` test makes it a final-chunk gate.
 GATE_WORDS = frozenset({"num_prompt_tokens", UPSTREAM_HELPER, LEGACY_HELPER})
-FINAL, NOT_FINAL, WRONG = "final", "not final", "wrong"
 
 
 def classify_sites(src: SourceFile) -> list[SiteResult]:
     if not src.exists:
         why = "no MoRIIO connector in this vLLM (it first ships in 0.14.1)"
         return [site_result(s, Verdict.NOT_APPLICABLE, why) for s in (G1, G2)]
-    if model.find_def(src.tree, f"{CLASS}.{METHOD}") is None:
+    if astkit.find_def(src.tree, f"{CLASS}.{METHOD}") is None:
         why = f"moriio_connector.py has no {CLASS}.{METHOD}; the connector was restructured"
         return [site_result(s, Verdict.DRIFTED, why) for s in (G1, G2)]
     context = Context.of(src.tree)
@@ -70,16 +72,6 @@ def classify_site(context: Context, site: str) -> SiteResult:
     if gate is None:
         return site_result(site, Verdict.DRIFTED, why, line=context.method.lineno)
     return gate.classify(context)
-
-
-def site_result(
-    site: str, verdict: Verdict, why: str, shape: str = "", line: int | None = None, found: str = ""
-) -> SiteResult:
-    """A drift located at a line says what it found and what was expected."""
-    drifted = verdict is Verdict.DRIFTED and line is not None
-    shapes = tuple(f"{s.name} ({s.verdict.value})" for s in SHAPES[site])
-    found, expected = (found, (*shapes, *FIXED_FORMS)) if drifted else ("", ())
-    return SiteResult("moriio-chunk-gate", site, FILE, verdict, shape, why, line, found, expected)
 
 
 def rewrite_sites(src: SourceFile, pending: list[str], codemod: Codemod) -> None:
@@ -110,13 +102,14 @@ class Context:
 
     @classmethod
     def of(cls, module: ast.Module) -> Context:
-        method, klass = model.find_def(module, f"{CLASS}.{METHOD}"), model.find_class(module, CLASS)
+        method = astkit.find_def(module, f"{CLASS}.{METHOD}")
+        klass = astkit.find_class(module, CLASS)
         if method is None or klass is None:
             raise ValueError(f"{CLASS}.{METHOD} is gone")
         return cls(module, method, klass)
 
     def loops(self, over: str) -> list[ast.For]:
-        return model.loops_over(self.method, over.rsplit(".", 1)[-1])
+        return loops_over(self.method, over.rsplit(".", 1)[-1])
 
     @functools.cached_property
     def release(self) -> str:
@@ -125,11 +118,11 @@ class Context:
         g1, _ = locate(self, G1)
         if g1 is None:
             return _UNKNOWN
-        around = model.ancestors(g1.loop, model.parent_map(self.method))
-        tests = {model.normalised_dump(n.test) for n in around if isinstance(n, ast.If)}
+        around = ancestors(g1.loop, parent_map(self.method))
+        tests = {normalised_dump(n.test) for n in around if isinstance(n, ast.If)}
         write, producer = "self.mode == MoRIIOMode.WRITE", "get_role() == ROLE.PRODUCER"
-        nested = {model.expression_dump(write), model.expression_dump(producer)} <= tests
-        combined = model.expression_dump(f"{write} and {producer}") in tests
+        nested = {expression_dump(write), expression_dump(producer)} <= tests
+        combined = expression_dump(f"{write} and {producer}") in tests
         if search(_SKIPS_NOT_PENDING, g1.loop):
             if not combined:
                 return _UNKNOWN
@@ -137,15 +130,15 @@ class Context:
         return "A (0.14.1-0.23.0)" if nested else "B (0.24.0-0.27.1)" if combined else _UNKNOWN
 
     def _is_fork(self) -> bool:
-        init = model.find_method(self.cls, "__init__")
-        alloc = model.find_method(self.cls, "update_state_after_alloc")
+        init = astkit.find_method(self.cls, "__init__")
+        alloc = astkit.find_method(self.cls, "update_state_after_alloc")
         keys = [f["HOLE_key"] for *_, f in search(_FORK_FILES_BLOCKS, alloc)] if alloc else []
         starts = init is not None and any(search(pattern, init) for pattern in _FORK_STARTS_EMPTY)
         return starts and any("request_id" in mentioned_names(key) for key in keys)
 
     def helper_is_progress(self) -> bool:
-        helper = model.find_method(self.cls, UPSTREAM_HELPER)
-        env = model.named_values(helper.body) if helper else {}
+        helper = astkit.find_method(self.cls, UPSTREAM_HELPER)
+        env = names.named_values(helper.body) if helper else {}
         returns = [n.value for n in ast.walk(helper) if isinstance(n, ast.Return)] if helper else []
         meanings = [progress_meaning(v, env) if v is not None else None for v in returns]
         return bool(meanings) and set(meanings) == {FINAL}
@@ -154,14 +147,14 @@ class Context:
 def locate(context: Context, site: str) -> tuple[Gate | None, str]:
     found = []
     for loop in context.loops(LOOPS[site]):
-        parents, gates = model.parent_map(loop), []
+        parents, gates = parent_map(loop), []
         for block in blocks(loop):
             for index, stmt in enumerate(block):
                 if not isinstance(stmt, ast.If):
                     continue
-                temps = model.temporaries_before(block, index, stmt.test)
+                temps = names.temporaries_before(block, index, stmt.test)
                 if any(GATE_WORDS & mentioned_names(n) for n in [stmt.test, *temps]):
-                    around = model.ancestors(stmt, parents, stop=loop)
+                    around = ancestors(stmt, parents, stop=loop)
                     conditions = [n for n in reversed(around) if isinstance(n, ast.stmt)]
                     gates.append(Gate(site, loop, block, temps, stmt, conditions))
         found += [gates] if gates else []
@@ -190,7 +183,7 @@ class Gate:
     def result(self, verdict: Verdict, shape: str, why: str) -> SiteResult:
         """Drift shows the gate's conditions (a header line each), temporaries and header."""
         inner = [*map(ast.unparse, self.temps), f"if {ast.unparse(self.node.test)}:", "    ..."]
-        found = model.outline(self.conditions, inner)
+        found = outline(self.conditions, inner)
         return site_result(self.site, verdict, why, shape, self.node.lineno, found)
 
     def classify(self, context: Context) -> SiteResult:
@@ -205,9 +198,9 @@ class Gate:
 
     def classify_fixed(self, context: Context) -> SiteResult:
         """A fixed form: a progress gate, inline or upstream's, that decides what its body needs."""
-        core, times = model.strip_nots(self.node.test)
-        upstream = model.is_call_to(core, UPSTREAM_HELPER)
-        env = model.named_values(self.temps)
+        core, times = strip_nots(self.node.test)
+        upstream = is_call_to(core, UPSTREAM_HELPER)
+        env = names.named_values(self.temps)
         meaning = flip(FINAL, times) if upstream else progress_meaning(self.node.test, env)
         wanted = needed_meaning(self.node)
         tests = [getattr(c, "test", c) for c in self.conditions]
@@ -234,7 +227,7 @@ class Gate:
                 "a progress gate, but still only evaluated when the step allocated a new "
                 "block: a final chunk without a new block would never send"
             )
-        elif model.expression_dump(f"req_id in {SWEEP}") in map(model.normalised_dump, tests):
+        elif expression_dump(f"req_id in {SWEEP}") in map(normalised_dump, tests):
             problem = "k3patch's gate, edited since k3patch wrote it"
         elif self.conditions:  # upstream's gates sit directly in their loops
             problem = "a progress gate nested under a condition k3patch does not know"
@@ -246,15 +239,15 @@ class Gate:
     def preconditions(self, context: Context, pending: bool) -> list[str]:
         """Why a gate in a known shape still cannot take (or does not hold) the post-image."""
         problems = []
-        if pending and "scheduler_output" not in model.parameter_names(context.method):
+        if pending and "scheduler_output" not in astkit.parameter_names(context.method):
             problems.append(f"{METHOD} has no parameter named scheduler_output")
-        bound = model.stored_names([self.loop.target])
+        bound = astkit.stored_names([self.loop.target])
         needs = {"req_id"} if self.site == G1 else {"req_id", "req"}
         if not needs <= bound:
             problems.append(f"the loop does not bind {', '.join(sorted(needs - bound))}")
         for temp in self.temps if pending else ():
-            name = model.assigned_name(temp)
-            if name in loaded_names(self.loop.body, skip=[*self.temps, self.node.test]):
+            name = names.assigned_name(temp)
+            if name in names.loaded_names(self.loop.body, skip=[*self.temps, self.node.test]):
                 problems.append(f"{name} is read outside the gate test; it cannot be dropped")
             # The codemod removes a temporary's lines whole: no other statement may be on them.
             end = temp.end_lineno or temp.lineno
@@ -271,14 +264,14 @@ class Gate:
         # G1's body runs outside `if new_block_ids is not None:` after the rewrite, so it must
         # not read what only that branch binds (`req` is rebound by the post-image).
         if pending:  # the gate's block is the body of that branch; what its test reads counts
-            local = model.stored_names(self.block[: self.block.index(self.node)])
-            local |= loaded_names(self.conditions[:1], skip=self.block)
+            local = astkit.stored_names(self.block[: self.block.index(self.node)])
+            local |= names.loaded_names(self.conditions[:1], skip=self.block)
         else:
             before = self.loop.body[: self.loop.body.index((self.conditions or [self.node])[0])]
             ifs = [s for s in before if isinstance(s, ast.If)]
             branches = [s for s in ifs if "new_block_ids" in mentioned_names(s.test)]
-            local = model.stored_names([s for branch in branches for s in branch.body])
-        read = loaded_names(self.node.body + self.node.orelse) & (local - {"req"})
+            local = astkit.stored_names([s for branch in branches for s in branch.body])
+        read = names.loaded_names(self.node.body + self.node.orelse) & (local - {"req"})
         if read:
             problems.append(
                 "its body reads " + ", ".join(sorted(read)) + ", bound only when the step "
@@ -301,225 +294,37 @@ class Gate:
             codemod.change(self.node, new_header(G2_TEMPLATE))
 
 
-def needed_meaning(gate: ast.If) -> str:
-    """ "final" where the gate's body sends the request, else "not final" (it defers or skips)."""
-    funcs = [n.func for stmt in gate.body for n in ast.walk(stmt) if isinstance(n, ast.Call)]
-    sends = any(match("HOLE_connector.add_new_req", func) is not None for func in funcs)
-    return FINAL if sends else NOT_FINAL
+def parent_map(root: ast.AST) -> dict[int, ast.AST]:
+    """id(node) -> its parent, for every node under `root` (ast nodes do not know theirs)."""
+    return {id(child): node for node in ast.walk(root) for child in ast.iter_child_nodes(node)}
 
 
-def flip(meaning: str, times: int) -> str:
-    return {FINAL: NOT_FINAL, NOT_FINAL: FINAL}.get(meaning, meaning) if times % 2 else meaning
+def ancestors(
+    node: ast.AST, parents: Mapping[int, ast.AST], stop: ast.AST | None = None
+) -> list[ast.AST]:
+    """The nodes that enclose `node`, innermost first, from a parent_map: up to its root, or up
+    to (not including) `stop`."""
+    found = []
+    parent = parents.get(id(node))
+    while parent is not None and parent is not stop:
+        found.append(parent)
+        parent = parents.get(id(parent))
+    return found
 
 
-# This step's scheduled tokens of a request, as vLLM and the older scripts read them.
-_SCHEDULED = [
-    f"HOLE_out.num_scheduled_tokens{s}" for s in ("[HOLE_k]", ".get(HOLE_k)", ".get(HOLE_k, 0)")
-]
-# `progress OP prompt` decides final for >=, not final for <; `prompt OP progress` the mirror.
-_MEANING = {ast.GtE: FINAL, ast.Lt: NOT_FINAL}
-_MIRRORED = {ast.LtE: ast.GtE, ast.Gt: ast.Lt, ast.GtE: ast.LtE, ast.Lt: ast.Gt}
+def loops_over(node: ast.AST, name: str) -> list[ast.For]:
+    """The `for` loops under `node` (itself included) whose iterable mentions `name` (as a
+    name, an attribute or a keyword, as mentioned_names reads it)."""
+    return [n for n in ast.walk(node) if isinstance(n, ast.For) and name in mentioned_names(n.iter)]
 
 
-def progress_meaning(expr: ast.expr, env: dict[str, ast.expr]) -> str | None:
-    """ "final" for `progress >= prompt`, "not final" for `progress < prompt` (mirrored and
-    negated forms too), "wrong" for another comparison of the two, else None."""
-
-    def progress_of(side: ast.expr) -> str | None:  # `r` of `r.num_computed_tokens + <scheduled>`
-        side = model.resolve_name(side, env)
-        if not (isinstance(side, ast.BinOp) and isinstance(side.op, ast.Add)):
-            return None
-        for computed, scheduled in ((side.left, side.right), (side.right, side.left)):
-            req = model.attribute_owner(model.resolve_name(computed, env), "num_computed_tokens")
-            step = model.resolve_name(scheduled, env)
-            if req is not None and any(match(p, step) is not None for p in _SCHEDULED):
-                return req
-        return None
-
-    core, times = model.strip_nots(expr)
-    core = model.resolve_name(core, env)
-    if not isinstance(core, ast.Compare):
-        return None
-    resolved = [model.resolve_name(n, env) for n in ast.walk(core) if isinstance(n, ast.Name)]
-    words = mentioned_names(core).union(*map(mentioned_names, resolved))
-    wrong = WRONG if {"num_computed_tokens", "num_prompt_tokens"} <= words else None
-    if len(core.ops) != 1:
-        return wrong
-    left, right, op = core.left, core.comparators[0], type(core.ops[0])
-    req = progress_of(left)
-    prompt = model.attribute_owner(model.resolve_name(right, env), "num_prompt_tokens")
-    if req is None or prompt is None:
-        req, op = progress_of(right), _MIRRORED.get(op, op)
-        prompt = model.attribute_owner(model.resolve_name(left, env), "num_prompt_tokens")
-    if req is None or req != prompt:
-        return wrong
-    return flip(_MEANING.get(op, WRONG), times)
+def expression_dump(source: str) -> str:
+    """normalised_dump of the expression written in `source`."""
+    return normalised_dump(ast.parse(source, mode="eval").body)
 
 
-# The older k3-chunk-gate script's form (SITES.md 2): a decision chain `NAME = <its helper call
-# or k3patch's repair>`, `if NAME is None:` (its fallback), debug `if`s, then `if [not] NAME:`.
-LEGACY_MAP = "_k3_prog"
-# k3patch's repair of a decision, in place.
-LEGACY_TEMPLATE = """
-# k3patch moriio-chunk-gate: final when compute progress reaches
-# the prompt; no slack (it sent up to 2 tokens early) and no
-# block-count fallback (the original bug).
-{name} = (
-    {req}.num_computed_tokens
-    + scheduler_output.num_scheduled_tokens.get({req_id}, 0)
-    >= {req}.num_prompt_tokens
-)
-"""
-# k3patch's repaired decision about `req`, as a report shows it (without its `x = `).
-_REPAIRED = ast.unparse(ast.parse(LEGACY_TEMPLATE.format(name="x", req="req", req_id="req_id")))[4:]
-# The block-count fallback each site's older form keeps, as the script writes it.
-LEGACY_FALLBACK = {
-    G1: "len(self._reqs_need_pending_save[req_id][1]) * self.block_size >= req.num_prompt_tokens",
-    G2: "not (req.num_prompt_tokens > len(block_ids) * self.block_size)",
-}
-
-
-@dataclass
-class Chain:
-    part: str  # "gate" or "sweep"
-    block: list[ast.stmt]
-    name: str
-    decision: ast.Assign
-    fallback: ast.If | None
-    gate: ast.If
-
-    @classmethod
-    def at(cls, block: list[ast.stmt], index: int, part: str) -> Chain | None:
-        decision, name = block[index], model.assigned_name(block[index])
-        if not isinstance(decision, ast.Assign) or name is None:
-            return None
-        helper_call = model.is_call_to(decision.value, LEGACY_HELPER)
-        if not (helper_call or "num_prompt_tokens" in mentioned_names(decision.value)):
-            return None
-        after = block[index + 1 :]
-        end = next((i for i, s in enumerate(after) if not isinstance(s, ast.If)), len(after))
-        ifs = [s for s in after[:end] if isinstance(s, ast.If)]
-        fallback = ifs.pop(0) if ifs and match(f"{name} is None", ifs[0].test) is not None else None
-        while ifs and "K3_CHUNK_GATE_DEBUG" in mentioned_names(ifs[0].test, everything=True):
-            ifs.pop(0)
-        if not ifs or match(name, model.strip_nots(ifs[0].test)[0]) is None:
-            return None
-        return cls(part, block, name, decision, fallback, ifs[0])
-
-    @property
-    def statements(self) -> list[ast.stmt]:
-        return self.block[self.block.index(self.decision) : self.block.index(self.gate) + 1]
-
-    def kind(self) -> str:
-        """ "legacy" (the script's helper), "progress" (k3patch's repair) or "other"."""
-        value = self.decision.value
-        if isinstance(value, ast.Call) and model.is_call_to(value, LEGACY_HELPER):
-            names = len(value.args) == 3 and all(isinstance(a, ast.Name) for a in value.args)
-            return "legacy" if names else "other"
-        return "progress" if progress_meaning(value, {}) == FINAL else "other"
-
-    def rewrite(self, codemod: Codemod) -> None:
-        """The decision replaced in place by compute progress; an `is None` fallback goes.
-        Helper, map and debug lines stay: nothing reads them to decide any more."""
-        value = self.decision.value  # `_k3_prefill_done(self, <request id>, <request>)`
-        args = value.args if isinstance(value, ast.Call) and len(value.args) == 3 else []
-        if not (args and isinstance(args[1], ast.Name) and isinstance(args[2], ast.Name)):
-            raise ValueError(f"{self.name}: a decision chain without its request names")
-        source = LEGACY_TEMPLATE.format(name=self.name, req=args[2].id, req_id=args[1].id)
-        stmts = [self.decision] if self.fallback is None else [self.decision, self.fallback]
-        codemod.replace(stmts, source)
-
-
-def site_chains(context: Context, site: str) -> list[Chain] | None:
-    """The site's decision chains (G1: its gate and its sweep; G2: its gate), or None."""
-
-    def chains_in(roots: list[ast.For], part: str) -> list[Chain]:
-        found = (Chain.at(b, i, part) for r in roots for b in blocks(r) for i in range(len(b)))
-        return [chain for chain in found if chain is not None]
-
-    own = context.loops(LOOPS[site])
-    gates = chains_in(own, "gate")
-    if not gates or site == G2:
-        return gates or None
-    return [*gates, *chains_in([loop for loop in context.loops(SWEEP) if loop not in own], "sweep")]
-
-
-def classify_chains(context: Context, site: str, chains: list[Chain]) -> SiteResult:
-    line = next((c for c in chains if c.part == "gate"), chains[0]).decision.lineno
-    problems = _chain_problems(context, site, chains)
-    if problems:
-        detail = f"the older k3-chunk-gate form, but {'; '.join(problems)}; nothing will be written"
-        found = "\n".join(ast.unparse(ast.Module(c.statements, [])) for c in chains)
-        return site_result(site, Verdict.DRIFTED, detail, "", line, found)
-    if {c.kind() for c in chains} == {"legacy"}:
-        return site_result(site, Verdict.PENDING, "; ".join(LEGACY_DEFECTS), LEGACY_PENDING, line)
-    detail = "compute progress, no slack, no fallback"
-    return site_result(site, Verdict.APPLIED, detail, LEGACY_APPLIED, line)
-
-
-def _chain_problems(context: Context, site: str, chains: list[Chain]) -> list[str]:
-    """Why decision chains are in no form the script or k3patch's repair leaves."""
-    gates = [c for c in chains if c.part == "gate"]
-    sweeps = [c for c in chains if c.part == "sweep"]
-    if len(gates) != 1:
-        return [f"{len(gates)} decision chains in the site's loop (the script writes one)"]
-    if site == G1 and len(sweeps) != 1:
-        return [
-            f"{len(sweeps)} sweeps over _reqs_need_pending_save after the G1 loop (the script "
-            "writes one; without it a final chunk that allocates no block is never sent)"
-        ]
-    kinds = {c.kind() for c in chains}
-    if "other" in kinds:
-        return [
-            f"a decision that is neither the script's helper call nor `{_REPAIRED}` (inverted, "
-            "off-by-one or another slack)"
-        ]
-    if len(kinds) != 1:
-        return ["the gate and the sweep decide differently (partly repaired)"]
-    problems = []
-    legacy = kinds == {"legacy"}
-    for chain in chains:
-        wanted = NOT_FINAL if chain.part == "sweep" else needed_meaning(chain.gate)
-        if flip(FINAL, model.strip_nots(chain.gate.test)[1]) != wanted:
-            problems.append(f"`{ast.unparse(chain.gate.test)}` is inverted for what its body does")
-        if chain.part == "sweep" and [type(s) for s in chain.gate.body] != [ast.Continue]:
-            problems.append("the sweep's gate does not skip the request")
-    for chain in chains:
-        fallback = chain.fallback
-        if not legacy and fallback is not None:
-            problems.append(f"`if {chain.name} is None:` is left beside a progress decision")
-        elif legacy and chain.part == "sweep" and fallback is not None:
-            problems.append("the sweep has a fallback the script never writes")
-        elif legacy and chain.part == "gate":
-            expected = LEGACY_FALLBACK[site]
-            pattern = f"if {chain.name} is None:\n    {chain.name} = {expected}"
-            if fallback is None or match(pattern, fallback) is None:
-                problems.append(f"its fallback is not the block count `{expected}`")
-    # The helper and the progress map the script's decisions rely on.
-    helpers = [n for n in context.module.body if isinstance(n, ast.FunctionDef)]
-    prints = [model.site_fingerprint(n) for n in helpers if n.name == LEGACY_HELPER]
-    if legacy and prints != [LEGACY_HELPER_SHAPE.fingerprint]:
-        problems.append(
-            f"the module's {LEGACY_HELPER}() is not the script's (missing, defined twice, or "
-            "its comparison edited)"
-        )
-    if legacy and LEGACY_MAP not in model.attribute_names([context.method], "self", ast.Store):
-        problems.append(f"{METHOD} never sets self.{LEGACY_MAP}, which {LEGACY_HELPER}() reads")
-    # Names the chains read that nothing binds: the script's debug `if` reads `os` at module
-    # level, its sweep reads maps that other older scripts add to the scheduler. Either raises
-    # when a chunked request comes (the sweep's inside its `try`: the request is never sent).
-    statements = [s for c in chains for s in c.statements]
-    free = model.unbound_names(statements, context.module, context.method)
-    if free:
-        problems.append(
-            "it reads " + ", ".join(sorted(free)) + ", which moriio_connector.py never binds"
-        )
-    decisions = [c.decision for c in chains if c.part == "sweep"]
-    loops = [loop for loop in context.loops(SWEEP) if any(d in ast.walk(loop) for d in decisions)]
-    unset = model.unset_attributes(loops, context.cls) if loops else set()  # G2 has no sweep
-    if unset:
-        problems.append(
-            "its sweep reads self." + ", self.".join(sorted(unset)) + f", which {CLASS} never sets "
-            "(it raises inside the sweep's try and the request is never sent)"
-        )
-    return problems
+def outline(outer: Sequence[ast.stmt], inner: Sequence[str], unit: str = "    ") -> str:
+    """A report's view of code nested in the statements `outer` (outermost first): the first
+    line of each, one `unit` deeper than the one before, then the `inner` lines one deeper."""
+    heads = [unit * depth + ast.unparse(stmt).splitlines()[0] for depth, stmt in enumerate(outer)]
+    return "\n".join([*heads, *(unit * len(outer) + line for line in inner)])

@@ -27,11 +27,12 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from k3patch.model import ProbeOutcome, attribute_assignments
+from k3patch.patch import ProbeOutcome
 from k3patch.probekit import Checks, Swap, call_accepted, source_of, stand_in
 from k3patch.shapes import match
 
 from ..moriio_group_routing.probe import CONNECTOR, drive_prefill, kv_params, stub_request
+from .names import attribute_assignments
 
 CHUNK = 2048  # max_num_batched_tokens in K3's recipe
 K3_BLOCK = 5760  # K3's attention page padded to the KDA page
@@ -120,8 +121,8 @@ def _table() -> tuple[Prefill, ...]:
 
 TABLE = _table()
 
-# The proxy's request id carries both nodes' ZMQ addresses (0.14.1-0.23.0 read the decode peer's
-# from it, later releases fall back to kv_transfer_params); the same ports as kv_params'.
+# The proxy's request id carries both nodes' ZMQ addresses (kv_params' ports): 0.23.0's
+# add_new_req reads the decode peer's from it and raises without them (0.28.0 falls back).
 _PEER = "host:127.0.0.1,handshake:6301,notify:61005"
 
 
@@ -162,8 +163,8 @@ def _scheduler(mc: Any, block_size: int, maps: list[str]) -> Any:
 def _saves(steps: list[int], chunks: int) -> str:
     """Where the save left: chunks of the prefill, and the decode step after it."""
     at = [step for step in steps if step <= chunks]
-    text = f"save at chunk {', '.join(map(str, at))} of {chunks}" if at else f"no save in {chunks}"
-    text += "" if at else (" chunks" if chunks > 1 else " chunk")
+    none = f"no save in {chunks} chunk{'s' * (chunks > 1)}"
+    text = f"save at chunk {', '.join(map(str, at))} of {chunks}" if at else none
     return text + (" and at the decode step after" if len(at) < len(steps) else "")
 
 

@@ -24,13 +24,27 @@ from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING
 
-from k3patch import model
-from k3patch.model import Patch, ProbeOutcome, SiteResult, Sources, Verdict
+from k3patch import astkit
+from k3patch.patch import Patch, ProbeOutcome
 from k3patch.shapes import match
+from k3patch.sources import Sources
+from k3patch.verdicts import SiteResult, Verdict
 
 from . import forms
 from .forms import FIELD_NAME, FORK_FIELDS
-from .sites import PENDING, Function, Insert, Item, LegacyGrowth, Plan, Site, keyword, takes
+from .sites import (
+    PENDING,
+    Function,
+    Insert,
+    Item,
+    LegacyGrowth,
+    Plan,
+    Site,
+    clip_lines,
+    combined_verdict,
+    keyword,
+    takes,
+)
 from .upstream import NATIVE_SHAPES, SINGLE_GROUP_SHAPE
 
 if TYPE_CHECKING:
@@ -135,7 +149,7 @@ FORK_SITES = (
         Plan(),
         needs=(
             "MoRIIOError bound in moriio_engine",
-            lambda src, fn: model.module_binds(src.tree, "MoRIIOError"),
+            lambda src, fn: astkit.module_binds(src.tree, "MoRIIOError"),
         ),
     ),
 )
@@ -187,9 +201,9 @@ class MoriioGroupRouting(Patch):
             "the fork's mamba block ids (pending)",
         )
         results = [replace(r, expected=expected) for r in self._each_file(Verdict.DRIFTED, why)]
-        plan = model.find_def(engine.tree, "MoRIIOWriter._prepare_transfer_plan")
+        plan = astkit.find_def(engine.tree, "MoRIIOWriter._prepare_transfer_plan")
         if plan is not None:
-            found = model.clip_lines(engine.segment(plan))
+            found = clip_lines(engine.segment(plan))
             results[-1] = replace(results[-1], line=plan.lineno, found=found)
         return results
 
@@ -216,7 +230,7 @@ def _one_change(results: list[SiteResult]) -> list[SiteResult]:
         return results
     states = []
     for rel in FILES:
-        verdict = model.combined_verdict(r.verdict for r in results if r.file == rel)
+        verdict = combined_verdict(r.verdict for r in results if r.file == rel)
         states.append(f"{rel.rsplit('/', 1)[-1]} {verdict.value if verdict else 'partly applied'}")
     tail = f"; the three files are one change, nothing will be written ({', '.join(states)})"
     return [replace(r, detail=r.detail + tail) if r.verdict is drifted else r for r in results]

@@ -3,7 +3,7 @@ post-image piece by piece, the fork's and the older fix's statements it recognis
 
 from __future__ import annotations
 
-from k3patch.model import dedent
+from k3patch.fingerprints import dedent
 
 FIELD_NAME = "k3patch_group_block_ids"
 FIELD = f"{FIELD_NAME}: list[list[int]] | None = None"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from k3patch import probekit
-from k3patch.model import ProbeOutcome
+from k3patch.patch import ProbeOutcome
 from k3patch.probekit import Checks, Stub, Swap, stand_in
 from k3patch.shapes import find_expressions, match
 

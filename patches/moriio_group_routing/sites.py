@@ -4,13 +4,15 @@ in the fork's shape (pending), k3patch's (applied), neither (drifted) or has no 
 from __future__ import annotations
 
 import ast
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from k3patch import model
-from k3patch.model import SiteResult, SourceFile, Verdict, clip_lines, dedent
+from k3patch import astkit
+from k3patch.fingerprints import dedent, site_fingerprint, source_fingerprint
 from k3patch.shapes import match, matches_each, parse_pattern, search
+from k3patch.sources import SourceFile
+from k3patch.verdicts import SiteResult, Verdict
 
 from . import forms
 from .forms import FIELD_COMMENT, FIELD_NAME
@@ -88,7 +90,7 @@ class Insert(Part):
         for j in starts:
             if j >= 0 and match(self.added, body[j : j + count]) is not None:
                 return Look(APPLIED, body[j].lineno)
-        if self.marker in src.text and self.marker in model.mentioned_names(node, everything=True):
+        if self.marker in src.text and self.marker in astkit.mentioned_names(node, everything=True):
             why = f"{scope}: `{self.marker}` is used, but not in k3patch's shape"
             return drift(why, clip_lines(src.segment(node)), (dedent(self.added),), node.lineno)
         return Look(PENDING, at.lineno)
@@ -130,7 +132,7 @@ class Item(Part):
 
     def _items(self, holder: Any) -> dict[str, tuple[Any, int, list[Any]]]:
         """name -> (the item's node, the line a report names, the nodes its parts are)."""
-        items: dict[str, tuple[Any, Any]] = model.named_items(holder)
+        items: dict[str, tuple[Any, Any]] = named_items(holder)
         if self.kind == "field":
             return {k: (node, node.lineno, [node]) for k, (node, _) in items.items()}
         if self.kind == "param":
@@ -143,11 +145,11 @@ class Item(Part):
             return [node]
         if self.kind == "keyword":
             calls = [n for n in ast.walk(node) if isinstance(n, ast.Call)]
-            found: list[Any] = [c for c in calls if model.callee_name(c) == self.callee]
+            found: list[Any] = [c for c in calls if astkit.callee_name(c) == self.callee]
         else:
             found = [n for n in ast.walk(node) if isinstance(n, ast.Dict)]
         name = self._parse(self.fork)[0]
-        return [n for n in found if name in model.named_items(n)]
+        return [n for n in found if name in named_items(n)]
 
     def look(self, src: SourceFile, node: Any, scope: str) -> Look:
         if self.kind == "param" and (node.args.vararg or node.args.kwarg or node.args.kwonlyargs):
@@ -202,11 +204,11 @@ class Function(Part):
     source: str
 
     def look(self, src: SourceFile, node: ast.AST, scope: str) -> Look:
-        fn = model.find_function(src.tree, self.name)
+        fn = astkit.find_function(src.tree, self.name)
         if fn is None:
             return Look(PENDING)
         # A fingerprint, not a shape: the function's docstring is not part of what it does.
-        if model.site_fingerprint(fn) == model.source_fingerprint(self.source):
+        if site_fingerprint(fn) == source_fingerprint(self.source):
             return Look(APPLIED, fn.lineno)
         why = f"{self.name} is not k3patch's function"
         return drift(why, clip_lines(src.segment(fn)), (dedent(self.source),), fn.lineno)
@@ -231,7 +233,7 @@ def _statement_holding(scope: ast.AST, expr: ast.expr) -> ast.stmt:
 
 def takes(name: str) -> Holds:
     """A site's precondition: its function has a positional parameter `name`."""
-    return lambda src, fn: fn is not None and name in model.parameter_names(fn, positional=True)
+    return lambda src, fn: fn is not None and name in astkit.parameter_names(fn, positional=True)
 
 
 def _is_debug_block(imp: ast.stmt, gate: ast.stmt) -> bool:
@@ -242,7 +244,7 @@ def _is_debug_block(imp: ast.stmt, gate: ast.stmt) -> bool:
         return False
     if not isinstance(gate, ast.If) or gate.orelse:
         return False
-    bound = model.stored_names([gate]) | model.imported_names(gate)
+    bound = astkit.stored_names([gate]) | astkit.imported_names(gate)
     read_later = {"offsets", "geometry_key", "_k3_local", "_k3_remote", "task", "request_info"}
     test = forms.DEBUG_TEST.format(alias=alias.asname)
     return match(test, gate.test) is not None and not bound & read_later
@@ -296,7 +298,7 @@ class LegacyGrowth(Part):
     capture_in: str
 
     def look(self, src: SourceFile, node: ast.FunctionDef, scope: str) -> Look:
-        capture = model.find_def(src.tree, self.capture_in)
+        capture = astkit.find_def(src.tree, self.capture_in)
         if capture is None or not search(forms.LEGACY_CAPTURE, capture):
             return Look(None)
         if search(forms.CHUNKED_ALLGRP, node):
@@ -318,8 +320,8 @@ class Site:
 
     def node(self, src: SourceFile) -> ast.ClassDef | ast.FunctionDef | None:
         if "." in self.scope:
-            return model.find_def(src.tree, self.scope)
-        return model.find_class(src.tree, self.scope)
+            return astkit.find_def(src.tree, self.scope)
+        return astkit.find_class(src.tree, self.scope)
 
     def look(self, src: SourceFile) -> tuple[Look, bool]:
         """The site's verdict, shape and detail as one Look, and whether it is evidence."""
@@ -331,7 +333,7 @@ class Site:
         if node is None:
             what = scope if "." in scope else f"class {scope}"
             return drift(f"{what} is absent", expected=(what,)), False
-        verdict = model.combined_verdict(k.verdict for _, k in looks if k.verdict)
+        verdict = combined_verdict(k.verdict for _, k in looks if k.verdict)
         line = next((look.line for _, look in looks if look.line), None)
         if verdict is DRIFTED:
             return next(look for _, look in looks if look.verdict is DRIFTED), evidence
@@ -354,3 +356,51 @@ class Site:
         node = self.node(src)
         for part in self.parts:
             part.rewrite(src, file, node)
+
+
+def combined_verdict(verdicts: Iterable[Verdict]) -> Verdict | None:
+    """One verdict for a whole made of parts (a site's pieces, a change's files): any drifted
+    part makes it drifted, parts that all agree give theirs; None for a mixture (some applied,
+    some pending: half done, perhaps by hand) and for no parts at all."""
+    seen = set(verdicts)
+    if Verdict.DRIFTED in seen:
+        return Verdict.DRIFTED
+    return seen.pop() if len(seen) == 1 else None
+
+
+def clip_lines(text: str, limit: int = 40) -> str:
+    """`text` as it is when it has at most `limit` lines, else its first `limit` lines and a
+    line saying how many more there are (a report shows a long function's head)."""
+    lines = text.splitlines()
+    if len(lines) <= limit:
+        return text
+    return "\n".join([*lines[:limit], f"... ({len(lines) - limit} more lines)"])
+
+
+def named_items(holder: ast.AST) -> dict[str, tuple[ast.AST, ast.expr | None]]:
+    """The named items of a holder, name -> (the node that names the item, its value): a
+    class's annotated fields (the AnnAssign, its value), a function's positional parameters
+    (the ast.arg, its default), a call's keyword arguments (not `**x`) and a dict literal's
+    string keys (the key, its value). None where there is no value; a name written twice is
+    its last item; any other node has none."""
+    if isinstance(holder, ast.ClassDef):
+        body = holder.body
+        return {
+            s.target.id: (s, s.value)
+            for s in body
+            if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+        }
+    if isinstance(holder, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+        params = [*holder.args.posonlyargs, *holder.args.args]
+        defaults: list[ast.expr | None] = [None] * (len(params) - len(holder.args.defaults))
+        pairs = zip(params, [*defaults, *holder.args.defaults], strict=True)
+        return {p.arg: (p, d) for p, d in pairs}
+    if isinstance(holder, ast.Call):
+        return {k.arg: (k, k.value) for k in holder.keywords if k.arg}
+    if isinstance(holder, ast.Dict):
+        return {
+            k.value: (k, v)
+            for k, v in zip(holder.keys, holder.values, strict=True)
+            if isinstance(k, ast.Constant) and isinstance(k.value, str)
+        }
+    return {}

@@ -7,8 +7,10 @@ import ast
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from k3patch.model import SourceFile, Verdict, find_class, find_def, find_function, mentioned_names
+from k3patch.astkit import find_class, find_def, find_function, mentioned_names
 from k3patch.shapes import find_expressions, search
+from k3patch.sources import SourceFile
+from k3patch.verdicts import Verdict
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,173 @@
+"""The AST helpers two or more patches use to find their sites: scope lookup that refuses
+ambiguity, and the names a piece of code mentions, binds or imports."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable
+from typing import Any
+
+
+class AmbiguousDefinition(Exception):
+    """A name a patch looks up is bound more than once in its scope. The last binding is the live
+    one, so patching the first would patch dead code and still read as applied: this is drift."""
+
+    def __init__(self, scope: ast.AST, name: str, lines: list[int]) -> None:
+        self.scope = scope
+        self.name = name
+        self.lines = lines
+        where = ", ".join(str(n) for n in lines)
+        super().__init__(
+            f"{name} is bound {len(lines)} times in one scope (lines {where}); "
+            "the last binding is the live one, so k3patch will not guess which to patch"
+        )
+
+
+def _binds(stmt: ast.stmt, name: str) -> bool:
+    """Whether a statement of a scope's body binds `name` in that scope."""
+    if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return stmt.name == name
+    if isinstance(stmt, ast.Import | ast.ImportFrom):
+        return any((a.asname or a.name.split(".")[0]) == name for a in stmt.names)
+    if isinstance(stmt, ast.Assign | ast.AnnAssign | ast.AugAssign):
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+        # Only a stored name binds: `name.attr = x` and `table[name] = x` read `name`.
+        return any(
+            isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)
+            for t in targets
+            for n in ast.walk(t)
+        )
+    return False
+
+
+def bindings(body: Iterable[ast.stmt], name: str) -> list[ast.stmt]:
+    """The statements of a scope's body that bind `name` in that scope (an import, a def, a
+    class, an assignment to the bare name), in source order. The one rule for "what binds"."""
+    return [stmt for stmt in body if _binds(stmt, name)]
+
+
+def _bound_once(
+    scope: ast.AST, body: list[ast.stmt], name: str, kind: type | tuple[type, ...]
+) -> Any:
+    """The one statement of `body` that defines `name` as a `kind`; None when there is none.
+    Raises AmbiguousDefinition when `name` is bound more than once there."""
+    found = bindings(body, name)
+    if len(found) > 1:
+        raise AmbiguousDefinition(scope, name, [stmt.lineno for stmt in found])
+    if found and isinstance(found[0], kind):
+        return found[0]
+    return None
+
+
+def find_class(module: ast.Module, name: str) -> ast.ClassDef | None:
+    """The module's class `name`; AmbiguousDefinition if the module binds `name` twice."""
+    found: ast.ClassDef | None = _bound_once(module, module.body, name, ast.ClassDef)
+    return found
+
+
+def find_method(cls: ast.ClassDef, name: str) -> ast.FunctionDef | None:
+    """The class's method `name`; AmbiguousDefinition if the class body binds `name` twice."""
+    found: ast.FunctionDef | None = _bound_once(cls, cls.body, name, ast.FunctionDef)
+    return found
+
+
+def find_function(module: ast.Module, name: str) -> ast.FunctionDef | None:
+    """The module's function `name`; AmbiguousDefinition if the module binds `name` twice."""
+    found: ast.FunctionDef | None = _bound_once(module, module.body, name, ast.FunctionDef)
+    return found
+
+
+def find_scope(module: ast.Module, path: str) -> ast.ClassDef | ast.FunctionDef | None:
+    """The class or function at `path` ("Class", "Class.method", "function"): each component
+    looked up with the same refusal of ambiguity as find_class / find_method."""
+    node: ast.AST = module
+    for part in path.split("."):
+        body = getattr(node, "body", None)
+        if not isinstance(body, list):
+            return None
+        node = _bound_once(node, body, part, (ast.ClassDef, ast.FunctionDef))
+        if node is None:
+            return None
+    assert isinstance(node, ast.ClassDef | ast.FunctionDef)
+    return node
+
+
+def find_def(module: ast.Module, path: str) -> ast.FunctionDef | None:
+    """The function or method at `path` ("function", "Class.method"), looked up as find_scope
+    does; None when it is absent or `path` names a class."""
+    found = find_scope(module, path)
+    return found if isinstance(found, ast.FunctionDef) else None
+
+
+def mentioned_names(node: ast.AST, *, everything: bool = False) -> set[str]:
+    """The names, attribute names and keyword-argument names a node mentions. With
+    `everything`, also parameter names, def/class names and string constants (the identifiers
+    a marker or a fork field can hide in)."""
+    found: set[str] = set()
+    for child in ast.walk(node):
+        if isinstance(child, ast.Name):
+            found.add(child.id)
+        elif isinstance(child, ast.Attribute):
+            found.add(child.attr)
+        elif isinstance(child, ast.keyword) and child.arg:
+            found.add(child.arg)
+        elif not everything:
+            continue
+        elif isinstance(child, ast.arg):
+            found.add(child.arg)
+        elif isinstance(child, ast.Constant) and isinstance(child.value, str):
+            found.add(child.value)
+        elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            found.add(child.name)
+    return found
+
+
+def module_binds(module: ast.Module, name: str) -> bool:
+    """Whether the module binds `name` at top level (an import, a def, a class or an assignment)."""
+    return bool(bindings(module.body, name))
+
+
+def stored_names(nodes: Iterable[ast.AST]) -> set[str]:
+    """The bare names assigned under `nodes` (targets, loop variables, `as` names of `with`)."""
+    return {
+        n.id
+        for node in nodes
+        for n in ast.walk(node)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+    }
+
+
+def imported_names(node: ast.AST) -> set[str]:
+    """The names the import statements anywhere under `node` bind: an alias's `as` name, else
+    the first component of the imported name (`import a.b` binds `a`)."""
+    return {
+        (alias.asname or alias.name).split(".")[0]
+        for n in ast.walk(node)
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        for alias in n.names
+    }
+
+
+def parameter_names(
+    func: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda, *, positional: bool = False
+) -> set[str]:
+    """The named parameters of `func` (positional-only, ordinary and keyword-only; not `*args`
+    or `**kwargs`). With `positional`, only those a caller can pass by position."""
+    args = func.args
+    return {
+        a.arg for a in [*args.posonlyargs, *args.args, *([] if positional else args.kwonlyargs)]
+    }
+
+
+def attribute_owner(expr: ast.AST, attr: str) -> str | None:
+    """The bare name `x` of an `x.<attr>` expression, else None."""
+    if isinstance(expr, ast.Attribute) and expr.attr == attr and isinstance(expr.value, ast.Name):
+        return expr.value.id
+    return None
+
+
+def callee_name(call: ast.Call) -> str:
+    """The name a call calls: `f` for `f(...)`, `m` for `a.b.m(...)`; "" for anything else
+    (`f()()`, `table[k](...)`)."""
+    func = call.func
+    return func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
