@@ -265,3 +265,25 @@ def test_the_terminal_renderer_prints_the_same_blocks(monkeypatch):
 
     shown = re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue())  # NO_COLOR keeps bold
     assert shown.splitlines() == plaintext.as_text(plaintext.site_lines(SITE), 60).splitlines()
+
+
+@pytest.mark.wheel
+def test_found_code_keeps_its_indentation_under_its_def(make_tree):
+    """A method found drifted is shown from its `def` at the margin, its body one level under
+    it (the file's own layout), not the body at the file's column under an unindented `def`."""
+    from k3patch import engine
+    from k3patch.registry import all_patches
+    from k3patch.tree import locate
+
+    site = make_tree("0.31.0")
+    target = site / "vllm" / "_aiter_ops.py"
+    text = target.read_text()
+    at = text.index("return", text.index("def is_mla_enabled"))
+    end = text.index("\n", at)
+    target.write_text(text[:end] + " and cls._AITER_ENABLED" + text[end:])
+    aiter = tuple(p for p in all_patches() if p.id == "aiter-mla-gfx942")
+    report = engine.scan(locate(str(site)), aiter, use_record=False)
+    (drift,) = [r for r in report.results if r.verdict.value == "drifted"]
+    lines = drift.found.splitlines()
+    assert lines[0].startswith("def is_mla_enabled(cls)"), lines
+    assert lines[1].startswith("    return cls._AITER_ENABLED and"), lines
