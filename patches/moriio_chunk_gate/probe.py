@@ -31,7 +31,7 @@ from k3patch.patch import ProbeOutcome
 from k3patch.probekit import Checks, Swap, call_accepted, source_of, stand_in
 from k3patch.shapes import match
 
-from ..moriio_group_routing.probe import CONNECTOR, drive_prefill, kv_params, stub_request
+from ..moriio_group_routing.standins import CONNECTOR, drive_prefill, kv_params, stub_request
 from .names import attribute_assignments
 
 CHUNK = 2048  # max_num_batched_tokens in K3's recipe
