@@ -1,5 +1,6 @@
 """moriio-group-routing's behaviour probe: the tree's own MoRIIO WRITE path on CPU, in the verify
-child (no GPU, no MoRIIO library, no network); moriio-chunk-gate's probe shares its stand-ins.
+child (no GPU, no MoRIIO library, no network); its stand-ins (standins.py) are
+moriio-chunk-gate's probe's too.
 
 On a fork tree it drives a request through the prefill scheduler (chunk by chunk), the decode
 scheduler's allocation and notify, the prefill node's `_handle_message`, the worker's own
@@ -14,7 +15,6 @@ checks the group split and, where the writer indexes per-group lists (0.33.0+), 
 from __future__ import annotations
 
 import ast
-import contextlib
 import importlib
 import threading
 import weakref
@@ -27,17 +27,24 @@ from k3patch.patch import ProbeOutcome
 from k3patch.probekit import Checks, Stub, Swap, stand_in
 from k3patch.shapes import find_expressions, match
 
-PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
-COMMON, CONNECTOR, ENGINE = (f"{PACKAGE}.moriio_{m}" for m in ("common", "connector", "engine"))
+from .standins import (
+    COMMON,
+    CONNECTOR,
+    ENGINE,
+    TRANSFER_ID,
+    Layout,
+    block_ids,
+    drive_prefill,
+    finish_request,
+    kv_cache_config,
+    kv_params,
+    stub_kv_caches,
+    stub_request,
+    stub_vllm_config,
+)
 
-BLOCK_SIZE = 16
-TRANSFER_ID = "tx-k3patch-probe"
 DECODE_OFFSET = 1000
 
-# (kind, layer names) per KV-cache group, in group order. K3 interleaves three KDA layers and one
-# MLA layer; vLLM groups the j-th layer of each KDA group together and backs them with one
-# tensor, so same-index KDA layers of different groups have equal geometry.
-Layout = tuple[tuple[str, tuple[str, ...]], ...]
 KIND_NAMES = {"mamba": "KDA", "mla": "MLA", "sliding": "sliding-window"}
 
 
@@ -46,6 +53,9 @@ def _layout(*groups: tuple[str, tuple[int, ...]]) -> Layout:
     return tuple((k, tuple(f"model.layers.{n}.{suffix[k]}" for n in ns)) for k, ns in groups)
 
 
+# K3 interleaves three KDA layers and one MLA layer; vLLM groups the j-th layer of each KDA group
+# together and backs them with one tensor, so same-index KDA layers of different groups have
+# equal geometry.
 K3_LAYOUT = _layout(("mamba", (0, 4)), ("mamba", (1, 5)), ("mamba", (2, 6)), ("mla", (3, 7)))
 TWO_GROUP_LAYOUT = _layout(("attention", (0, 2)), ("mamba", (1, 3)))
 # Models without a Mamba group: one attention group, or full attention and sliding window (two
@@ -291,7 +301,7 @@ def drive_write(case: Case) -> Stub:
     with Swap() as swap:
         swap.on_exit(common.set_role, common.get_role())
         # 1. Prefill scheduler: allocation at chunk 1, then build_connector_meta per chunk.
-        prefill = connector.MoRIIOConnectorScheduler(_vllm_config("kv_producer"), "prefill")
+        prefill = connector.MoRIIOConnectorScheduler(stub_vllm_config("kv_producer"), "prefill")
         request = stub_request("req-prefill", prompt, kv_params("decode"))
         steps = [(tokens, case.prefill_blocks(c)) for c, tokens in enumerate(case.chunks, 1)]
         sent = drive_prefill(prefill, [(request, steps)])
@@ -301,7 +311,7 @@ def drive_write(case: Case) -> Stub:
         meta = sent[drive.saves[0] - 1][request.request_id]
 
         # 2. Decode scheduler: its allocation makes it tell the prefill node where to write.
-        decode = connector.MoRIIOConnectorScheduler(_vllm_config("kv_consumer"), "decode")
+        decode = connector.MoRIIOConnectorScheduler(stub_vllm_config("kv_consumer"), "decode")
         notified: list[bytes] = []
         decode.paths = probekit.Always(Stub(send=notified.append))  # every notify path is open
         decode_request = stub_request("req-decode", prompt, kv_params("prefill"))
@@ -338,7 +348,7 @@ def drive_write(case: Case) -> Stub:
             return drive
 
         # 4. Prefill worker: its own layer maps, then a write task per layer.
-        config = _vllm_config("kv_producer")
+        config = stub_vllm_config("kv_producer")
         worker = stand_in(connector.MoRIIOConnectorWorker, is_producer=True, vllm_config=config)
         worker.kv_transfer_config, worker.mode = config.kv_transfer_config, common.MoRIIOMode.WRITE
         _run_worker_maps(connector, worker, config, case.layout)
@@ -348,7 +358,7 @@ def drive_write(case: Case) -> Stub:
             lambda layer, local, remote, *a, **k: (list(local), list(remote), [1] * len(local))
         )
         vars(worker).update(
-            kv_caches=_kv_caches(case.layout),
+            kv_caches=stub_kv_caches(case.layout),
             layer_name_to_local_kv_cache_metadata={name: [b""] for name in layers},
             moriio_wrapper=wrapper,
             _writer=Stub(schedule_write=tasks.append),
@@ -397,151 +407,6 @@ def _run_worker_maps(connector: Any, worker: Any, vllm_config: Any, layout: Layo
         config = kv_cache_config(layout, real=False)
     body = body[start : ends.index(True, start)]
     probekit.run_statements(init, body, worker, vllm_config, "prefill", config)
-
-
-# MoRIIO and vLLM stand-ins (moriio-chunk-gate's probe drives build_connector_meta with them)
-def _spec(kind: str, bare: bool = False) -> Any:
-    """A KV-cache spec of `kind`, bare (of the class alone) if asked or where its fields differ."""
-    specs = importlib.import_module("vllm.v1.kv_cache_interface")
-    torch = importlib.import_module("torch")
-    classes = {"mamba": specs.MambaSpec, "mla": specs.MLAAttentionSpec}
-    classes["sliding"] = specs.SlidingWindowSpec
-    cls = classes.get(kind, specs.FullAttentionSpec)
-    if kind == "mamba":
-        fields: dict[str, Any] = {"shapes": ((4,), (8,)), "dtypes": (torch.float32,) * 2}
-    else:
-        fields = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.bfloat16}
-        fields.update({"sliding_window": 4 * BLOCK_SIZE} if kind == "sliding" else {})
-    if not bare:
-        with contextlib.suppress(TypeError):  # another version's fields: only the class is read
-            return cls(block_size=BLOCK_SIZE, **fields)
-    return stand_in(cls)
-
-
-def kv_cache_config(layout: Layout, bare_specs: bool = False, real: bool = True) -> Any:
-    """`layout` as this version's own KVCacheConfig (TypeError where its fields differ); not
-    `real`: a stand-in with what the connector reads of one."""
-    specs = importlib.import_module("vllm.v1.kv_cache_interface")
-    groups = [(list(names), _spec(kind, bare_specs)) for kind, names in layout]
-    if real:
-        groups = [specs.KVCacheGroupSpec(*group) for group in groups]
-        return specs.KVCacheConfig(num_blocks=4096, kv_cache_tensors=[], kv_cache_groups=groups)
-    stubs = [Stub(layer_names=n, kv_cache_spec=s, enable_kv_transfer=True) for n, s in groups]
-    return Stub(
-        kv_cache_groups=stubs, kv_cache_tensors=[], num_blocks=4096, transfer_groups=(*stubs,)
-    )
-
-
-def _kv_caches(layout: Layout) -> dict[str, Any]:
-    """A tensor per layer; the j-th of each Mamba group share one, as vLLM backs K3's KDA groups."""
-    torch = importlib.import_module("torch")
-    kda = [torch.empty((64, 12), dtype=torch.float32) for _, names in layout for _ in names]
-    return {
-        name: kda[j] if kind == "mamba" else torch.empty((64, BLOCK_SIZE, 8), dtype=torch.bfloat16)
-        for kind, names in layout
-        for j, name in enumerate(names)
-    }
-
-
-def _vllm_config(role: str) -> Stub:
-    ports = {"handshake_port": "6301", "notify_port": "61005", "http_port": "8000"}
-    extra = {**ports, "host_ip": "127.0.0.1", "proxy_ip": "", "read_mode": "false"}
-    roles = dict(is_kv_producer=role == "kv_producer", is_kv_consumer=role == "kv_consumer")
-    parallel = dict(tensor_parallel_size=1, data_parallel_rank=0, data_parallel_size=1)
-    return Stub(
-        kv_transfer_config=Stub(kv_role=role, kv_connector_extra_config=extra, **roles),
-        cache_config=Stub(block_size=BLOCK_SIZE),
-        parallel_config=Stub(**parallel, data_parallel_size_local=1),
-    )
-
-
-def kv_params(remote: str, transfer_id: str = TRANSFER_ID) -> dict[str, Any]:
-    """kv_transfer_params: the KV goes to `remote` ("decode") or comes from it ("prefill")."""
-    side = "do_remote_decode" if remote == "decode" else "do_remote_prefill"
-    params: dict[str, Any] = {side: True, "transfer_id": transfer_id, "remote_host": "127.0.0.1"}
-    params.update(remote_handshake_port=6301, remote_notify_port=61005, remote_engine_id=remote)
-    params.update(remote_block_ids=[], remote_dp_rank=0)
-    return {**params, "remote_dp_size": 1} if remote == "decode" else params
-
-
-def stub_request(request_id: str, prompt: int, params: dict[str, Any] | None) -> Stub:
-    ids = dict(request_id=request_id, req_id=request_id, prompt_token_ids=list(range(prompt)))
-    counts = dict(num_prompt_tokens=prompt, num_computed_tokens=0, num_tokens=prompt)
-    return Stub(kv_transfer_params=params, **ids, **counts)
-
-
-def block_ids(per_group: list[list[int]]) -> Stub:
-    """KVCacheBlocks as the connector reads them."""
-    return Stub(get_block_ids=lambda *a, **k: tuple(list(g) for g in per_group))
-
-
-def finish_request(scheduler: Any, request: Any, blocks: list[int]) -> list[str]:
-    """Ends `request` as vLLM's scheduler does (request_finished, a step that names it finished,
-    the worker's ack that its KV was sent, one more step) and names the scheduler's attributes
-    that still hold its request or transfer id: per-request state left behind is a leak."""
-    request.status = importlib.import_module("vllm.v1.request").RequestStatus.FINISHED_LENGTH_CAPPED
-    scheduler.request_finished(request, list(blocks))
-    scheduler.build_connector_meta(_step_output([], finished={request.request_id}))
-    if hasattr(scheduler, "update_connector_output"):
-        ack = dict(finished_sending={request.request_id}, finished_recving=None)
-        scheduler.update_connector_output(Stub(**ack, invalid_block_ids=set()))
-    scheduler.build_connector_meta(_step_output([]))
-    ids = {request.request_id, (request.kv_transfer_params or {}).get("transfer_id")}
-    return [name for name, value in vars(scheduler).items() if _holds(value, ids)]
-
-
-def _holds(value: Any, ids: set[Any]) -> bool:
-    """Whether a mapping's keys or a collection's members name one of `ids`."""
-    if isinstance(value, dict):
-        value = value.keys()
-    elif not isinstance(value, (set, frozenset, list, tuple)):
-        return False
-    return any(isinstance(item, str) and item in ids for item in value)
-
-
-def _step_output(
-    live: list[tuple[Any, int, list[list[int]]]],
-    new: int = 0,
-    finished: set[str] | frozenset[str] = frozenset(),
-) -> Stub:
-    """A SchedulerOutput: `live` (request, tokens, blocks per group) scheduled, the first `new`
-    of them new, the others cached; `finished` the ids that ended since the last step."""
-    cached = live[new:]
-    return Stub(
-        scheduled_new_reqs=[request for request, _, _ in live[:new]],
-        # As vLLM's: computed tokens before this step (the older chunk-gate script reads them).
-        scheduled_cached_reqs=Stub(
-            req_ids=[request.request_id for request, _, _ in cached],
-            new_block_ids=[tuple(map(list, b)) if any(b) else None for _, _, b in cached],
-            num_computed_tokens=[request.num_computed_tokens for request, _, _ in cached],
-            resumed_req_ids=set(),
-            resumed_from_preemption=[False] * len(cached),
-        ),
-        num_scheduled_tokens={request.request_id: tokens for request, tokens, _ in live},
-        total_num_scheduled_tokens=sum(tokens for _, tokens, _ in live),
-        finished_req_ids=set(finished),
-        new_block_ids_to_zero=None,
-        kv_connector_block_state=None,
-    )
-
-
-def drive_prefill(
-    scheduler: Any, plans: list[tuple[Any, list[tuple[int, list[list[int]]]]]]
-) -> list[dict[str, Any]]:
-    """Each step's `reqs_to_save` from `build_connector_meta` driven as vLLM's scheduler does; per
-    step `plans` gives each request its tokens and blocks allocated per group. A request is new at
-    its first step (update_state_after_alloc first), then cached with that step's blocks (None
-    when none, as vLLM sends it); its computed tokens advance after each step."""
-    sent = []
-    for step in range(max(len(steps) for _, steps in plans)):
-        live = [(request, *steps[step]) for request, steps in plans if step < len(steps)]
-        new = len(live) if step == 0 else 0
-        for request, _, blocks in live[:new]:
-            scheduler.update_state_after_alloc(request, block_ids(blocks), 0)
-        sent.append(dict(scheduler.build_connector_meta(_step_output(live, new)).reqs_to_save))
-        for request, tokens, _ in live:
-            request.num_computed_tokens += tokens
-    return sent
 
 
 # Upstream 0.31.0+ (satisfied natively): upstream's own split and plan, with K3's groups.
