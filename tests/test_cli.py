@@ -153,9 +153,13 @@ def test_rewrite_bug_refuses_that_patch_alone(make_tree, monkeypatch):
     and with --all-or-nothing nothing at all."""
     site = make_tree("0.31.0")
     patch = next(p for p in all_patches() if p.id == "aiter-mla-gfx942")
-    monkeypatch.setattr(
-        type(patch), "rewrite", lambda self, sources, pending: {"_aiter_ops.py": "def (:\n"}
-    )
+    original = type(patch).rewrite
+
+    def rewrite(self, sources, pending, files):
+        original(self, sources, pending, files)
+        files["_aiter_ops.py"].append_definition("return 1\n")  # parses; compile() refuses it
+
+    monkeypatch.setattr(type(patch), "rewrite", rewrite)
     before = tree_hashes(site)
     result = CliRunner().invoke(app, ["apply", "--vllm", str(site), "--all-or-nothing"])
     assert result.exit_code == 2, result.output
