@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import base64
+import csv
 import os
 import re
 import sys
 from pathlib import Path
 
 from k3patch.errors import TreeError
-from k3patch.safefs import NotRegular, read_file
+from k3patch.safefs import NotRegular, file_sha256, read_file
 
 
 class VllmTree:
@@ -163,7 +165,7 @@ def locate(path: str | os.PathLike[str] | None = None) -> VllmTree:
     )
     root = os.path.dirname(package_dir)
     version, source = _read_version(root, package_dir)
-    if source.startswith("dist-info"):
+    if source.startswith("dist-info") or _SEVERAL in source:
         kind = "site-packages"
     elif os.path.isfile(os.path.join(root, "pyproject.toml")) or os.path.isfile(
         os.path.join(root, "setup.py")
@@ -191,12 +193,53 @@ def _version_assignment(text: str) -> str | None:
     return match.group(1) if match else None
 
 
-def _read_text(path: str) -> str | None:
+def _read_text(path: str, what: str) -> str | None:
+    """A small file of the tree (METADATA, RECORD, `_version.py`) through safefs: None when
+    absent or unreadable; a FIFO, device or symlink there is refused (exit 3), never opened
+    blocking or followed."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            return handle.read()
+        data = read_file(path)
+    except NotRegular as exc:
+        raise TreeError(
+            f"{path} is not a regular file ({exc.kind}); k3patch reads the vLLM {what} only from "
+            "a regular file. Remove it or reinstall vLLM",
+            usage=False,
+        ) from None
     except OSError:
         return None
+    return None if data is None else data.decode("utf-8", errors="replace")
+
+
+# Package files k3patch never writes: their hashes in an install's RECORD stay true after an
+# apply, so they tell which of several dist-infos installed the package that is there now.
+_SEVERAL = "vllm dist-infos"
+_OWNED = ("vllm/__init__.py", "vllm/envs.py", "vllm/_version.py")
+
+
+def _record_hashes(text: str) -> dict[str, str]:
+    """path -> `sha256=...` of the rows of a RECORD that name an _OWNED file."""
+    out = {}
+    for row in csv.reader(text.splitlines()):
+        if len(row) >= 2 and row[0] in _OWNED:
+            out[row[0]] = row[1]
+    return out
+
+
+def _owns(root: str, record: str | None) -> bool:
+    """The RECORD lists the package's own files with the hashes they have now: this install is
+    the one that put them there (an older dist-info left by `pip install --target --upgrade`
+    lists other bytes)."""
+    listed = _record_hashes(record or "")
+    if not listed:
+        return False
+    for rel in _OWNED:
+        digest = file_sha256(os.path.join(root, rel))
+        if digest is None:
+            continue
+        encoded = base64.urlsafe_b64encode(bytes.fromhex(digest)).rstrip(b"=").decode()
+        if listed.get(rel) != f"sha256={encoded}":
+            return False
+    return True
 
 
 def _read_version(root: str, package_dir: str) -> tuple[str | None, str]:
@@ -204,16 +247,34 @@ def _read_version(root: str, package_dir: str) -> tuple[str | None, str]:
         names = sorted(os.listdir(root))
     except OSError:
         names = []
+    found = []  # (dist-info name, version) of every vLLM dist-info beside the package
     for name in names:
         if not (name.startswith("vllm-") and name.endswith(".dist-info")):
             continue
-        text = _read_text(os.path.join(root, name, "METADATA"))
+        text = _read_text(os.path.join(root, name, "METADATA"), "METADATA")
         if text is None:
             continue
         found_name, version = _header(text, "Name"), _header(text, "Version")
         if found_name and version and found_name.lower() == "vllm":
-            return version, f"dist-info {name}"
-    text = _read_text(os.path.join(package_dir, "_version.py"))
+            found.append((name, version))
+    if len(found) == 1:
+        name, version = found[0]
+        return version, f"dist-info {name}"
+    if found:
+        # Several installs' metadata: only the one whose RECORD owns the package files is true.
+        owners = [
+            (name, version)
+            for name, version in found
+            if _owns(root, _read_text(os.path.join(root, name, "RECORD"), "RECORD"))
+        ]
+        if len(owners) == 1:
+            name, version = owners[0]
+            return version, f"dist-info {name} (its RECORD matches the package files)"
+        return None, (
+            f"unknown ({len(found)} {_SEVERAL} beside the package, "
+            f"{'none' if not owners else len(owners)} of whose RECORD matches its files)"
+        )
+    text = _read_text(os.path.join(package_dir, "_version.py"), "_version.py")
     if text is not None:
         version = _version_assignment(text)
         if version:
