@@ -9,7 +9,7 @@ import signal
 import pytest
 from crash_campaign import campaign
 
-pytestmark = pytest.mark.wheel
+pytestmark = [pytest.mark.wheel, pytest.mark.slow]
 
 
 @pytest.fixture

@@ -268,6 +268,7 @@ def context_with(wheel_dist: Path, where: Path, checkout: Path | None = None) ->
     return context
 
 
+@pytest.mark.slow
 @pytest.mark.verify
 def test_installed_dockerfile_builds_from_the_wheel(make_tree, wheel_dist, tmp_path):
     image = tmp_path / "image"
@@ -281,6 +282,7 @@ def test_installed_dockerfile_builds_from_the_wheel(make_tree, wheel_dist, tmp_p
     assert (image / "root" / "usr/local/bin/entrypoint.sh").is_file()
 
 
+@pytest.mark.slow
 def test_installed_dockerfile_fails_on_drift(make_tree, wheel_dist, tmp_path):
     image = tmp_path / "image"
     site = image_python(image, vllm_deps=False)
@@ -300,6 +302,7 @@ def source_checkout(site: Path, where: Path) -> Path:
     return checkout
 
 
+@pytest.mark.slow
 def test_source_dockerfile_builds_from_the_wheel(make_tree, wheel_dist, tmp_path):
     checkout = source_checkout(make_tree("0.31.0"), tmp_path)
     image = tmp_path / "image"
@@ -312,6 +315,7 @@ def test_source_dockerfile_builds_from_the_wheel(make_tree, wheel_dist, tmp_path
     assert "aiter-mla-gfx942       applied" in steps[-1][2]
 
 
+@pytest.mark.slow
 def test_source_dockerfile_fails_on_drift(make_tree, wheel_dist, tmp_path):
     checkout = source_checkout(make_tree("0.31.0"), tmp_path)
     original = checkout / "vllm" / "_aiter_ops.py"

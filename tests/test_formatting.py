@@ -244,6 +244,7 @@ _NEVER = {
 }
 
 
+@pytest.mark.slow
 @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_mutated_real_sites_never_read_as_a_better_state(mutable_sites, data):

@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 @pytest.mark.verify
 def test_benchmark_cpu_part_runs(tmp_path, verify_python):
     out = tmp_path / "kda.json"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
 
 
 def ruff() -> str:
@@ -22,8 +23,9 @@ def ruff() -> str:
 
 @pytest.mark.parametrize("args", [["check"], ["format", "--check"]])
 def test_ruff(args):
-    proc = subprocess.run([ruff(), *args, "k3patch", "patches"], cwd=ROOT, capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [ruff(), *args, "k3patch", "patches"], cwd=ROOT, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -40,6 +42,5 @@ def mypy() -> str:
 def test_mypy():
     # Settings come from [tool.mypy] in pyproject.toml; the paths are named so that a stale
     # `files` there cannot shrink what is checked.
-    proc = subprocess.run([mypy(), "k3patch", "patches"], cwd=ROOT, capture_output=True,
-                          text=True)
+    proc = subprocess.run([mypy(), "k3patch", "patches"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr

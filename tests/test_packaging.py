@@ -9,6 +9,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,6 +31,7 @@ def test_every_patch_folder_is_a_listed_package():
     assert {"k3patch", "k3patch.patches"} <= listed()
 
 
+@pytest.mark.slow
 def test_the_wheel_holds_every_module(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", str(ROOT), "-w", tmp_path],
