@@ -275,3 +275,31 @@ def assert_untouched(patch_id: str, files: dict[str, str]) -> dict[str, object]:
     found = classify_files(patch_id, files)
     assert summarise(r.verdict for r in found.values()) is not Verdict.PENDING, found
     return found
+
+
+@pytest.fixture(scope="session")
+def verified_fork(tmp_path_factory, verify_python) -> Callable[[str], dict]:
+    """verified_fork("a") -> what `apply` then `verify --json` (every patch) said on a full copy
+    of fork tree "a", run once per session and shared by the tests that read it (a verify child
+    imports torch and vLLM: seconds each). Keys: apply_rc, verify_rc, verify (the JSON's
+    `verify` object), patches (its patches by id)."""
+    done: dict[str, dict] = {}
+
+    def verified(name: str) -> dict:
+        if name not in done:
+            site = _copier(tmp_path_factory.mktemp(f"verified-{name}"), "fork", built_fork_tree)(
+                name, full=True
+            )
+            applied = run_cli("apply", "--vllm", str(site))
+            proc = run_cli("verify", "--vllm", str(site), "--python", verify_python, "--json")
+            data = json.loads(proc.stdout)["verify"] if proc.stdout else {}
+            done[name] = {
+                "apply_rc": applied.returncode,
+                "verify_rc": proc.returncode,
+                "verify": data,
+                "patches": {p["id"]: p for p in data.get("patches", [])},
+                "output": proc.stdout[-3000:] + proc.stderr[-2000:],
+            }
+        return done[name]
+
+    return verified

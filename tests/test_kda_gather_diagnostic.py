@@ -610,11 +610,16 @@ def verify_json(tree: Path, python: str) -> dict:
 @pytest.mark.wheel
 @pytest.mark.verify
 @pytest.mark.parametrize("spec", ["fork:b", "fork:a", "fixture:kda-inlined-caller"])
-def test_verify_passes_once_applied(tree_of, fork_tree, verify_python, spec):
+def test_verify_passes_once_applied(tree_of, verified_fork, verify_python, spec):
     kind, name = spec.split(":")
-    tree = fork_tree(name, full=True) if kind == "fork" else tree_of(spec)
-    assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 0
-    check = verify_json(tree, verify_python)
+    if kind == "fork":  # every patch applied and verified once per session (conftest)
+        found = verified_fork(name)
+        assert found["apply_rc"] == 0, found["output"]
+        check = found["patches"][PATCH]
+    else:
+        tree = tree_of(spec)
+        assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 0
+        check = verify_json(tree, verify_python)
     assert check["modules"][0]["status"] == "ok"
     probe = check["probe"]
     assert probe["ok"] is True, probe
@@ -631,8 +636,9 @@ def test_verify_passes_once_applied(tree_of, fork_tree, verify_python, spec):
 
 @pytest.mark.wheel
 @pytest.mark.verify
-def test_verify_passes_on_the_older_fix(fork_tree, verify_python):
-    assert verify_json(fork_tree("d", full=True), verify_python)["probe"]["ok"] is True
+def test_verify_passes_on_the_older_fix(verified_fork):
+    check = verified_fork("d")["patches"][PATCH]
+    assert check["verdict"] == "satisfied" and check["probe"]["ok"] is True, check
 
 
 @pytest.mark.wheel

@@ -129,13 +129,10 @@ def test_entrypoint_warn_mode_starts_vllm_with_the_safe_fixes(fork_tree, tmp_pat
 @pytest.mark.wheel
 @pytest.mark.verify
 @pytest.mark.parametrize("name", ["a", "b", "c", "d"])
-def test_verify_runs_every_probe_on_each_applied_real_tree(fork_tree, verify_python, name):
-    site = fork_tree(name, full=True)
-    assert run_cli("apply", "--vllm", str(site)).returncode == 0
-    proc = run_cli("verify", "--vllm", str(site), "--python", verify_python, "--json")
-    data = json.loads(proc.stdout)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    checked = {p["id"]: p for p in data["verify"]["patches"]}
+def test_verify_runs_every_probe_on_each_applied_real_tree(verified_fork, name):
+    found = verified_fork(name)
+    assert found["apply_rc"] == 0 and found["verify_rc"] == 0, found["output"]
+    checked = found["patches"]
     assert set(checked) == {AITER, KDA, GATE, ROUTING}
     for pid, patch in checked.items():
         assert patch["verdict"] in ("applied", "satisfied"), (name, pid, patch["verdict"])
