@@ -19,7 +19,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from k3patch.errors import ConcurrentChange
+from k3patch.errors import ConcurrentChange, EnvironmentProblem
 from k3patch.safefs import (
     NotRegular,
     env_error,
@@ -28,6 +28,7 @@ from k3patch.safefs import (
     open_dir_if_there,
     open_regular,
     read_fd,
+    shared_mode,
 )
 
 TMP_MARK = ".k3patch-tmp."
@@ -59,9 +60,30 @@ def _new_temp(dfd: int, name: str) -> tuple[str, int]:
     raise FileExistsError(errno.EEXIST, "no free temp name", name)
 
 
+def _keep_owner(fd: int, like: os.stat_result, name: str) -> None:
+    """Give the temp file `fd` the owner and group of `like`, changing only what differs (the
+    owner of a file whose group they are not in, in a setgid directory, has nothing to change
+    and must not be refused a chown it does not need)."""
+    have = os.fstat(fd)
+    uid = like.st_uid if like.st_uid != have.st_uid else -1
+    gid = like.st_gid if like.st_gid != have.st_gid else -1
+    if uid == gid == -1:
+        return
+    try:
+        os.fchown(fd, uid, gid)
+    except PermissionError:
+        who = f"uid {os.geteuid()} (groups {', '.join(map(str, os.getgroups()))})"
+        raise EnvironmentProblem(
+            f"cannot keep the owner and group {like.st_uid}:{like.st_gid} of {name}: {who} "
+            f"may not give a file {'owner ' + str(uid) if uid != -1 else 'group ' + str(gid)}"
+            f"{' (not one of its groups)' if uid == -1 else ''}. Run as root or as a member of "
+            "that group, or make the directory setgid to that group"
+        ) from None
+
+
 def write_temp(dfd: int, name: str, data: bytes, like_fd: int | None) -> str:
     """A new temp file beside `name` in `dfd` holding `data`, fsynced, with the owner, mode and
-    xattrs of `like_fd` (or 0644 less the umask); returns its name."""
+    xattrs of `like_fd` (or the directory's read bits, see shared_mode); returns its name."""
     tmp, fd = _new_temp(dfd, name)
     try:
         view = memoryview(data)
@@ -70,14 +92,12 @@ def write_temp(dfd: int, name: str, data: bytes, like_fd: int | None) -> str:
         if like_fd is not None:
             like = os.fstat(like_fd)
             # Owner first: chown clears setuid/setgid, so the mode goes on after it.
-            if (like.st_uid, like.st_gid) != (os.getuid(), os.getgid()):
-                os.fchown(fd, like.st_uid, like.st_gid)
+            _keep_owner(fd, like, name)
             os.fchmod(fd, stat.S_IMODE(like.st_mode))
             _copy_xattrs(like_fd, fd)
         else:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.fchmod(fd, 0o644 & ~umask)
+            # A new file is readable by whoever can read its directory, whatever the umask.
+            os.fchmod(fd, shared_mode(dfd, 0o644))
         os.fsync(fd)
     except BaseException:
         os.close(fd)

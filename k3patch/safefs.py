@@ -127,6 +127,12 @@ def read_regular(
         raise env_error(f"read the {what}", shown, exc) from None
 
 
+def shared_mode(dir_fd: int, most: int) -> int:
+    """The mode of a file (`most` 0o644) or directory (0o755) k3patch makes in the directory
+    `dir_fd`: that directory's permission bits, writable by the owner only."""
+    return stat.S_IMODE(os.fstat(dir_fd).st_mode) & most | (most & 0o600)
+
+
 def _open_dir(root: Path | str, rel_dir: str, create: bool) -> int:
     """`root/rel_dir`, every component opened without following a symlink; OSError as raised,
     with the path it was raised for as `filename`."""
@@ -139,12 +145,19 @@ def _open_dir(root: Path | str, rel_dir: str, create: bool) -> int:
     for part in [p for p in rel_dir.split("/") if p]:
         path = path / part
         try:
+            made = False
             if create:
                 try:
-                    os.mkdir(part, 0o755, dir_fd=fd)
+                    os.mkdir(part, 0o700, dir_fd=fd)
+                    made = True
                 except FileExistsError:
                     pass
             nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
+            if made:
+                # Whoever can read the tree reads k3patch's state too: the parent's read and
+                # search bits, never the umask of the run that made it (a `umask 077` apply
+                # must not hide the record from the users who run vLLM).
+                os.fchmod(nxt, shared_mode(fd, 0o755))
         except OSError as exc:
             exc.filename = str(path)
             raise
