@@ -247,6 +247,8 @@ def status(
         # A journal of a live run is not an interrupted one: wait for that run, then look.
         report = engine.scan(tree, select(only, skip), wait_for_live=engine.DEFAULT_LOCK_TIMEOUT)
         code = int(exitcodes.for_status(report))
+        if report.state_problem:
+            render.error_line(report.state_problem)
         changes = None
         if diff:
             from k3patch.changes import recorded_diff

@@ -30,7 +30,6 @@ from k3patch.state import (
     StateRecord,
     fresh,
     load,
-    load_or_none,
 )
 from k3patch.transaction import FaultHook, FileEdit, Transaction, sha256
 from k3patch.tree import VllmTree
@@ -49,6 +48,10 @@ class Report:
     hashes: dict[str, str | None]  # every target file read -> sha256 (None: absent)
     from_record: bool = False
     interrupted: str | None = None  # an interrupted commit's journal is present
+    # Why k3patch's own state cannot be read here (`.k3patch` a file or a link, the record or
+    # journal not a regular file or unreadable by this user): the verdicts still come from the
+    # code, but apply could not run, and status says so (exit 3).
+    state_problem: str | None = None
     # The files as read for this report, parsed trees cached: plan() reuses them.
     sources: Sources | None = field(default=None, repr=False, compare=False)
 
@@ -63,7 +66,8 @@ class Report:
             self.hashes,
             self.from_record,
             self.interrupted,
-            self.sources,
+            state_problem=self.state_problem,
+            sources=self.sources,
         )
 
     def for_patch(self, patch_id: str) -> list[SiteResult]:
@@ -99,7 +103,7 @@ class Report:
         return self.tree.info
 
     def to_json(self) -> dict[str, Any]:
-        return formats.report_json(
+        payload = formats.report_json(
             self.vllm_info,
             self.digest,
             self.from_record,
@@ -107,6 +111,9 @@ class Report:
             patch_meta(self.patches),
             [r.to_json() for r in self.results],
         )
+        if self.state_problem:
+            payload["error"] = self.state_problem
+        return payload
 
 
 def patch_meta(patches: Iterable[Patch]) -> list[dict[str, str]]:
@@ -215,20 +222,41 @@ def scan(
     sources = Sources(tree.read, tree.version)
     files = target_files(all_patches())
     hashes = _hashes(sources, files)
-    interrupted = _interrupted(tree, wait_for_live)
-    if use_record and interrupted is None and not os.environ.get("K3PATCH_NO_FASTPATH"):
-        record = load_or_none(tree.state_dir)
-        if record is not None and fresh(record, hashes):
-            wanted = {p.id for p in patches}
-            results = [r for r in record.results if r.patch_id in wanted]
-            return Report(tree, patches, results, hashes, from_record=True)
+    interrupted, problem = _interrupted(tree, wait_for_live)
+    record = None
+    try:
+        record = load(tree.state_dir)
+    except RecordProblem:
+        pass  # damaged or of another schema: a cache only; apply and revert say so
+    except EnvironmentProblem as exc:
+        problem = problem or str(exc)
+    if (
+        use_record
+        and interrupted is None
+        and problem is None
+        and not os.environ.get("K3PATCH_NO_FASTPATH")
+        and record is not None
+        and fresh(record, hashes)
+    ):
+        wanted = {p.id for p in patches}
+        results = [r for r in record.results if r.patch_id in wanted]
+        return Report(tree, patches, results, hashes, from_record=True)
     results = [r for patch in patches for r in _classify(patch, sources)]
-    return Report(tree, patches, results, hashes, interrupted=interrupted, sources=sources)
+    return Report(
+        tree,
+        patches,
+        results,
+        hashes,
+        interrupted=interrupted,
+        sources=sources,
+        state_problem=problem,
+    )
 
 
-def _interrupted(tree: VllmTree, wait: float) -> str | None:
-    """The op of an interrupted commit's journal, or None. A journal that a live run holding
-    the lock is writing right now is not an interrupted one: wait for that run to finish."""
+def _interrupted(tree: VllmTree, wait: float) -> tuple[str | None, str | None]:
+    """The op of an interrupted commit's journal (or None), and why no journal could be read
+    (or None). A journal that a live run holding the lock is writing right now is not an
+    interrupted one: wait for that run to finish."""
     from k3patch import lock
 
     txn = Transaction(tree.package_dir)
@@ -237,10 +265,10 @@ def _interrupted(tree: VllmTree, wait: float) -> str | None:
         if journal is not None and wait > 0 and lock.wait_if_busy(tree.package, wait):
             journal = txn.pending_journal()
     except RecordProblem:
-        return "unknown (damaged journal)"
-    except EnvironmentProblem:
-        return None  # no journal can be read there; apply and revert report why
-    return str(journal["op"]) if journal else None
+        return "unknown (damaged journal)", None
+    except EnvironmentProblem as exc:
+        return None, str(exc)  # apply and revert stop on it; status names it
+    return (str(journal["op"]) if journal else None), None
 
 
 def _carried_files(record: StateRecord | None, report: Report) -> dict[str, FileState]:
@@ -447,6 +475,8 @@ def apply(
     patches = all_patches() if patches is None else patches
     # Every patch is classified (the record covers them all); the outcome speaks of `patches`.
     first = scan(tree, all_patches())
+    if first.state_problem:
+        raise EnvironmentProblem(first.state_problem)  # the record it must keep is unreadable
     report = first.selected(patches)
     refused = _drifted_patches(report)
     if refused and all_or_nothing:
@@ -509,8 +539,7 @@ def apply(
         after_hashes = dict(full.hashes)
         for rel, text in the_plan.new_texts.items():
             after_hashes[rel] = sha256(sources[rel].encode(text))
-        unselected = [r for r in full.results if r.patch_id not in {p.id for p in patches}]
-        record = _record(tree, the_plan.after_results + unselected, after_hashes, files)
+        record = _record(tree, _recorded_results(full, the_plan, sources), after_hashes, files)
         edits.append(FileEdit(STATE_REL, _state_bytes(tree), record.to_bytes()))
         try:
             pycache = txn.commit(edits, "apply")
@@ -529,6 +558,25 @@ def apply(
             pycache=pycache,
             bugs=the_plan.bugs,
         )
+
+
+def _recorded_results(full: Report, the_plan: Plan, sources: Sources) -> list[SiteResult]:
+    """Every patch's results for the record, as the written files now read: the selected
+    patches' from the plan; a patch left out (`--only`/`--skip`) keeps its results only when
+    none of its files changed, else it is classified again over the new texts (a rewrite of a
+    shared file moves its sites' lines, may change its verdict), so that the no-op path answers
+    what the full path would."""
+    planned = {r.patch_id for r in the_plan.after_results} | {p.id for p in the_plan.before.patches}
+    after = sources.with_changes(the_plan.new_texts)
+    out: list[SiteResult] = []
+    for patch in all_patches():
+        if patch.id in planned:
+            out += [r for r in the_plan.after_results if r.patch_id == patch.id]
+        elif set(patch.files) & set(the_plan.new_texts):
+            out += _classify(patch, after)
+        else:
+            out += full.for_patch(patch.id)
+    return out
 
 
 def _drifted_patches(report: Report) -> list[str]:

@@ -190,6 +190,8 @@ def code_for_verdicts(verdicts: Iterable[str], *, interrupted: bool) -> int:
 
 
 def for_status(report: Report) -> int:
+    if report.state_problem:  # k3patch's own state unreadable: apply could not run here
+        return _decide(ExitCode.ENVIRONMENT)
     verdicts = [r.verdict.value for r in report.results]
     return _decide(code_for_verdicts(verdicts, interrupted=report.interrupted is not None))
 

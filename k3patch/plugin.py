@@ -9,7 +9,8 @@ before serving.
 
 K3PATCH_PREFLIGHT=off | warn (default) | fail. `fail` raises, which stops vLLM.
 
-Whatever is on disk (a damaged record, an unreadable target, a FIFO where a module should be),
+Whatever is on disk (a damaged record, an unreadable target, a FIFO where a module should be,
+a record this user may not read: each named as what it is, never as "never applied"),
 `off` and `warn` never raise and never block: vLLM's plugin loader does not catch, so an error
 here would stop every vLLM process. Every check is bounded (regular files only, opened
 non-blocking) and any unexpected failure becomes one warning; `fail` raises one PreflightError.
@@ -40,19 +41,9 @@ def preflight_problem(package_dir: str) -> str | None:
     except TreeError as exc:
         return str(exc)
     pkg = tree.package
-    if not os.path.exists(os.path.join(tree.state, state.STATE_FILE)):
-        # apply records nothing when a site drifted, so "run apply" would send the operator in
-        # a circle: status says which it is.
-        return (
-            f"no k3patch state record in {pkg}: the fixes were never applied here, or a site "
-            "drifted; run `k3patch status` to see which"
-        )
-    record = state.fresh_record(pkg)
+    record, kind, why = state.check_record(pkg)
     if record is None:
-        return (
-            f"the vLLM files in {pkg} differ from what k3patch recorded (or k3patch changed); "
-            "run `k3patch status` to see which"
-        )
+        return _why_not(pkg, kind, why)
     results = [r.to_json() for r in record.results]
     bad = [
         formats.quiet_line(p["id"], results)
@@ -69,6 +60,29 @@ def preflight_problem(package_dir: str) -> str | None:
         if loaded and os.path.realpath(loaded) != os.path.realpath(os.path.join(pkg, rel)):
             return f"{name} was imported from {loaded}, not from the checked tree {pkg}"
     return None
+
+
+def _why_not(pkg: str, kind: str, why: str) -> str:
+    """The one line for a tree whose record does not vouch for it (state.check_record's kind)."""
+    see = "run `k3patch status` to see which"
+    if kind == "absent":
+        # apply records nothing when a site drifted, so "run apply" would send the operator in
+        # a circle: status says which it is.
+        return (
+            f"no k3patch state record in {pkg}: the fixes were never applied here, or a site "
+            f"drifted; {see}"
+        )
+    if kind == "stale":
+        return (
+            f"the vLLM files in {pkg} differ from what k3patch recorded (or k3patch changed); {see}"
+        )
+    if kind == "damaged":  # never "the files differ": the files may be fine, the record is not
+        return f"record damaged: {why}"
+    if kind == "other schema":
+        return f"record of another schema: {why}"
+    if kind == "unreadable":
+        return f"the k3patch state in {pkg} cannot be read by this process: {why}"
+    return f"{why} in {pkg}; {see}"
 
 
 def preflight() -> None:

@@ -259,18 +259,44 @@ def fresh_record(package_dir: str) -> StateRecord | None:
     """The no-op path's (and the plugin's) question: the record of the tree at `package_dir`
     when it is fresh and no commit is in progress or interrupted; None on any doubt (the full
     path then looks at the code itself). Every target is hashed with the one no-follow reader."""
+    return check_record(package_dir)[0]
+
+
+def check_record(package_dir: str) -> tuple[StateRecord | None, str, str]:
+    """fresh_record's answer with its reason: (the fresh record, "fresh", "") or (None, kind,
+    why), kind one of "journal" (a commit in progress or interrupted), "absent", "damaged",
+    "other schema", "unreadable" (not a regular file, or this user may not read it: never
+    "absent"), "target unreadable", "stale" (a target's hash, the k3patch or the patch code
+    differs)."""
     state_dir = Path(package_dir) / ".k3patch"
     try:
-        if journal_bytes(Path(package_dir)) is not None:
-            return None
+        journal = journal_bytes(Path(package_dir))
+    except EnvironmentProblem as exc:
+        return None, "unreadable", str(exc)
+    if journal is not None:
+        return None, "journal", f"a k3patch journal is in {state_dir} (a run in progress or killed)"
+    try:
         record = load(state_dir, registered_targets(), Path(package_dir))
+    except RecordOtherSchema as exc:
+        return None, "other schema", str(exc)
+    except RecordDamaged as exc:
+        return None, "damaged", str(exc)
+    except EnvironmentProblem as exc:
+        return None, "unreadable", str(exc)
+    if record is None:
+        return None, "absent", f"no state record in {state_dir}"
+    try:
         hashes = {
             rel: safefs.file_sha256(os.path.join(package_dir, rel))
             for rel in sorted(registered_targets())
         }
-    except (EnvironmentProblem, OSError, safefs.NotRegular):
-        return None
-    return record if fresh(record, hashes) else None
+    except safefs.NotRegular as exc:
+        return None, "target unreadable", f"a target file is not a regular file ({exc.kind})"
+    except OSError as exc:
+        return None, "target unreadable", f"cannot read a target: {exc.strerror or exc}"
+    if not fresh(record, hashes):
+        return None, "stale", "the files differ from the record"
+    return record, "fresh", ""
 
 
 # ------------------------------------------------------------------------------------------
