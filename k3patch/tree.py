@@ -233,7 +233,16 @@ def _owns(root: str, record: str | None) -> bool:
     if not listed:
         return False
     for rel in _OWNED:
-        digest = file_sha256(os.path.join(root, rel))
+        try:
+            digest = file_sha256(os.path.join(root, rel))
+        except NotRegular as exc:
+            raise TreeError(
+                f"{os.path.join(root, rel)} is not a regular file ({exc.kind}); expected a "
+                "Python file. Reinstall vLLM",
+                usage=False,
+            ) from None
+        except OSError:
+            return False
         if digest is None:
             continue
         encoded = base64.urlsafe_b64encode(bytes.fromhex(digest)).rstrip(b"=").decode()
