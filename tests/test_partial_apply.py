@@ -88,3 +88,44 @@ def test_check_mode_names_the_refused_patch_and_what_would_apply(make_tree):
     assert "aiter-mla-gfx942 (drifted)" in proc.stdout
     assert "would apply: moriio-chunk-gate" in proc.stdout
     assert tree_hashes(site) == before
+
+
+@pytest.mark.wheel
+@pytest.mark.parametrize(
+    "select", [["--only", "moriio-chunk-gate"], ["--skip", "moriio-group-routing"]]
+)
+def test_a_partial_apply_records_what_the_full_path_reads(fork_tree, select):
+    """After `apply --only X`, a left-out patch whose file X rewrote (on fork tree a,
+    moriio-group-routing's pending sites in moriio_connector.py, below the chunk gate's) has
+    moved: the record must hold its sites as they read now, so the no-op path's answers, line
+    numbers included, are the full path's (issue 21 item 10)."""
+    from k3patch import engine
+    from k3patch.registry import select as chosen
+    from k3patch.tree import locate
+
+    site = fork_tree("a")
+    before = engine.scan(locate(site), use_record=False)
+    outcome = engine.apply(
+        locate(site),
+        chosen(
+            select[1::2] if select[0] == "--only" else None,
+            select[1::2] if select[0] == "--skip" else None,
+        ),
+    )
+    assert f"{CONNECTOR}" in outcome.written
+    recorded = engine.scan(locate(site))
+    fresh = engine.scan(locate(site), use_record=False)
+    assert recorded.from_record and not fresh.from_record
+    assert [r.to_json() for r in recorded.results] == [r.to_json() for r in fresh.results]
+    # The left-out patch's sites did move: the old lines would have been wrong.
+    moved = {(r.site, r.line) for r in before.for_patch("moriio-group-routing")}
+    assert moved != {(r.site, r.line) for r in fresh.for_patch("moriio-group-routing")}
+    # And the CLI's no-op path prints what the full path prints.
+    for args in (["status", "--json", "--sites"], ["status", "--sites"]):
+        fast = run_cli(*args, "--vllm", str(site))
+        full = run_cli(*args, "--vllm", str(site), env={"K3PATCH_NO_FASTPATH": "1"})
+        assert fast.returncode == full.returncode
+        unmark = lambda text: text.replace('"from_record": true', '"from_record": false').replace(  # noqa: E731
+            "  (from the state record)", ""
+        )
+        assert unmark(fast.stdout) == unmark(full.stdout), args
