@@ -750,3 +750,47 @@ def test_pycache_symlink_is_refused_before_any_write(make_tree, tmp_path):
     with pytest.raises(EnvironmentProblem):
         engine.apply(locate(site))
     assert sources(site) == before and list(elsewhere.iterdir()) == []
+
+
+# -- issue 21: the plugin names a damaged record, and never blocks on a FIFO ------------------
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda text: text[:200],
+        lambda text: json.dumps({**json.loads(text), "scan": []}),
+        lambda text: json.dumps({**json.loads(text), "files": {"../../etc/passwd": {}}}),
+    ],
+    ids=["truncated", "mistyped-scan", "path-out-of-the-tree"],
+)
+def test_21_the_plugin_says_record_damaged_not_that_the_files_differ(make_tree, damage):
+    site = make_tree("0.31.0")
+    engine.apply(locate(site))
+    path = site / "vllm/.k3patch" / STATE_FILE
+    path.write_text(damage(path.read_text()))
+    problem = plugin.preflight_problem(str(site / "vllm"))
+    assert problem is not None and problem.startswith("record damaged:"), problem
+    assert "differ" not in problem and "never applied" not in problem
+
+
+@pytest.mark.parametrize("where", ["vllm-0.31.0.dist-info/METADATA", f"vllm/.k3patch/{STATE_FILE}"])
+def test_21_the_plugin_never_blocks_on_a_fifo(make_tree, monkeypatch, where):
+    """In a thread joined with a timeout: a blocking open would hang vLLM's start."""
+    import threading
+
+    site = make_tree("0.31.0")
+    engine.apply(locate(site))
+    fifo = site / where
+    fifo.unlink()
+    os.mkfifo(fifo)
+    monkeypatch.setitem(sys.modules, "vllm", FakeVllm(site))
+    monkeypatch.setenv(plugin.ENV, "warn")
+    thread = threading.Thread(target=plugin.preflight, daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # frees the blocked thread
+        thread.join(5)
+        pytest.fail(f"the plugin blocked on a FIFO at {where}")
+    assert "regular" in (plugin.preflight_problem(str(site / "vllm")) or "")

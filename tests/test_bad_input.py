@@ -198,3 +198,27 @@ def test_permission_denied_as_another_user(make_tree):
         assert code == 1 and "aiter-mla-gfx942: pending" in stdout
     finally:
         shutil.rmtree(shared)
+
+
+@ROOT_ONLY
+@pytest.mark.parametrize("hidden", ["state.json", ".k3patch"])
+def test_a_record_another_user_cannot_read_is_named_by_status(make_tree, hidden):
+    """A record left 0600 (an apply under `umask 077` by an older k3patch): `status` as another
+    user gives the verdicts from the code, names that it cannot read the record, and exits 3,
+    never a silent "no record" (issue 21 items 5, 11)."""
+    shared = Path(tempfile.mkdtemp(prefix="k3patch-perm-", dir="/tmp"))
+    try:
+        os.chmod(shared, 0o755)
+        site = shared / "site"
+        shutil.copytree(make_tree("0.31.0"), site)
+        for path in [site, *site.rglob("*")]:
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        assert run_cli("apply", "--vllm", str(site)).returncode == 0
+        state_dir = site / "vllm" / ".k3patch"
+        os.chmod(state_dir / hidden if hidden == "state.json" else state_dir, 0o600)
+        code, stdout, stderr = run_as_nobody(["status", "--quiet", "--vllm", str(site)])
+        assert code == 3, (stdout, stderr)
+        assert "aiter-mla-gfx942: applied" in stdout
+        assert len(stderr.splitlines()) == 1 and "permission denied" in stderr, stderr
+    finally:
+        shutil.rmtree(shared)

@@ -162,3 +162,51 @@ def test_fast_path_declines_journals(make_tree):
     run_cli("apply", "--vllm", str(site), env={"K3PATCH_TEST_CRASH_AT": "pycache-synced"})
     assert (site / "vllm" / ".k3patch" / "journal.json").exists()
     assert fast("status", "--vllm", str(site))[0] is None
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["apply", "--lock-timeout", "-1"],
+        ["apply", "--lock-timeout", "nan"],
+        ["apply", "--lock-timeout", "abc"],
+        ["apply", "--lock-timeout=inf"],
+        ["apply", "--lock-timeout", "1e999"],
+        ["apply", "--lock-timeout="],
+        ["apply", "--json", "--lock-timeout", "-0.5"],
+        ["status", "--lock-timeout", "5"],  # an option status does not have
+        ["status", "--check"],
+        ["status", "--all-or-nothing"],
+        ["apply", "--digest"],
+        ["apply", "--quiet", "--only"],
+        ["status", "--only", "no-such-patch"],
+    ],
+)
+def test_options_mean_the_same_on_the_no_op_path(make_tree, args):
+    """Issue 21 item 8: on a tree the no-op path could answer, every option is validated
+    exactly as the full path validates it (or handed over): the same exit code, usage errors
+    2, the same stdout."""
+    site = make_tree("0.31.0")
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    both = run_cli(*args, "--vllm", str(site))
+    reference = full(*args, "--vllm", str(site))
+    assert both.returncode == reference.returncode == 2, (both.stdout, both.stderr)
+    assert both.stdout == reference.stdout
+    assert len(both.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "value", ["0", "5", "7.5", " 5", "1_0", "0x10", "1e2"], ids=lambda v: repr(v)
+)
+def test_a_lock_timeout_is_read_as_click_reads_it(make_tree, value):
+    """What click's FLOAT takes the no-op path takes (and the same code comes out); what it
+    refuses is handed over."""
+    site = make_tree("0.31.0")
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    args = ["apply", "--quiet", "--lock-timeout", value, "--vllm", str(site)]
+    code, _, _ = fast(*args)
+    reference = full(*args)
+    if code is None:
+        assert reference.returncode == 2 or run_cli(*args).returncode == reference.returncode
+    else:
+        assert code == reference.returncode

@@ -44,7 +44,9 @@ def start_vllm(python: str, site: Path, k3patch_target: Path, mode: str | None):
     env.pop(ENV_NAME, None)
     if mode is not None:
         env[ENV_NAME] = mode
-    return subprocess.run([python, "-c", LOAD], env=env, capture_output=True, text=True, cwd=site)
+    return subprocess.run(
+        [python, "-c", LOAD], env=env, capture_output=True, text=True, cwd=site, timeout=600
+    )
 
 
 ENV_NAME = "K3PATCH_PREFLIGHT"
@@ -88,3 +90,23 @@ def test_file_changed_after_apply_is_caught(make_tree, verify_python, k3patch_ta
     proc = start_vllm(verify_python, site, k3patch_target, "fail")
     assert proc.returncode != 0
     assert "differ from what k3patch recorded" in proc.stderr
+
+
+def test_a_damaged_record_is_named_so_and_a_fifo_record_never_blocks(
+    make_tree, verify_python, k3patch_target
+):
+    """Issue 21: a damaged record is 'record damaged' (not 'the vLLM files differ'); a FIFO
+    where the record should be is named, and vLLM still starts in warn mode, never blocked."""
+    site = make_tree("0.31.0", full=True)
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    record = site / "vllm" / ".k3patch" / "state.json"
+    record.write_text(record.read_text()[:200])
+    proc = start_vllm(verify_python, site, k3patch_target, "warn")
+    assert proc.returncode == 0 and "SERVING" in proc.stdout, proc.stderr[-2000:]
+    assert "k3patch preflight: record damaged:" in proc.stderr
+    assert "differ from what k3patch recorded" not in proc.stderr
+    record.unlink()
+    os.mkfifo(record)
+    proc = start_vllm(verify_python, site, k3patch_target, "warn")  # timeout: see start_vllm
+    assert proc.returncode == 0 and "SERVING" in proc.stdout, proc.stderr[-2000:]
+    assert "cannot be read by this process" in proc.stderr and "regular" in proc.stderr
