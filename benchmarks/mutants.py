@@ -61,7 +61,7 @@ AITER, CHUNK, ROUTING, KDA = (
 # The declaration files, relative to patches/.
 AITER_DECL = "aiter_mla_gfx942/__init__.py"
 CHUNK_DECL = "moriio_chunk_gate/__init__.py"
-CHUNK_GATES = "moriio_chunk_gate/gates.py"
+CHUNK_LEGACY = "moriio_chunk_gate/legacy.py"
 ROUTING_FORMS = "moriio_group_routing/forms.py"
 ROUTING_DECL = "moriio_group_routing/__init__.py"
 KDA_DECL = "kda_gather_diagnostic/__init__.py"
@@ -321,13 +321,13 @@ VARIANTS: tuple[Variant, ...] = (
         ),
         CHUNK_TREES,
     ),
-    # The older script's decisions on tree d, repaired in place by LEGACY_TEMPLATE (gates.py),
+    # The older script's decisions on tree d, repaired in place by LEGACY_TEMPLATE (legacy.py),
     # which k3patch reads back by its meaning, not by a stored shape.
     Variant(
         "chunk-legacy-gt",
         CHUNK,
         "the repaired decision `>=` -> `>` (tree d)",
-        (Sub(CHUNK_GATES, "    >= {req}.num_prompt_tokens\n", "    > {req}.num_prompt_tokens\n"),),
+        (Sub(CHUNK_LEGACY, "    >= {req}.num_prompt_tokens\n", "    > {req}.num_prompt_tokens\n"),),
         ("fork-d",),
     ),
     Variant(
@@ -336,7 +336,7 @@ VARIANTS: tuple[Variant, ...] = (
         "the repaired decision keeps a slack of 2 (tree d)",
         (
             Sub(
-                CHUNK_GATES,
+                CHUNK_LEGACY,
                 "    >= {req}.num_prompt_tokens\n",
                 "    >= {req}.num_prompt_tokens - 2\n",
             ),
@@ -349,7 +349,7 @@ VARIANTS: tuple[Variant, ...] = (
         "the repaired decision without `num_scheduled_tokens` (tree d)",
         (
             Sub(
-                CHUNK_GATES,
+                CHUNK_LEGACY,
                 "    + scheduler_output.num_scheduled_tokens.get({req_id}, 0)\n",
                 "",
             ),
@@ -362,7 +362,7 @@ VARIANTS: tuple[Variant, ...] = (
         "the repair leaves the `if NAME is None:` block-count fallback in place (tree d)",
         (
             Sub(
-                CHUNK_GATES,
+                CHUNK_LEGACY,
                 "stmts = [self.decision] if self.fallback is None else [self.decision, "
                 "self.fallback]",
                 "stmts = [self.decision]",
