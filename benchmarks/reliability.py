@@ -6,9 +6,12 @@ On a real vLLM tree (default 0.31.0): random kill -9 / SIGTERM / SIGINT during r
 and reverts, each followed by the recovering run and a byte-for-byte comparison
 (tests/crash_campaign.py), a kill at every named commit step; tampered records and journals,
 planted symlinks, racing applies and reverts, a concurrent writer during the commit, and
-upgrade-then-revert across real wheels. Each campaign is one row; `--only` runs some of them
-and keeps the other rows of benchmarks/RELIABILITY.md as they were (so that a 2-core machine
-can run them in turns, each run under ten minutes).
+upgrade-then-revert across real wheels; a FIFO at every file k3patch reads (issue 21: every
+target, a target's pyc, dist-info METADATA and RECORD, `_version.py`, the record, the journal)
+under status, apply, revert, verify's preflight and the plugin, and during recovery, each run
+bounded so that a hang is counted, never waited out. Each campaign is one row; `--only` runs
+some of them and keeps the other rows of benchmarks/RELIABILITY.md as they were (so that a
+2-core machine can run them in turns, each run under ten minutes).
 """
 
 from __future__ import annotations
@@ -409,6 +412,163 @@ def upgrades(work: Path) -> tuple[int, list[str]]:
     return runs, failures
 
 
+# -- FIFOs at every file k3patch reads ---------------------------------------------------------
+
+PLUGIN = "import sys; from k3patch import plugin; print(plugin.preflight_problem(sys.argv[1]))"
+
+
+def _bounded(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str] | None:
+    """The finished process, or None when it ran past `timeout` (a hang: killed)."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _fifo(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(path):
+        path.unlink()
+    os.mkfifo(path)
+
+
+def _second_dist_info(site: Path) -> Path:
+    """What `pip install --target --upgrade` leaves: an older install's dist-info beside."""
+    old = site / "vllm-0.0.1.dist-info"
+    old.mkdir()
+    (old / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.0.1\n")
+    return old
+
+
+def fifo_places(pristine: Path, work: Path) -> list[tuple[str, str, Callable[[Path], None]]]:
+    """(name, tree state, plant) for a FIFO at every file k3patch reads. `tree state` is
+    "pending" (as installed) or "applied"; plant(site) puts the FIFO there."""
+    present = [rel for rel in targets() if (pristine / "vllm" / rel).exists()]
+    plan = engine.apply(locate(pristine), check=True).plan
+    assert plan is not None
+    written = list(plan.new_texts)
+    tag = sys.implementation.cache_tag
+    dist = next(pristine.glob("vllm-*.dist-info")).name
+
+    def pyc(rel: str) -> str:
+        stem = os.path.basename(rel)[: -len(".py")]
+        return f"vllm/{os.path.dirname(rel)}/__pycache__/{stem}.{tag}.pyc".replace("//", "/")
+
+    def at(rel: str) -> Callable[[Path], None]:
+        return lambda site: _fifo(site / rel)
+
+    def record_of_two(site: Path) -> None:
+        _fifo(_second_dist_info(site) / "RECORD")
+
+    def version_py(site: Path) -> None:
+        shutil.rmtree(site / dist)
+        _fifo(site / "vllm/_version.py")
+
+    places: list[tuple[str, str, Callable[[Path], None]]] = []
+    for state in ("pending", "applied"):
+        places += [(f"target {rel}", state, at(f"vllm/{rel}")) for rel in present]
+    places += [(f"pyc of {rel}", "pending", at(pyc(rel))) for rel in written]
+    places += [
+        ("dist-info METADATA", "applied", at(f"{dist}/METADATA")),
+        ("dist-info RECORD (two dist-infos)", "applied", record_of_two),
+        ("vllm/_version.py (no dist-info)", "pending", version_py),
+        ("state record", "applied", at("vllm/.k3patch/state.json")),
+        ("journal", "applied", at("vllm/.k3patch/journal.json")),
+    ]
+    return places
+
+
+def fifos(pristine: Path, work: Path, timeout: float) -> tuple[int, int, int, list[str]]:
+    """A FIFO at every file k3patch reads, under every command; then FIFOs met by recovery.
+    Returns (places, runs, hangs, failures): a hang is a run past `timeout`; a failure is a
+    hang, a traceback or internal error, or another code than the one documented (3 where the
+    command reads the FIFO)."""
+    runs = hangs = 0
+    failures: list[str] = []
+    py = [sys.executable, "-m", "k3patch"]
+    places = fifo_places(pristine, work)
+    written = _written(pristine)
+    for name, state, plant in places:
+        site = fresh(pristine, work, "fifo")
+        if state == "applied":
+            k3("apply", "--vllm", str(site))
+        plant(site)
+        # Revert last: where it does not read the FIFO it succeeds and removes the record.
+        commands = {
+            "plugin": [sys.executable, "-c", PLUGIN, str(site / "vllm")],
+            "status": [*py, "status", "--vllm", str(site)],
+            # verify's preflight: what it reads before its child (a child that prints
+            # nothing: the interpreter is not what is measured here).
+            "verify": [*py, "verify", "--python", "/bin/true", "--vllm", str(site)],
+            "apply": [*py, "apply", "--vllm", str(site)],
+            "revert": [*py, "revert", "--vllm", str(site)],
+        }
+        for command, cmd in commands.items():
+            proc = _bounded(cmd, timeout)
+            runs += 1
+            if proc is None:
+                hangs += 1
+                failures.append(f"fifo {name}: {command}: hung (> {timeout:g} s)")
+                continue
+            text = proc.stdout + proc.stderr
+            # What each command reads: status, verify and the plugin no bytecode; revert only
+            # the record, the journal, the dist-info and the files apply wrote.
+            reads = not (name.startswith("pyc") and command in ("status", "plugin", "verify"))
+            if command == "plugin":  # a tree with no record: it hashes no target
+                reads = reads and (state == "applied" or not name.startswith("target"))
+            if command == "revert":
+                reads = state == "applied" and not (
+                    name.startswith("target") and name[len("target ") :] not in written
+                )
+            if "Traceback" in text or "internal error" in text:
+                failures.append(f"fifo {name}: {command}: {text.strip()[-200:]}")
+            elif command == "plugin":
+                if reads and "regular" not in proc.stdout:
+                    failures.append(f"fifo {name}: plugin did not name it: {proc.stdout.strip()}")
+            elif reads and proc.returncode != 3:
+                failures.append(f"fifo {name}: {command}: rc {proc.returncode}: {text[-200:]}")
+        shutil.rmtree(site)
+    # Recovery: a run killed mid-commit, then a FIFO where the recovering run must look.
+    recovered = 0
+    for op in ("apply", "revert"):
+        for where in ("pyc", "record", "target"):
+            site = fresh(pristine, work, "fifo-recovery")
+            if op == "revert":
+                k3("apply", "--vllm", str(site))
+            first = written[0]
+            crash = {**ENV, "K3PATCH_TEST_CRASH_AT": f"replaced:{first}"}
+            subprocess.run([*py, op, "--vllm", str(site)], capture_output=True, env=crash)
+            if not (site / "vllm/.k3patch/journal.json").exists():
+                failures.append(f"recovery {op} {where}: the crash left no journal")
+                continue
+            stem = os.path.basename(first)[: -len(".py")]
+            tag = sys.implementation.cache_tag
+            rel = {
+                "pyc": f"vllm/{os.path.dirname(first)}/__pycache__/{stem}.{tag}.pyc",
+                "record": "vllm/.k3patch/state.json",
+                "target": f"vllm/{first}",
+            }[where]
+            _fifo(site / rel.replace("//", "/"))
+            proc = _bounded([*py, op, "--vllm", str(site)], timeout)
+            runs += 1
+            recovered += 1
+            if proc is None:
+                hangs += 1
+                failures.append(f"recovery {op} with a FIFO {where}: hung (> {timeout:g} s)")
+            elif "Traceback" in proc.stderr or "internal error" in proc.stderr:
+                failures.append(f"recovery {op} {where}: {proc.stderr.strip()[-200:]}")
+            elif proc.returncode != (0 if where == "pyc" else 3):
+                failures.append(f"recovery {op} {where}: rc {proc.returncode}: {proc.stderr}")
+            shutil.rmtree(site)
+    return len(places) + recovered, runs, hangs, failures
+
+
+def _written(pristine: Path) -> list[str]:
+    plan = engine.apply(locate(pristine), check=True).plan
+    assert plan is not None
+    return list(plan.new_texts)
+
+
 # -- the table -----------------------------------------------------------------------------
 
 
@@ -457,7 +617,17 @@ def merge(rows: list[Row], header: str, command: str, add: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
-CAMPAIGNS = ("steps", "kill9", "signals", "tampered", "planted", "racing", "writer", "upgrade")
+CAMPAIGNS = (
+    "steps",
+    "kill9",
+    "signals",
+    "tampered",
+    "planted",
+    "racing",
+    "writer",
+    "upgrade",
+    "fifos",
+)
 
 
 def main() -> None:
@@ -472,6 +642,7 @@ def main() -> None:
     parser.add_argument("--racers", type=int, default=16, help="applies (and reverts) a round")
     parser.add_argument("--writer-runs", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fifo-timeout", type=float, default=60.0, help="seconds: a hang")
     parser.add_argument(
         "--add", action="store_true", help="add this run's counts to the rows already there"
     )
@@ -575,6 +746,20 @@ def main() -> None:
                 "0.31->0.31, 0.29->0.33), then revert (with and without a new apply)",
                 runs,
                 "the new version's own files; never the old originals",
+                len(found),
+            )
+        )
+    if "fifos" in args.only:
+        places, runs, hangs, found = fifos(pristine, work, args.fifo_timeout)
+        failures += found
+        rows.append(
+            (
+                "a FIFO at every file k3patch reads (each target present, pending and applied; "
+                "the pycs of the targets apply writes; dist-info METADATA and RECORD; "
+                "`_version.py`; the record; the journal) under status, apply, revert, verify's "
+                "preflight and the plugin, and met by the recovery of a killed apply and revert",
+                runs,
+                f"{places} places, {hangs} hangs",
                 len(found),
             )
         )
