@@ -303,3 +303,9 @@ def verified_fork(tmp_path_factory, verify_python) -> Callable[[str], dict]:
         return done[name]
 
     return verified
+
+
+def slow_except(values: list[str], *kept: str) -> list:
+    """`values` as parameters, all but `kept` marked slow: a plain pytest runs the kept trees,
+    .ci/run every tree (README: the tests marked slow)."""
+    return [v if v in kept else pytest.param(v, marks=pytest.mark.slow) for v in values]
