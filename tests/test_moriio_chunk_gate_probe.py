@@ -61,6 +61,22 @@ def row_results(probe: dict) -> dict[str, bool]:
     return {head: f"; {line};" not in f"; {failures};" for head, (line,) in lines.items()}
 
 
+def case_results(probe: dict, tag: str) -> dict[str, bool]:
+    """A written-out case's check, by its request's tag ("[resumed-4000]"): line -> passed?"""
+    failures = "" if probe["ok"] else probe["summary"].split(" checks: ", 1)[1]
+    found = [c for c in probe["checks"] if f" {tag}: " in c]
+    assert len(found) == 1, (tag, found)
+    return {line: f"; {line};" not in f"; {failures};" for line in found}
+
+
+# A request preempted and resumed is prefilled again over prompt and output: its final chunk
+# ends past num_prompt_tokens (G1 must compare `>=`). K3's block: the block-count gates send at
+# chunk 1 (their defect); the older script's slack gate is right there (must not break on d).
+# 16-token blocks: every unpatched gate is right (must not break).
+RESUMED_K3, RESUMED_SMALL = "[resumed-4000]", "[resumed-small]"
+RESUMED_RIGHT = ": save at chunk 2 of 2, expected chunk 2 only (G1)"
+
+
 def rows_wrong(where_wrong) -> set[str]:
     """The heads of the rows (direct and scheduled) a gate gets wrong, by `where_wrong(row)`."""
     heads = {f"{row.label}: " for row in TABLE if where_wrong(row)}
@@ -110,6 +126,12 @@ def test_pending_tree_fails_the_rows_its_gate_gets_wrong_and_passes_all_applied(
     assert len(inside) == len(SCHEDULED) and all(NOT_STALE in c for c in inside), inside
     if wrong is block_count_wrong:
         assert K3_BUG in before["summary"]
+    ((line, ok),) = case_results(before, RESUMED_K3).items()
+    assert ok is (wrong is slack_wrong), line
+    if wrong is block_count_wrong:
+        assert line.endswith(f"{RESUMED_K3}: save at chunk 1 of 2, expected chunk 2 only (G1)")
+    ((line, ok),) = case_results(before, RESUMED_SMALL).items()
+    assert ok and line.endswith(RESUMED_SMALL + RESUMED_RIGHT), line
 
     site = fork_tree(fork, full=True) if fork else make_tree(tree, full=True)
     patch = tuple(p for p in all_patches() if p.id == PATCH_ID)
@@ -118,6 +140,9 @@ def test_pending_tree_fails_the_rows_its_gate_gets_wrong_and_passes_all_applied(
     assert after["ok"] is True, after["summary"]
     assert all(row_results(after).values())
     assert any(K3_FIXED in c for c in after["checks"])
+    for tag in (RESUMED_K3, RESUMED_SMALL):
+        ((line, ok),) = case_results(after, tag).items()
+        assert ok and line.endswith(tag + RESUMED_RIGHT), line
     # A truncated row's gate compares with N-1 (a fork's own mamba_n1 truncation cut it).
     truncated = "Scheduler.schedule() [sched-4098-n1]: inside build_connector_meta "
     assert any(c.startswith(truncated + "(num_prompt_tokens 4097)") for c in after["checks"])

@@ -63,6 +63,20 @@ DIRECT_CASES: tuple[tuple[str, int, tuple[Request, ...]], ...] = (
         (("small", 5000, ((2048, 128), (2048, 128), (904, 57)), 3),),
     ),
     ("a prompt in one chunk", K3_BLOCK, (("short", 1000, ((1000, 1),), 1),)),
+    # Preempted after 98 output tokens and resumed: vLLM prefills it again over num_tokens (prompt
+    # and output), so the final recompute chunk ends past num_prompt_tokens (a gate that fires
+    # only on landing exactly at the prompt's end never sends).
+    (
+        "resumed after preemption: 4,000-token prompt recomputed over 4,098 tokens, chunks "
+        "2,048 + 2,050 (past the prompt's end)",
+        K3_BLOCK,
+        (("resumed-4000", 4000, ((2048, 1), (2050, 0), (1, 0)), 2),),
+    ),
+    (
+        "resumed after preemption, 16-token blocks: 4,000-token prompt over 4,098 tokens",
+        SMALL_BLOCK,
+        (("resumed-small", 4000, ((2048, 128), (2050, 129), (1, 0)), 2),),
+    ),
 )
 
 
@@ -232,17 +246,16 @@ def _direct(scheduler: Any, requests: list[Planned]) -> list[tuple[str, bool]]:
 
 def _direct_case(scheduler: Any, title: str, requests: tuple[Request, ...], checks: Checks) -> None:
     """One written-out case, a check per request."""
-    planned: list[Planned] = [
-        (
-            stub_request(
-                router_id(req_id), n, kv_params("decode", f"t-{req_id}") if want else None
-            ),
-            steps,
-            want,
-            len(steps),
+    planned: list[Planned] = []
+    for req_id, n, steps, want in requests:
+        stub = stub_request(
+            router_id(req_id), n, kv_params("decode", f"t-{req_id}") if want else None
         )
-        for req_id, n, steps, want in requests
-    ]
+        # A resumed request holds its output tokens too: num_tokens is what it prefills.
+        stub.num_tokens = max(n, sum(tokens for tokens, _ in steps[:want]))
+        # Chunks: the steps up to the save where a decode step follows it.
+        chunks = want if want and steps[want:] == ((1, 0),) else len(steps)
+        planned.append((stub, steps, want, chunks))
     for (req_id, *_), (line, ok) in zip(requests, _direct(scheduler, planned), strict=True):
         checks.record(f"{title} [{req_id}]: {line}", ok)
 
