@@ -612,7 +612,9 @@ def merge(rows: list[Row], header: str, command: str, add: bool = False) -> str:
         "planted links, the victim's bytes or mode changed; for racing, any internal error,",
         "conflict, environment error, or a mixed tree after a round; for the other writer, its",
         "edit missing afterwards or a journal that blocks the next apply; for upgrades, revert",
-        "writing anything but the new version's own files.",
+        "writing anything but the new version's own files; for FIFOs, a run past the timeout (a",
+        "hang), a traceback or internal error, or any code but 3 from a command that reads the",
+        "FIFO (for the plugin, a message that does not name it).",
     ]
     return "\n".join(lines) + "\n"
 
