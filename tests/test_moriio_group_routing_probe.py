@@ -23,6 +23,13 @@ fork tree (the fork's [0]/[1] choice sends group 1 to group 0's blocks), one att
 3 chunks on (c) (the older fix's lists captured at chunk 1). The others are must-not-break cases:
 the fork gets them right, and they catch wrong fixes (a per-request entry left after its save,
 group 0 used where no group is Mamba, blocks named without external tokens).
+
+The mutation check's survivors (issue 19 item 2) added three more, failing on every unpatched
+fork tree: a one-sided peer on either side (the decode node without the fix, and a save without
+per-group lists, as a prefill scheduler without the fix sends it) must be refused per layer by
+the MoRIIOError that names the side without the fix, not by whatever a missing list raises
+later (the fork trees write silently into [0]/[1]'s blocks); a layout of Mamba groups only must
+be refused at the worker's layer maps with a ValueError (the fork trees build them silently).
 """
 
 from __future__ import annotations
@@ -199,9 +206,14 @@ def test_verify_passes_the_probe_after_apply(probed, name):
         "local [301, 302, 303] -> remote [1301, 1302, 1303]",
     ):
         assert any(c.startswith(line) for c in checks), line
-    # A decode node without the fix: every K3 layer refuses the transfer, none guesses.
-    refused = lines(check["probe"], "K3, 1 chunk, decode node without the fix: model.")
-    assert len(refused) == 8 and all(" refused: " in c for c in refused), refused
+    # A one-sided peer, either side: every K3 layer refuses the transfer, none guesses, with the
+    # error that names the side without the fix.
+    for side in ("decode node", "prefill scheduler"):
+        refused = lines(check["probe"], f"K3, 1 chunk, {side} without the fix: model.")
+        named = " refused: MoRIIOError: MoRIIO transfer tx-k3patch-probe: no per-group block ids "
+        named += f"from the {side}; both nodes need k3patch moriio-group-routing"
+        assert len(refused) == 8 and all(c.endswith(named) for c in refused), refused
+    assert ALL_MAMBA_REFUSED in checks
 
 
 def routes(probe: dict[str, Any], prefix: str) -> list[str]:
@@ -231,6 +243,17 @@ NEW_CASES = [
 FORK_TREES = ["a", "a-comments", "a-nodebug", "b", "c", "d"]
 
 
+ONE_SIDED = {
+    "K3, 1 chunk, decode node without the fix",
+    "K3, 1 chunk, prefill scheduler without the fix",
+}
+ALL_MAMBA = "every group Mamba (no attention group): the worker's layer maps"
+ALL_MAMBA_REFUSED = (
+    f"{ALL_MAMBA} refuse: ValueError: MoRIIO WRITE needs an attention KV-cache group; all groups "
+    "are Mamba"
+)
+
+
 def failed_cases(probe: dict[str, Any]) -> set[str]:
     return {c.removeprefix("FAIL ").split(": ")[0] for c in lines(probe, "FAIL ")}
 
@@ -239,7 +262,7 @@ def expected_lines(case: Any) -> list[str]:
     """What the applied probe says of `case`: no state left; then each layer's own group's
     blocks of every chunk on both nodes, or (no external tokens) no block named or written."""
     head = f"{case.label}: per-request state once both requests finished: none"
-    if case.fork_peer:  # refused per layer, the lines test_verify_passes_... reads
+    if case.one_sided:  # refused per layer, the lines test_verify_passes_... reads
         return [head]
     if not case.external:
         return [head, f"{case.label}: decode's notify names blocks []"]
@@ -258,6 +281,10 @@ def test_issue_19_cases_fail_where_the_fork_misroutes_and_pass_applied(probed, n
     misrouted = {"two attention groups, 1 chunk", "two attention groups, 3 chunks"}
     misrouted |= {"attention only, 3 chunks"} if name == "c" else set()
     assert failed_cases(before) & {c.label for c in NEW_CASES} == misrouted, before["summary"]
+    # A one-sided peer on either side: the fork trees write into [0]/[1]'s blocks, unrefused.
+    assert ONE_SIDED <= failed_cases(before), before["summary"]
+    # Mamba groups only: the fork trees build their layer maps without a word.
+    assert f"{ALL_MAMBA}: built without a word" in before["summary"]
     # The unpatched trees leave only the older scripts' own dicts behind (noted, not failed).
     assert not [c for c in lines(before, "FAIL ") if "a leak per request" in c]
     assert any(
@@ -271,6 +298,7 @@ def test_issue_19_cases_fail_where_the_fork_misroutes_and_pass_applied(probed, n
     for case in CASES:
         for want in expected_lines(case):
             assert any(c.startswith(want) for c in checks), want
+    assert ALL_MAMBA_REFUSED in checks
 
 
 # --------------------------------------------------------------------------------------------

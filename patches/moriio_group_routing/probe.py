@@ -27,6 +27,7 @@ from k3patch.patch import ProbeOutcome
 from k3patch.probekit import Checks, Stub, Swap, stand_in
 from k3patch.shapes import find_expressions, match
 
+from .forms import FIELD_NAME
 from .standins import (
     COMMON,
     CONNECTOR,
@@ -62,6 +63,8 @@ TWO_GROUP_LAYOUT = _layout(("attention", (0, 2)), ("mamba", (1, 3)))
 # attention groups: the fork's `[0]`/`[1]` choice sends the second one's layers to group 0).
 ATTENTION_LAYOUT = _layout(("attention", (0, 1)))
 TWO_ATTENTION_LAYOUT = _layout(("attention", (0, 2)), ("sliding", (1, 3)))
+# No attention group at all: MoRIIO WRITE has no group to route attention KV by.
+ALL_MAMBA_LAYOUT = _layout(("mamba", (0, 2)), ("mamba", (1, 3)))
 # Upstream's checks keep the layer names and block numbers (group g's block 10g+1, decode 100
 # more) they had before the fork drive was written, so their lines read as they always did.
 UPSTREAM_LAYOUT = _layout(("mamba", (0, 3)), ("mamba", (1, 4)), ("mamba", (2, 5)), ("mla", (6, 7)))
@@ -83,9 +86,13 @@ class Case:
     a KDA group that never grows) may hold the save forever: not exercised, no routing failure.
     `fork_peer`: the decode node runs the unfixed fork, notifying lists [0] and [1] only; a layer
     may refuse or be right, but one silently written into another group's blocks is the older
-    fix's fallback. Not `external`: the decode node computes the whole prompt itself
-    (`num_external_tokens == 0`, a full prefix-cache hit): it still tells the prefill node, once,
-    so that it frees its blocks, but names no block of any group to write into."""
+    fix's fallback. `bare_save`: the other side one-sided, the prefill worker's save carries no
+    per-group lists (as a prefill scheduler without the fix sends it) while the decode node names
+    them. A one-sided layer's refusal counts only as the MoRIIOError that names the side without
+    the fix, not as whatever a missing list raises later. Not `external`: the decode node
+    computes the whole prompt itself (`num_external_tokens == 0`, a full prefix-cache hit): it
+    still tells the prefill node, once, so that it frees its blocks, but names no block of any
+    group to write into."""
 
     label: str
     layout: Layout
@@ -93,7 +100,15 @@ class Case:
     growing: frozenset[str] = frozenset()
     gate_may_hold: bool = False
     fork_peer: bool = False
+    bare_save: bool = False
     external: bool = True
+
+    @property
+    def one_sided(self) -> str | None:
+        """The side without per-group lists, as the refusal names it; None: both have them."""
+        if self.fork_peer:
+            return "the decode node"
+        return "the prefill scheduler" if self.bare_save else None
 
     def prefill_blocks(self, *chunks: int) -> list[list[int]]:
         """Each group's blocks allocated at `chunks` (1-based; none given: at every chunk)."""
@@ -117,6 +132,7 @@ CASES = (
     Case("two-group, 1 chunk", TWO_GROUP_LAYOUT, (12,)),
     Case("two-group, 3 chunks", TWO_GROUP_LAYOUT, (16, 16, 8), frozenset({"attention"})),
     Case("K3, 1 chunk, decode node without the fix", K3_LAYOUT, (12,), fork_peer=True),
+    Case("K3, 1 chunk, prefill scheduler without the fix", K3_LAYOUT, (12,), bare_save=True),
     # No Mamba group. One attention group: the fork's [0] is right (must not break; the older
     # fix alone still drops later chunks' blocks). Two: the fork sends the sliding-window
     # group's layers to group 0's blocks.
@@ -173,6 +189,7 @@ def probe_routing() -> ProbeOutcome | None:
             )
         if failures:
             checks.fail(f"{case.label}: " + "; ".join(parts))
+    _check_all_mamba(connector, checks)
     return checks.outcome(
         holds="every layer's KV goes to its own KV-cache group's blocks, all chunks', on both "
         "nodes (K3: KDA -> groups 0-2, MLA -> group 3; two groups as before; models without a "
@@ -224,8 +241,12 @@ def judge(case: Case, drive: Any, checks: Checks) -> list[tuple[int | None, str]
         for layer in names:
             head = f"{layer} ({KIND_NAMES.get(kind, kind)} group {g})"
             error = drive.errors.get(layer)
-            if error and case.fork_peer:
+            side = case.one_sided
+            if error and side and _names_missing_fix(error, side):
                 checks.record(f"{label}: {head} refused: {error}")
+            elif error and side:
+                named = f"expected MoRIIOError: ... from {side}; both nodes need k3patch {PATCH_ID}"
+                failures.append((g, f"{head}: refused by {error}, {named}"))
             elif error or layer not in drive.routes:
                 failures.append((g, f"{head}: {error or 'no transfer planned'}"))
             else:
@@ -233,11 +254,38 @@ def judge(case: Case, drive: Any, checks: Checks) -> list[tuple[int | None, str]
                 line = f"{head}: local {got[0]} -> remote {got[1]}"
                 line += f" (offsets reused from {by})" if by not in (None, layer) else ""
                 checks.record(f"{label} @chunk {drive.saves[0]}: {line}")
-                silently, refusal = ("silently ", " or a refusal") if case.fork_peer else ("", "")
+                silently, refusal = ("silently ", " or a refusal") if case.one_sided else ("", "")
                 expected = f"expected local {want[0]} -> remote {want[1]}{refusal}"
                 if got != want:
                     failures.append((g, f"{line}, {silently}{_whose(got, g, want)}; {expected}"))
     return failures
+
+
+PATCH_ID = "moriio-group-routing"
+
+
+def _names_missing_fix(error: str, side: str) -> bool:
+    """Whether `error` (from probekit.attempt) is the refusal that names `side` as the one
+    without the fix."""
+    return error.startswith("MoRIIOError: ") and f"from {side};" in error and PATCH_ID in error
+
+
+def _check_all_mamba(connector: Any, checks: Checks) -> None:
+    """Every group a MambaSpec: the worker's layer maps must refuse to start (a ValueError
+    naming the missing attention group), not take a Mamba group for the attention one."""
+    common = importlib.import_module(COMMON)
+    config = stub_vllm_config("kv_producer")
+    worker = stand_in(connector.MoRIIOConnectorWorker, is_producer=True, vllm_config=config)
+    worker.kv_transfer_config, worker.mode = config.kv_transfer_config, common.MoRIIOMode.WRITE
+    head = "every group Mamba (no attention group): the worker's layer maps"
+    try:
+        _, error = probekit.attempt(_run_worker_maps, connector, worker, config, ALL_MAMBA_LAYOUT)
+    except ProbeSetupError as exc:  # attempt catches Exception; this one is raised before
+        checks.fail(f"{head}: cannot drive this tree: {exc}")
+        return
+    refused = error is not None and error.startswith("ValueError: ") and "attention" in error
+    line = f"{head} refuse: {error}" if refused else f"{head}: {error or 'built without a word'}"
+    checks.record(line, refused, f"{line}, expected a ValueError naming the attention group")
 
 
 def _judge_nothing_to_write(case: Case, drive: Any, checks: Checks) -> list[tuple[int | None, str]]:
@@ -346,6 +394,9 @@ def drive_write(case: Case) -> Stub:
         if request_info is None:
             drive.refused = drive.refused or "no remote allocation stored"
             return drive
+
+        if case.bare_save and hasattr(meta, FIELD_NAME):
+            setattr(meta, FIELD_NAME, None)  # where the tree has per-group lists, none sent
 
         # 4. Prefill worker: its own layer maps, then a write task per layer.
         config = stub_vllm_config("kv_producer")
