@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from k3patch.errors import (
     BadLockTimeout,
     ConcurrentChange,
@@ -11,8 +13,6 @@ from k3patch.errors import (
     UnknownPatchError,
     VerifyError,
 )
-
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up cost)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable

@@ -11,9 +11,10 @@ Words are never split, so a path longer than the width stays whole on a line of 
 
 from __future__ import annotations
 
-from k3patch.formats import summary_verdict
+from typing import TYPE_CHECKING
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up cost)
+from k3patch.verdicts import GOOD
+from k3patch.verdicts import summary as summary_verdict
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
     Line = tuple[str, int, str, int, int]
 
 LOG_WIDTH = 100
-GOOD = ("applied", "satisfied", "not applicable")
 VERDICT_WIDTH = len("not applicable")
 
 
