@@ -1,20 +1,7 @@
 """What a behaviour probe needs in the verify child, written once: stand-ins that are always
-undone (environment variables, attributes, whole modules), stand-in objects (a weakly
-referenceable namespace, a real class's instance built without its `__init__`, a mapping that
-holds every key), calls that fit any release's signature, the tree's own statements run on
-their own, and a list of checks that becomes a `ProbeOutcome`.
-
-Runs in the tree's own interpreter, where k3patch is not installed: standard library and
-k3patch's own standard-library modules only.
-
-    checks = Checks("truth table")
-    with Swap() as swap:
-        swap.module("vllm.platforms.rocm", fake)
-        swap.env("VLLM_ROCM_USE_AITER_MLA", None)      # None: unset
-        swap.attr(ops, "_MLA_ENABLED", True)
-        checks.expect("unset on gfx942", got=call(), want=False)
-    return checks.outcome()
-"""
+undone, stand-in objects, calls that fit any release's signature, the tree's own statements run
+on their own, and checks that become a `ProbeOutcome`. Runs in the tree's own interpreter, where
+k3patch is not installed: standard library and k3patch's standard-library modules only."""
 
 from __future__ import annotations
 
@@ -32,79 +19,42 @@ import types
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
+from unittest import mock
 
 from k3patch.patch import ProbeOutcome
 
-_ABSENT = object()
 T = TypeVar("T")
 
 
-class Swap:
-    """A context manager that stands things in and puts every one back on exit, in reverse
-    order, also when the probe raises."""
+class Swap(contextlib.ExitStack):
+    """Stand-ins (`unittest.mock` patches) put back on exit in reverse order, also when the
+    probe raises; `on_exit(func, *args)` (ExitStack's `callback`) puts back what only a setter
+    can (`swap.on_exit(set_role, get_role())`)."""
 
-    def __init__(self) -> None:
-        self._undo: list[Any] = []
-
-    def __enter__(self) -> Swap:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        while self._undo:
-            self._undo.pop()()
+    on_exit = contextlib.ExitStack.callback
 
     def env(self, name: str, value: str | None) -> None:
         """Set (or with None, unset) an environment variable."""
-        old = os.environ.get(name)
-
-        def undo() -> None:
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
-
-        self._undo.append(undo)
+        self.enter_context(mock.patch.dict(os.environ, {} if value is None else {name: value}))
         if value is None:
             os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
     def attr(self, obj: Any, name: str, value: Any) -> None:
-        """Set an attribute (a class's own attribute is restored as its own, an inherited or
-        absent one is removed again)."""
-        own = vars(obj).get(name, _ABSENT) if hasattr(obj, "__dict__") else _ABSENT
-
-        def undo() -> None:
-            if own is _ABSENT:
-                try:
-                    delattr(obj, name)
-                except AttributeError:
-                    pass
-            else:
-                setattr(obj, name, own)
-
-        self._undo.append(undo)
-        setattr(obj, name, value)
+        """Set an attribute: an own one is restored, an inherited or absent one removed again."""
+        self.enter_context(mock.patch.object(obj, name, value, create=True))
 
     def module(self, name: str, module: types.ModuleType | None = None) -> types.ModuleType:
         """Put `module` (default: a new empty one) in sys.modules under `name`."""
         module = module if module is not None else types.ModuleType(name)
+        # Put back by key: mock.patch.dict restores a snapshot, which would drop every module
+        # imported meanwhile (and import it anew, as other objects, later).
         old = sys.modules.get(name)
-
-        def undo() -> None:
-            if old is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
-
-        self._undo.append(undo)
+        if old is None:
+            self.callback(sys.modules.pop, name, None)
+        else:
+            self.callback(sys.modules.__setitem__, name, old)
         sys.modules[name] = module
         return module
-
-    def on_exit(self, func: Callable[..., object], *args: Any) -> None:
-        """Call `func(*args)` on exit, in turn with the other undos: state only a setter puts
-        back (`swap.on_exit(set_role, get_role())`)."""
-        self._undo.append(lambda: func(*args))
 
     def log(self, name: str, level: int) -> list[logging.LogRecord]:
         """The records of at least `level` that logger `name` handles from now on, the logger's
@@ -112,16 +62,16 @@ class Swap:
         logger = logging.getLogger(name)
         handler = logging.handlers.BufferingHandler(capacity=1 << 20)
         handler.setLevel(level)
-        self.on_exit(logger.setLevel, logger.level)
-        self.on_exit(logger.removeHandler, handler)
+        self.callback(logger.setLevel, logger.level)
+        self.callback(logger.removeHandler, handler)
         logger.addHandler(handler)
         logger.setLevel(level)
         return handler.buffer
 
 
 class Stub(types.SimpleNamespace):
-    """A stand-in holding the attributes it is given that behaves as the objects it stands for
-    (a request, a worker, a tensor) do: compared and hashed by identity, weakly referenceable."""
+    """A stand-in holding the attributes it is given, compared and hashed by identity and
+    weakly referenceable as the objects it stands for (a request, a worker, a tensor) are."""
 
     __eq__ = object.__eq__
     __ne__ = object.__ne__
@@ -166,15 +116,14 @@ class Calls:
 
 
 def call_accepted(func: Callable[..., T], **kwargs: Any) -> T:
-    """`func` called with those of `kwargs` its signature takes (signatures differ between
-    releases of the code a probe drives)."""
+    """`func` called with those of `kwargs` its signature takes (releases differ)."""
     params = inspect.signature(func).parameters
     return func(**{k: v for k, v in kwargs.items() if k in params})
 
 
 def attempt(func: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T | None, str | None]:
-    """`(func(*args, **kwargs), None)`, or `(None, "Type: message")` when the call raised an
-    Exception: a probe reports the failure of one call of the tree's code and goes on."""
+    """`(func(*args, **kwargs), None)`, or `(None, "Type: message")` when it raised an
+    Exception: a probe reports one failed call of the tree's code and goes on."""
     try:
         return func(*args, **kwargs), None
     except Exception as exc:  # reported by the caller, never swallowed
@@ -182,16 +131,15 @@ def attempt(func: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T | None
 
 
 def package_dir(name: str) -> Path | None:
-    """The directory of the importable top-level package `name`, found without importing it;
-    None when there is none (absent, or a plain module)."""
+    """The directory of the top-level package `name`, found without importing it; None for an
+    absent package or a plain module."""
     spec = importlib.util.find_spec(name)
     locations = spec.submodule_search_locations if spec is not None else None
     return Path(next(iter(locations))) if locations else None
 
 
 def with_globals(func: Callable[..., T], **names: Any) -> Callable[..., T]:
-    """A copy of the plain function `func` that sees `names` in place of (or beside) its module
-    globals; the module itself is left as it is."""
+    """A copy of the plain function `func` that sees `names` over its module's globals."""
     code: Any = func
     copy = types.FunctionType(
         code.__code__,
@@ -205,11 +153,9 @@ def with_globals(func: Callable[..., T], **names: Any) -> Callable[..., T]:
 
 
 class TorchTrace:
-    """A reusable context manager that records what torch runs inside it, both lists restarted
-    on entry: `calls`, the name and positional arguments of every torch function or tensor
-    method (a TorchFunctionMode), and `aten`, every aten op dispatched below them (a
-    TorchDispatchMode). Nothing is recorded inside `paused()` (a stand-in's own work). Imports
-    torch only when entered."""
+    """Records, restarted on each entry, the name and positional arguments of every torch
+    function or tensor method run inside it (`calls`) and every aten op below them (`aten`);
+    nothing inside `paused()` (a stand-in's own work). Imports torch only when entered."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
@@ -260,8 +206,8 @@ class TorchTrace:
 
 
 def cuda_looking(*tensors: Any) -> tuple[Any, ...]:
-    """The CPU tensors as views that answer `is_cuda` True, for code that asserts a device
-    tensor before work a probe runs on the host (`.as_subclass(torch.Tensor)` undoes it)."""
+    """CPU tensors as views whose `is_cuda` is True, for code that asserts device tensors
+    (`.as_subclass(torch.Tensor)` undoes it)."""
     return tuple(t.as_subclass(_cuda_looking_class()) for t in tensors)
 
 
@@ -280,10 +226,9 @@ def _cuda_looking_class() -> type:
 def triton_on_host(
     func: ast.AST, module_globals: Mapping[str, Any], launch: Callable[..., Any]
 ) -> dict[str, Any]:
-    """Globals under which a function that launches Triton kernels runs on the host: every
-    name `func` launches Triton-style (`kernel[grid](...)`) calls `launch` instead, and where
-    the module's `triton` lacks the host helpers `next_power_of_2` and `cdiv` (a placeholder
-    module on a machine without Triton), a `triton` that has them."""
+    """Globals under which `func` runs on the host: each kernel it launches (`kernel[grid](...)`)
+    calls `launch`, and a `triton` with the host helpers `next_power_of_2` and `cdiv` where the
+    module's lacks them (a placeholder module on a machine without Triton)."""
     names: dict[str, Any] = {
         node.func.value.id: Always(launch)
         for node in ast.walk(func)
@@ -300,8 +245,8 @@ def triton_on_host(
 
 
 def source_of(func: Callable[..., Any]) -> ast.FunctionDef | None:
-    """The parsed definition of a live function, line numbers as in its file; None when it has
-    no source."""
+    """The parsed definition of a live function, line numbers as in its file; None without
+    source."""
     try:
         lines, first = inspect.getsourcelines(func)
     except (OSError, TypeError):
@@ -313,9 +258,9 @@ def source_of(func: Callable[..., Any]) -> ast.FunctionDef | None:
 
 
 def run_statements(func: Callable[..., Any], body: list[ast.stmt], *args: Any) -> None:
-    """Run `body` (statements of `func`'s own definition, from `source_of`) as a function with
-    `func`'s parameters and globals, called with `args`: the tree's own text of one stretch of
-    a function whose other statements cannot run here."""
+    """Run `body` (statements of `func`'s definition, from `source_of`) as a function with
+    `func`'s parameters and globals, called with `args`: one stretch of the tree's own code
+    whose other statements cannot run here."""
     node = source_of(func)
     if node is None:
         raise ValueError(f"{func.__qualname__} has no source")
@@ -340,8 +285,7 @@ class Checks:
         self.lines.append(line)
 
     def record(self, line: str, ok: bool = True, failure: str | None = None) -> bool:
-        """A check reported as `line`; a failed one says `failure` (default: the line) in the
-        summary."""
+        """A check reported as `line`; a failed one says `failure` (default: `line`)."""
         self.ran += 1
         self.lines.append(line)
         if not ok:
@@ -349,8 +293,7 @@ class Checks:
         return ok
 
     def fail(self, failure: str) -> None:
-        """A failure that is no single check (a case that could not run, several checks'
-        failures in one sentence)."""
+        """A failure that is no single check (a case that could not run)."""
         self.failures.append(failure)
 
     def check(self, case: str, ok: bool, why: str = "") -> bool:
@@ -365,16 +308,14 @@ class Checks:
         """Failed when something failed or no check ran. `holds` (default "{what} holds ({ran}
         cases)") and `broken` (default "{what} broken: {failures}") are the summaries, as
         `str.format` templates over what, ran, failed (how many) and failures ("; "-joined)."""
-        fields = {
-            "what": self.what,
-            "ran": self.ran,
-            "failed": len(self.failures),
-            "failures": "; ".join(self.failures),
-        }
-        if self.failures:
-            summary = (broken or "{what} broken: {failures}").format(**fields)
-            return ProbeOutcome(False, summary, tuple(self.lines))
-        if not self.ran:
+        if not self.failures and not self.ran:
             return ProbeOutcome(False, f"{self.what}: no check ran", tuple(self.lines))
-        summary = (holds or "{what} holds ({ran} cases)").format(**fields)
-        return ProbeOutcome(True, summary, tuple(self.lines))
+        if self.failures:
+            template = broken or "{what} broken: {failures}"
+        else:
+            template = holds or "{what} holds ({ran} cases)"
+        failures = "; ".join(self.failures)
+        summary = template.format(
+            what=self.what, ran=self.ran, failed=len(self.failures), failures=failures
+        )
+        return ProbeOutcome(not self.failures, summary, tuple(self.lines))
