@@ -145,8 +145,8 @@ def main() -> None:
     verdicts = {p["id"]: p["verdict"] for p in applied["patches"]}
 
     sys.path.insert(0, str(install))
-    from k3patch.engine import target_files
     from k3patch.registry import all_patches
+    from k3patch.scan import target_files
 
     targets = [str(patched / "vllm" / rel) for rel in target_files(all_patches())]
     existing = [t for t in targets if os.path.exists(t)]

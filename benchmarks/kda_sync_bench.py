@@ -197,7 +197,7 @@ def _time_size(
 
 
 def cpu_part(repeat: int, verify_python: str | None) -> dict[str, Any]:
-    from k3patch import engine
+    from k3patch import engine, scan
     from k3patch.registry import select
     from k3patch.tree import locate
 
@@ -216,7 +216,7 @@ def cpu_part(repeat: int, verify_python: str | None) -> dict[str, Any]:
         tree = locate(tree_dir)
         for _ in range(repeat):
             start = time.perf_counter()
-            report = engine.scan(tree, patches, use_record=False)
+            report = scan.scan(tree, patches, use_record=False)
             timings["classify (scan, no record)"].append(time.perf_counter() - start)
             start = time.perf_counter()
             plan = engine.plan(report)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import _copy_minimal, pristine_tree, tree_hashes  # noqa: E402
 from crash_campaign import ENV, campaign, k3, source_hashes, upgrade  # noqa: E402
 
-from k3patch import engine  # noqa: E402
+from k3patch import engine, scan  # noqa: E402
 from k3patch.registry import all_patches  # noqa: E402
 from k3patch.tree import locate  # noqa: E402
 
@@ -45,7 +45,7 @@ Row = tuple[str, int, str, int]  # case, runs, what was seen, failures
 
 
 def targets() -> list[str]:
-    return engine.target_files(all_patches())
+    return scan.target_files(all_patches())
 
 
 def fresh(pristine: Path, work: Path, name: str) -> Path:

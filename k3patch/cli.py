@@ -240,12 +240,12 @@ def status(
     """Report the verdict of every patch and site."""
 
     def body() -> int:
-        from k3patch import engine, exitcodes, render
+        from k3patch import engine, exitcodes, render, scan
         from k3patch.registry import select
 
         tree = _tree(vllm)
         # A journal of a live run is not an interrupted one: wait for that run, then look.
-        report = engine.scan(tree, select(only, skip), wait_for_live=engine.DEFAULT_LOCK_TIMEOUT)
+        report = scan.scan(tree, select(only, skip), wait_for_live=engine.DEFAULT_LOCK_TIMEOUT)
         code = int(exitcodes.for_status(report))
         if report.state_problem:
             render.error_line(report.state_problem)

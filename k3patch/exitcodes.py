@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
     from typing import Any, NoReturn
 
-    from k3patch.engine import ApplyOutcome, Report, RevertOutcome
+    from k3patch.engine import ApplyOutcome, RevertOutcome
+    from k3patch.scan import Report
     from k3patch.verify import VerifyReport
 
 

@@ -13,7 +13,9 @@ from collections.abc import Iterable, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 from k3patch import fastpath, formats, plaintext
-from k3patch.engine import ApplyOutcome, Patch, Report, RevertOutcome, patch_meta
+from k3patch.engine import ApplyOutcome, RevertOutcome
+from k3patch.patch import Patch
+from k3patch.scan import Report, patch_meta
 from k3patch.verify import BLOCKED, BROKEN, IMPORT_OK, ModuleCheck, VerifyReport
 
 if TYPE_CHECKING:

@@ -1,14 +1,9 @@
-"""`verify`: import what the patches touch, with the tree's own interpreter, and run each
-patch's behaviour probe against the real patched code.
-
-A module that fails to import is either broken by the patch or blocked by this environment (no
-GPU, a missing optional dependency). k3patch decides by evidence, in this order:
-1. the failure points into a line k3patch wrote (a SyntaxError there, or a traceback frame
-   inside a patched site) -> broken by the patch;
-2. the same module imported from the original text of the patched files (a second child with
-   an import overlay; the originals come from the state record) -> if the original imports, the
-   patch broke it; if the original fails the same way, the environment blocks it;
-3. with no original to compare against, a failure outside the patched files -> blocked.
+"""`verify`: import what the patches touch with the tree's own interpreter, and run each patch's
+behaviour probe against the real patched code. An import failure is judged by evidence, in this
+order: a syntax error in a patched file is the patch's; else the original text of the patched
+files (from the state record, imported through an overlay) decides: it imports, the patch broke
+it; it fails too, the environment blocks it (no GPU, a missing optional dependency); with no
+original, a failure raised inside a patched file is the patch's, any other the environment's.
 """
 
 from __future__ import annotations
@@ -20,15 +15,15 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from k3patch import _verify_child
-from k3patch.engine import Report, scan
 from k3patch.errors import VerifyError
 from k3patch.patch import Patch
 from k3patch.registry import all_patches, patch_module_file, patches_dir
+from k3patch.scan import Report, scan
 from k3patch.state import load_or_none
 from k3patch.transaction import Transaction
 from k3patch.tree import VllmTree
@@ -47,12 +42,7 @@ class ModuleCheck:
     decided_by: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "module": self.module,
-            "status": self.status,
-            "reason": self.reason,
-            "decided_by": self.decided_by,
-        }
+        return asdict(self)
 
 
 @dataclass
@@ -196,13 +186,6 @@ def _checked(result: object, python: str, args: dict[str, Any]) -> dict[str, Any
     return result
 
 
-def _patched_files(tree: VllmTree, report: Report) -> set[str]:
-    """Real paths of the files that hold a site in k3patch's shape."""
-    return {
-        os.path.realpath(tree.path(r.file)) for r in report.results if r.verdict is Verdict.APPLIED
-    }
-
-
 def verify(
     tree: VllmTree,
     patches: tuple[Patch, ...] | None = None,
@@ -245,17 +228,19 @@ def verify(
             f"{python} ({chosen})"
         )
     result = _run_child(python, tree, args) if modules or live else {"imports": {}, "probes": {}}
-    patched_files = _patched_files(tree, report)
+    # Real paths of the files that hold a site in k3patch's shape.
+    applied = (r.file for r in report.results if r.verdict is Verdict.APPLIED)
+    patched_files = {os.path.realpath(tree.path(rel)) for rel in applied}
     failed = [m for m, r in result["imports"].items() if not r["ok"]]
     original_imports = _import_originals(python, tree, failed, patched_files)
 
+    def judged(name: str) -> ModuleCheck:
+        return _judge(name, result["imports"][name], patched_files, original_imports)
+
     checks = []
     for patch in patches:
-        check = PatchCheck(patch.id, verdicts[patch.id])
         wanted = patch.modules if patch in live else ()
-        for name in wanted:
-            got = result["imports"][name]
-            check.modules.append(_judge(name, got, patched_files, original_imports))
+        check = PatchCheck(patch.id, verdicts[patch.id], [judged(name) for name in wanted])
         probe = result["probes"].get(patch.id)
         if probe is not None:
             check.probe_ok = probe["ok"]
@@ -264,10 +249,7 @@ def verify(
         elif patch in live and any(m.status != IMPORT_OK for m in check.modules):
             check.probe_summary = "not run: its module did not import"
         checks.append(check)
-    extra = [
-        _judge(name, result["imports"][name], patched_files, original_imports)
-        for name in extra_modules
-    ]
+    extra = [judged(name) for name in extra_modules]
     verified = VerifyReport(report, python, result.get("python", ""), checks, extra)
     _refuse_vacuous(verified, patches, chosen)
     return verified
@@ -330,10 +312,8 @@ def _import_originals(
     with tempfile.TemporaryDirectory(prefix="k3patch-verify-") as tmp:
         overlay = {}
         for rel, fs in record.files.items():
-            if fs.original is None:
-                continue
             path = os.path.realpath(tree.path(rel))
-            if path not in patched_files:
+            if fs.original is None or path not in patched_files:
                 continue
             copy = Path(tmp) / rel.replace("/", "__")
             copy.write_bytes(txn.load_blob(fs.original))
@@ -355,26 +335,16 @@ def _judge(
         return ModuleCheck(name, IMPORT_OK)
     reason = f"{got['type']}: {got['message']}"
     frames = got.get("frames", [])
-    innermost = frames[-1]["file"] if frames else ""
-    if got["type"] in ("SyntaxError", "IndentationError", "TabError") and (
-        innermost in patched_files
-    ):
+    in_patched = (frames[-1]["file"] if frames else "") in patched_files
+    original = (original_imports or {}).get(name)
+    if got["type"] in ("SyntaxError", "IndentationError", "TabError") and in_patched:
         return ModuleCheck(name, BROKEN, reason, "the error is a syntax error in a patched file")
-    if original_imports is not None and name in original_imports:
-        original = original_imports[name]
-        if original["ok"]:
-            return ModuleCheck(name, BROKEN, reason, "the original files import; the patched fail")
-        return ModuleCheck(
-            name,
-            BLOCKED,
-            reason,
-            f"the original files fail too ({original['type']}: {original['message']})",
-        )
-    if innermost in patched_files:
+    if original is not None and original["ok"]:
+        return ModuleCheck(name, BROKEN, reason, "the original files import; the patched fail")
+    if original is not None:
+        why = f"the original files fail too ({original['type']}: {original['message']})"
+        return ModuleCheck(name, BLOCKED, reason, why)
+    if in_patched:
         return ModuleCheck(name, BROKEN, reason, "the failure is raised inside a patched file")
-    return ModuleCheck(
-        name,
-        BLOCKED,
-        reason,
-        "the failure is raised outside the patched files (no original to compare against)",
-    )
+    why = "the failure is raised outside the patched files (no original to compare against)"
+    return ModuleCheck(name, BLOCKED, reason, why)

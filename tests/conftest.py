@@ -107,8 +107,8 @@ def make_tree(tmp_path: Path) -> Callable[..., Path]:
 
 def _copier(tmp_path: Path, prefix: str, cached: Callable[[str], Path]) -> Callable[..., Path]:
     """make(name, full=False): a writable copy of the cached tree `cached(name)`."""
-    from k3patch.engine import target_files
     from k3patch.registry import all_patches
+    from k3patch.scan import target_files
 
     counter = iter(range(1000))
 

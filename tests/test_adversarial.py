@@ -20,7 +20,7 @@ import crash_campaign
 import pytest
 from conftest import pristine_tree, run_cli, tree_hashes
 
-from k3patch import engine, lock, plugin, registry, replace, safefs
+from k3patch import engine, lock, plugin, registry, replace, safefs, scan
 from k3patch.errors import ConcurrentChange, EnvironmentProblem
 from k3patch.fastpath import try_fast
 from k3patch.state import (
@@ -613,7 +613,7 @@ def test_8_an_edit_before_the_rename_is_kept_and_no_journal_blocks(make_tree, mo
     assert not (site / "vllm/.k3patch/journal.json").exists()
     monkeypatch.undo()
     assert run_cli("status", "--vllm", str(site)).returncode in (0, 1)
-    assert engine.scan(locate(site)).interrupted is None
+    assert scan.scan(locate(site)).interrupted is None
 
 
 def test_8_an_edit_during_blobs_does_not_leave_a_journal(make_tree):
@@ -629,7 +629,7 @@ def test_8_an_edit_during_blobs_does_not_leave_a_journal(make_tree):
         engine.apply(locate(site), fault=hook)
     assert target.read_bytes() == theirs
     assert not (site / "vllm/.k3patch/journal.json").exists()
-    assert engine.scan(locate(site)).interrupted is None
+    assert scan.scan(locate(site)).interrupted is None
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "no exchange"])
@@ -656,7 +656,7 @@ def test_8_a_file_renamed_in_after_the_last_look_is_not_lost(make_tree, monkeypa
         assert target.read_bytes() == theirs
         assert not (site / "vllm/.k3patch/journal.json").exists()
         assert not [p for p in site.rglob("*") if ".k3patch-tmp." in p.name]
-        assert engine.scan(locate(site)).interrupted is None
+        assert scan.scan(locate(site)).interrupted is None
     else:
         engine.apply(locate(site), fault=hook)
         assert target.read_bytes() != theirs  # overwritten: why the exchange is used

@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import run_cli, tree_hashes
 
-from k3patch import engine
+from k3patch import scan
 from k3patch.tree import locate
 
 pytestmark = pytest.mark.wheel
@@ -80,8 +80,8 @@ def test_fast_and_full_paths_agree_on_applied_trees(make_tree, version):
         assert unmark(out) == unmark(reference.stdout), args
     # And the record agrees with a classification made from scratch.
     tree = locate(site)
-    fresh = engine.scan(tree, use_record=False)
-    recorded = engine.scan(tree)
+    fresh = scan.scan(tree, use_record=False)
+    recorded = scan.scan(tree)
     assert recorded.from_record and not fresh.from_record
     assert [r.to_json() for r in fresh.results] == [r.to_json() for r in recorded.results]
 

@@ -19,12 +19,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from k3patch import engine
+from k3patch import engine, scan
 from k3patch.fingerprints import Shape, source_fingerprint
 from k3patch.registry import all_patches
 from k3patch.sources import Sources
 from k3patch.tree import locate
-from k3patch.verdicts import Verdict
+from k3patch.verdicts import Verdict, summarise
 
 pytestmark = pytest.mark.wheel
 
@@ -39,7 +39,7 @@ def trees(tmp_path_factory):
     from conftest import _copy_minimal, pristine_tree
 
     src = pristine_tree("0.31.0")
-    rels = engine.target_files(all_patches())
+    rels = scan.target_files(all_patches())
     pre = tmp_path_factory.mktemp("pre") / "site"
     post = tmp_path_factory.mktemp("post") / "site"
     _copy_minimal(src, pre, rels)
@@ -58,13 +58,13 @@ def verdicts_of(texts: dict[str, str | None]) -> list[tuple[str, str, str, str]]
     return sorted(
         (r.patch_id, r.site, r.file, r.verdict.value)
         for p in all_patches()
-        for r in engine._classify(p, sources)
+        for r in scan.classify(p, sources)
     )
 
 
 def read_texts(site: Path) -> dict[str, str | None]:
     out: dict[str, str | None] = {}
-    for rel in engine.target_files(all_patches()):
+    for rel in scan.target_files(all_patches()):
         path = site / "vllm" / rel
         out[rel] = path.read_text() if path.exists() else None
     return out
@@ -207,7 +207,7 @@ def mutation_trees(trees, tmp_path_factory):
     from conftest import _copy_minimal, built_fork_tree
 
     found = {"0.31.0 pre": trees[0], "0.31.0 post": trees[1]}
-    rels = engine.target_files(all_patches())
+    rels = scan.target_files(all_patches())
     for name in ("a", "d"):
         for state in ("pre", "post"):
             site = tmp_path_factory.mktemp(f"fork-{name}-{state}") / "site"
@@ -224,7 +224,7 @@ def mutable_sites(mutation_trees):
     out = []
     for label, site in mutation_trees.items():
         texts = read_texts(site)
-        report = engine.scan(locate(site), use_record=False)
+        report = scan.scan(locate(site), use_record=False)
         patches = {p.id: p for p in all_patches()}
         for result in report.results:
             if result.line is None or result.verdict is Verdict.NOT_APPLICABLE:
@@ -272,11 +272,11 @@ def test_mutated_real_sites_never_read_as_a_better_state(mutable_sites, data):
     new_text = "".join([*lines[: first - 1], new_source + "\n", *lines[stmt.end_lineno :]])
     changed = dict(texts)
     changed[result.file] = new_text
-    before = engine.summarise(r.verdict for r in engine._classify(patch, _sources(texts)))
-    after_results = engine._classify(patch, _sources(changed))
-    after = engine.summarise(r.verdict for r in after_results)
+    before = summarise(r.verdict for r in scan.classify(patch, _sources(texts)))
+    after_results = scan.classify(patch, _sources(changed))
+    after = summarise(r.verdict for r in after_results)
     if after != before or {r.shape for r in after_results} != {
-        r.shape for r in engine._classify(patch, _sources(texts))
+        r.shape for r in scan.classify(patch, _sources(texts))
     }:
         STATS["changed"] += 1
     assert after not in _NEVER.get(before, set()), (

@@ -99,12 +99,12 @@ def test_a_partial_apply_records_what_the_full_path_reads(fork_tree, select):
     moriio-group-routing's pending sites in moriio_connector.py, below the chunk gate's) has
     moved: the record must hold its sites as they read now, so the no-op path's answers, line
     numbers included, are the full path's (issue 21 item 10)."""
-    from k3patch import engine
+    from k3patch import engine, scan
     from k3patch.registry import select as chosen
     from k3patch.tree import locate
 
     site = fork_tree("a")
-    before = engine.scan(locate(site), use_record=False)
+    before = scan.scan(locate(site), use_record=False)
     outcome = engine.apply(
         locate(site),
         chosen(
@@ -113,8 +113,8 @@ def test_a_partial_apply_records_what_the_full_path_reads(fork_tree, select):
         ),
     )
     assert f"{CONNECTOR}" in outcome.written
-    recorded = engine.scan(locate(site))
-    fresh = engine.scan(locate(site), use_record=False)
+    recorded = scan.scan(locate(site))
+    fresh = scan.scan(locate(site), use_record=False)
     assert recorded.from_record and not fresh.from_record
     assert [r.to_json() for r in recorded.results] == [r.to_json() for r in fresh.results]
     # The left-out patch's sites did move: the old lines would have been wrong.

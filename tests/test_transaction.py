@@ -13,7 +13,7 @@ import sys
 import pytest
 from conftest import run_cli, tree_hashes
 
-from k3patch import engine
+from k3patch import engine, scan
 from k3patch.transaction import Transaction
 from k3patch.tree import locate
 
@@ -68,7 +68,7 @@ def test_exception_at_each_step_rolls_back(make_tree, step):
     assert not [p for p in site.rglob("*") if ".k3patch-tmp." in p.name]
     # And the next apply completes normally.
     assert engine.apply(tree).written == planned_files()
-    assert engine.scan(tree).verdict("aiter-mla-gfx942").value == "applied"
+    assert scan.scan(tree).verdict("aiter-mla-gfx942").value == "applied"
 
 
 REVERT_STEPS = [

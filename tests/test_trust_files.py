@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 from conftest import pristine_tree, tree_hashes, vllm_wheel
 
-from k3patch import engine, plugin, state
+from k3patch import engine, plugin, scan, state
 from k3patch.errors import EnvironmentProblem
 from k3patch.tree import TreeError, locate
 
@@ -149,7 +149,7 @@ def test_1_a_fifo_anywhere_k3patch_reads_is_refused_never_blocked_on(make_tree, 
     pkg = str(site / "vllm")
 
     def status() -> str | None:
-        report = engine.scan(locate(site))
+        report = scan.scan(locate(site))
         return report.state_problem
 
     refusals = []
@@ -248,7 +248,7 @@ def test_4_several_dist_infos_the_one_whose_record_owns_the_files_decides(make_t
     assert tree.kind == "site-packages"
     # The digest follows the true version: the same as a tree with only the new dist-info.
     alone = make_tree("0.31.0")
-    assert engine.scan(tree).digest == engine.scan(locate(alone)).digest
+    assert scan.scan(tree).digest == scan.scan(locate(alone)).digest
 
 
 def test_4_an_older_package_under_a_newer_dist_info_reads_as_itself(make_tree):
@@ -275,7 +275,7 @@ def test_4_when_no_record_tells_the_version_is_unknown(make_tree, records):
     assert tree.version is None, tree.version_source
     assert tree.version_source.startswith("unknown (2 vllm dist-infos")
     assert tree.kind == "site-packages"
-    assert engine.scan(tree).digest != engine.scan(locate(make_tree("0.31.0"))).digest
+    assert scan.scan(tree).digest != scan.scan(locate(make_tree("0.31.0"))).digest
 
 
 def test_4_a_record_with_the_package_hashes_is_parsed_as_pip_writes_it(make_tree):
@@ -347,7 +347,7 @@ def umask(mask: int) -> Iterator[None]:
 
 def status_of(site: Path) -> Callable[[], Any]:
     def run() -> Any:
-        report = engine.scan(locate(site))
+        report = scan.scan(locate(site))
         verdicts = {k: v.value for k, v in report.verdicts().items()}
         return [report.state_problem, report.from_record, verdicts]
 
@@ -404,7 +404,7 @@ def test_6_no_chown_when_the_owner_and_group_are_already_the_files(make_tree, mo
     monkeypatch.setattr(os, "fchown", refuse)
     engine.apply(locate(site))
     assert os.stat(target).st_gid == 1
-    assert engine.scan(locate(site)).verdict("aiter-mla-gfx942").value == "applied"
+    assert scan.scan(locate(site)).verdict("aiter-mla-gfx942").value == "applied"
 
 
 @ROOT_ONLY
@@ -465,7 +465,7 @@ def test_11_status_gives_the_code_verdicts_names_the_problem_and_exits_3(
             return real_open(path, flags, *args, **kwargs)
 
         monkeypatch.setattr(os, "open", no_access)
-    report = engine.scan(locate(site))
+    report = scan.scan(locate(site))
     assert report.state_problem is not None and str(state_dir) in report.state_problem
     want = "applied" if odd == "unreadable" else "pending"
     assert report.verdict("aiter-mla-gfx942").value == want  # from the code

@@ -9,10 +9,10 @@ import functools
 import pytest
 from conftest import built_fork_tree, pristine_tree
 
-from k3patch import engine
+from k3patch import engine, scan
 from k3patch.registry import all_patches
 from k3patch.sources import SourceFile, Sources
-from k3patch.verdicts import Verdict
+from k3patch.verdicts import Verdict, summarise
 
 pytestmark = pytest.mark.wheel
 
@@ -69,9 +69,9 @@ CASES = [(p.id, rel) for p in all_patches() for rel in p.files]
 def test_a_file_that_does_not_parse_makes_its_patch_drifted(tree, kind, patch_id, rel):
     patch = next(p for p in all_patches() if p.id == patch_id)
     data, reason = BAD[kind]
-    results = engine._classify(patch, Swapped(base_sources(tree), rel, data))
+    results = scan.classify(patch, Swapped(base_sources(tree), rel, data))
     verdicts = {r.verdict for r in results}
-    assert engine.summarise(verdicts) is Verdict.DRIFTED, (kind, results)
+    assert summarise(verdicts) is Verdict.DRIFTED, (kind, results)
     bad = [r for r in results if r.verdict is Verdict.DRIFTED]
     # Named against the file itself, never a sibling (item 14), with the reason.
     assert all(r.file == rel for r in bad), bad
@@ -83,7 +83,7 @@ def test_an_absent_file_is_still_absent():
     applicable, as before."""
     for patch in all_patches():
         empty = Sources(lambda _: None)
-        assert {r.verdict for r in engine._classify(patch, empty)} == {Verdict.NOT_APPLICABLE}
+        assert {r.verdict for r in scan.classify(patch, empty)} == {Verdict.NOT_APPLICABLE}
 
 
 def test_too_deep_to_analyse_names_the_deepest_file(monkeypatch):
@@ -101,7 +101,7 @@ def test_too_deep_to_analyse_names_the_deepest_file(monkeypatch):
         return []
 
     monkeypatch.setattr(type(patch), "classify", classify)
-    (result,) = engine._classify(patch, sources)
+    (result,) = scan.classify(patch, sources)
     assert result.verdict is Verdict.DRIFTED and result.file == patch.files[2], result
     assert "too deeply to analyse" in result.detail
 
@@ -117,7 +117,7 @@ def test_real_analysis_recursion_is_drift_of_that_file():
     inside = next(i for i in range(site.line, len(lines)) if lines[i].strip())
     indent = lines[inside][: len(lines[inside]) - len(lines[inside].lstrip())]
     lines.insert(inside, indent + "_deep = 1" + "+1" * 1000 + "\n")
-    results = engine._classify(patch, Swapped(base, rel, "".join(lines).encode()))
+    results = scan.classify(patch, Swapped(base, rel, "".join(lines).encode()))
     assert [(r.file, r.verdict) for r in results] == [(rel, Verdict.DRIFTED)], results
     assert "too deeply to analyse" in results[0].detail
 
@@ -133,7 +133,7 @@ def fork_report():
     """Fork tree a, where all four patches are pending; two of them change CONNECTOR."""
     from k3patch.tree import locate
 
-    report = engine.scan(locate(built_fork_tree("a")), use_record=False)
+    report = scan.scan(locate(built_fork_tree("a")), use_record=False)
     assert {p.id: v.value for p, v in zip(report.patches, report.verdicts().values())} == {
         p.id: "pending" for p in all_patches()
     }
@@ -192,10 +192,15 @@ def test_a_failing_rewrite_is_left_out_and_poisons_nothing(
     other patch's edits are exactly what they are without it."""
     broken(monkeypatch, "moriio-chunk-gate", how)
     the_plan = engine.plan(fork_report)
-    assert list(the_plan.bugs) == ["moriio-chunk-gate"] and says in the_plan.bugs["moriio-chunk-gate"]
-    ours = [(r.site, r.verdict) for r in the_plan.after_results if r.patch_id == "moriio-chunk-gate"]
+    assert (
+        list(the_plan.bugs) == ["moriio-chunk-gate"] and says in the_plan.bugs["moriio-chunk-gate"]
+    )
+    ours = [
+        (r.site, r.verdict) for r in the_plan.after_results if r.patch_id == "moriio-chunk-gate"
+    ]
     # As classified (pending); its lines are those of the file the others' edits left.
     assert ours == [(r.site, r.verdict) for r in fork_report.for_patch("moriio-chunk-gate")]
+
     def others(results):
         return [(r.site, r.verdict, r.shape) for r in results if r.patch_id != "moriio-chunk-gate"]
 
@@ -228,7 +233,7 @@ def test_apply_writes_the_others_and_exits_2(monkeypatch, fork_tree):
     assert recorded == {"moriio-chunk-gate": Verdict.PENDING}
     # No file is recorded as written by the patch that was left out.
     assert all("moriio-chunk-gate" not in fs.patches for fs in record.files.values())
-    assert engine.scan(tree).verdicts() == {
+    assert scan.scan(tree).verdicts() == {
         p.id: Verdict.PENDING if p.id == "moriio-chunk-gate" else Verdict.APPLIED
         for p in all_patches()
     }

@@ -14,10 +14,10 @@ import subprocess
 import sys
 
 import pytest
+from conftest import run_cli
 from typer.testing import CliRunner
 
-from conftest import run_cli
-from k3patch import plaintext, render
+from k3patch import plaintext, render, scan
 from k3patch.cli import app
 
 K3 = [sys.executable, "-m", "k3patch"]
@@ -46,8 +46,9 @@ OUTPUTS = {
 @pytest.fixture(scope="module")
 def applied_site(tmp_path_factory):
     from conftest import _copy_minimal, pristine_tree
-    from k3patch.engine import target_files
+
     from k3patch.registry import all_patches
+    from k3patch.scan import target_files
 
     site = tmp_path_factory.mktemp("outputs") / "site"
     _copy_minimal(pristine_tree("0.31.0"), site, target_files(all_patches()))
@@ -78,9 +79,7 @@ def test_exit_codes_survive_any_output(applied_site, output):
         assert len(lines) <= allowed, (command, lines)
 
 
-def test_debug_shows_tracebacks_of_internal_errors_only_and_keeps_the_code(
-    make_tree, monkeypatch
-):
+def test_debug_shows_tracebacks_of_internal_errors_only_and_keeps_the_code(make_tree, monkeypatch):
     from k3patch.registry import all_patches
 
     monkeypatch.setenv("K3PATCH_DEBUG", "1")
@@ -218,7 +217,16 @@ SITE = {
 
 def block_after(lines: list[str], head: str) -> list[str]:
     start = lines.index(head) + 1
-    end = next((i for i in range(start, len(lines)) if lines[i].startswith("    ") and not lines[i].startswith("      ") and lines[i].strip()), len(lines))
+    end = next(
+        (
+            i
+            for i in range(start, len(lines))
+            if lines[i].startswith("    ")
+            and not lines[i].startswith("      ")
+            and lines[i].strip()
+        ),
+        len(lines),
+    )
     return lines[start:end]
 
 
@@ -271,7 +279,6 @@ def test_the_terminal_renderer_prints_the_same_blocks(monkeypatch):
 def test_found_code_keeps_its_indentation_under_its_def(make_tree):
     """A method found drifted is shown from its `def` at the margin, its body one level under
     it (the file's own layout), not the body at the file's column under an unindented `def`."""
-    from k3patch import engine
     from k3patch.registry import all_patches
     from k3patch.tree import locate
 
@@ -282,7 +289,7 @@ def test_found_code_keeps_its_indentation_under_its_def(make_tree):
     end = text.index("\n", at)
     target.write_text(text[:end] + " and cls._AITER_ENABLED" + text[end:])
     aiter = tuple(p for p in all_patches() if p.id == "aiter-mla-gfx942")
-    report = engine.scan(locate(str(site)), aiter, use_record=False)
+    report = scan.scan(locate(str(site)), aiter, use_record=False)
     (drift,) = [r for r in report.results if r.verdict.value == "drifted"]
     lines = drift.found.splitlines()
     assert lines[0].startswith("def is_mla_enabled(cls)"), lines

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
+from k3patch import scan
 from k3patch import verify as verify_mod
 from k3patch.registry import all_patches, patch_module_file, patches_dir
 from k3patch.tree import locate
@@ -159,7 +160,7 @@ def test_unchecked_hash_pycs_are_rebuilt_so_patched_code_runs(make_tree, verify_
 
     # k3patch's own edit, planned in memory and written as a plain file write (no pyc care).
     aiter = tuple(p for p in all_patches() if p.id == AITER)
-    the_plan = engine.plan(engine.scan(locate(plain), aiter, use_record=False))
+    the_plan = engine.plan(scan.scan(locate(plain), aiter, use_record=False))
     assert original.decode() == the_plan.old_texts["_aiter_ops.py"]
     (plain / "vllm" / "_aiter_ops.py").write_text(the_plan.new_texts["_aiter_ops.py"])
     env = {**os.environ, "PYTHONPATH": str(plain)}
@@ -217,7 +218,10 @@ def test_odd_bytes_around_the_result_are_not_fatal(make_tree, tmp_path):
 @pytest.mark.parametrize(
     "body, says",
     [
-        ("sys.stderr.buffer.write(b'\\xff\\xfe died\\n'); sys.exit(1)", "exited 1: \ufffd\ufffd died"),
+        (
+            "sys.stderr.buffer.write(b'\\xff\\xfe died\\n'); sys.exit(1)",
+            "exited 1: \ufffd\ufffd died",
+        ),
         ("print(MARKER + '{not json')", "text that is not JSON"),
         ("print(MARKER + '[1, 2]')", "a JSON list"),
         ("print(MARKER + '{}')", "without its imports and probes"),

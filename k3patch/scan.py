@@ -1,0 +1,254 @@
+"""Classify a tree: read the target files, let each patch judge its sites, or reuse a fresh
+state record without parsing anything. Nothing here writes or prints."""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from k3patch import formats
+from k3patch.astkit import AmbiguousDefinition
+from k3patch.errors import EnvironmentProblem
+from k3patch.patch import Patch
+from k3patch.registry import all_patches
+from k3patch.sources import SourceError, Sources
+from k3patch.state import RecordProblem, fresh, load
+from k3patch.transaction import Transaction, sha256
+from k3patch.tree import VllmTree
+from k3patch.verdicts import SiteResult, Verdict, summarise
+
+
+@dataclass
+class Report:
+    """The classification of every selected patch's sites in one tree."""
+
+    tree: VllmTree
+    patches: tuple[Patch, ...]
+    results: list[SiteResult]
+    hashes: dict[str, str | None]  # every target file read -> sha256 (None: absent)
+    from_record: bool = False
+    interrupted: str | None = None  # an interrupted commit's journal is present
+    # Why k3patch's own state cannot be read here (`.k3patch` a file or a link, the record or
+    # journal not a regular file or unreadable by this user): the verdicts still come from the
+    # code, but apply could not run, and status says so (exit 3).
+    state_problem: str | None = None
+    # The files as read for this report, parsed trees cached: plan() reuses them.
+    sources: Sources | None = field(default=None, repr=False, compare=False)
+
+    def selected(self, patches: tuple[Patch, ...]) -> Report:
+        """The same classification restricted to `patches`."""
+        wanted = {p.id for p in patches}
+        results = [r for r in self.results if r.patch_id in wanted]
+        return Report(
+            self.tree,
+            patches,
+            results,
+            self.hashes,
+            self.from_record,
+            self.interrupted,
+            state_problem=self.state_problem,
+            sources=self.sources,
+        )
+
+    def for_patch(self, patch_id: str) -> list[SiteResult]:
+        return [r for r in self.results if r.patch_id == patch_id]
+
+    def verdict(self, patch_id: str) -> Verdict:
+        return summarise(r.verdict for r in self.for_patch(patch_id))
+
+    def verdicts(self) -> dict[str, Verdict]:
+        return {p.id: self.verdict(p.id) for p in self.patches}
+
+    @property
+    def pending(self) -> list[SiteResult]:
+        return [r for r in self.results if r.verdict is Verdict.PENDING]
+
+    def pending_outside(self, refused: Iterable[str]) -> list[SiteResult]:
+        """The pending sites of every patch not in `refused` (what an apply will rewrite)."""
+        skip = set(refused)
+        return [r for r in self.pending if r.patch_id not in skip]
+
+    @property
+    def drifted(self) -> list[SiteResult]:
+        return [r for r in self.results if r.verdict is Verdict.DRIFTED]
+
+    @property
+    def digest(self) -> str:
+        """One value two nodes can compare: vLLM version, every target file's hash, verdicts."""
+        results = [r.to_json() for r in self.results]
+        return formats.state_digest(self.tree.version, self.hashes, results)
+
+    @property
+    def vllm_info(self) -> dict[str, Any]:
+        return self.tree.info
+
+    def to_json(self) -> dict[str, Any]:
+        payload = formats.report_json(
+            self.vllm_info,
+            self.digest,
+            self.from_record,
+            self.interrupted,
+            patch_meta(self.patches),
+            [r.to_json() for r in self.results],
+        )
+        if self.state_problem:
+            payload["error"] = self.state_problem
+        return payload
+
+
+def patch_meta(patches: Iterable[Patch]) -> list[dict[str, str]]:
+    return [{"id": p.id, "title": p.title, "caveat": p.caveat} for p in patches]
+
+
+def target_files(patches: Iterable[Patch]) -> list[str]:
+    seen: dict[str, None] = {}
+    for patch in patches:
+        for rel in patch.files:
+            seen.setdefault(rel)
+    return list(seen)
+
+
+def _file_drift(patch: Patch, rel: str, detail: str) -> SiteResult:
+    return SiteResult(
+        patch_id=patch.id, site="(file)", file=rel, verdict=Verdict.DRIFTED, detail=detail
+    )
+
+
+def _unreadable(patch: Patch, sources: Sources) -> list[SiteResult]:
+    """Every file a patch reads must parse, whatever the patch would look at first: a patch
+    that answers "not applicable" or "satisfied" from one file must not do so past another it
+    cannot read. One drifted result per present file that is not Python source (syntax error,
+    binary junk, not UTF-8, nested past the parser's limits) or holds no code at all (an empty
+    or truncated target is never vLLM's). An absent file is the patch's to judge."""
+    out = []
+    for rel in patch.files:
+        src = sources[rel]
+        if not src.exists:
+            continue
+        try:
+            tree = src.tree
+        except SourceError as exc:
+            out.append(_file_drift(patch, rel, str(exc)))
+            continue
+        if not tree.body:
+            out.append(
+                _file_drift(patch, rel, f"{rel}: holds no code (empty); restore it from the wheel")
+            )
+    return out
+
+
+def classify(patch: Patch, sources: Sources) -> list[SiteResult]:
+    unreadable = _unreadable(patch, sources)
+    if unreadable:
+        return unreadable
+    try:
+        return patch.classify(sources)
+    except AmbiguousDefinition as exc:
+        rel = next(
+            (
+                rel
+                for rel in patch.files
+                if sources[rel].exists
+                and any(node is exc.scope for node in ast.walk(sources[rel].tree))
+            ),
+            patch.files[0],
+        )
+        return [
+            SiteResult(
+                patch_id=patch.id,
+                site=exc.name,
+                file=rel,
+                verdict=Verdict.DRIFTED,
+                detail=str(exc),
+                line=exc.lines[-1],
+            )
+        ]
+    except SourceError as exc:
+        return [_file_drift(patch, str(exc).split(":", 1)[0], str(exc))]
+    except (RecursionError, MemoryError):
+        # It parsed, but is nested deeper than the analysis can follow (a recursive copy or
+        # unparse of an expression hundreds of operators deep): the deepest of the patch's
+        # files is the one, whichever file the patch happened to be reading.
+        rel = max(patch.files, key=lambda rel: sources[rel].depth())
+        return [
+            _file_drift(
+                patch,
+                rel,
+                f"{rel}: code nested too deeply to analyse ({sources[rel].depth()} levels; a "
+                "generated or hostile file?); restore it from the wheel",
+            )
+        ]
+
+
+def file_hashes(sources: Sources, files: Iterable[str]) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for rel in files:
+        data = sources[rel].data
+        out[rel] = None if data is None else sha256(data)
+    return out
+
+
+def scan(
+    tree: VllmTree,
+    patches: tuple[Patch, ...] | None = None,
+    *,
+    use_record: bool = True,
+    wait_for_live: float = 0.0,
+) -> Report:
+    """Classify every site of `patches` (default: all). With a state record whose file hashes
+    all match, its classification is reused without parsing anything. `wait_for_live`: seconds
+    to wait for a live run whose journal is there (status), instead of reporting it interrupted."""
+    patches = all_patches() if patches is None else patches
+    sources = Sources(tree.read, tree.version)
+    files = target_files(all_patches())
+    hashes = file_hashes(sources, files)
+    interrupted, problem = _interrupted(tree, wait_for_live)
+    record = None
+    try:
+        record = load(tree.state_dir)
+    except RecordProblem:
+        pass  # damaged or of another schema: a cache only; apply and revert say so
+    except EnvironmentProblem as exc:
+        problem = problem or str(exc)
+    if (
+        use_record
+        and interrupted is None
+        and problem is None
+        and not os.environ.get("K3PATCH_NO_FASTPATH")
+        and record is not None
+        and fresh(record, hashes)
+    ):
+        wanted = {p.id for p in patches}
+        results = [r for r in record.results if r.patch_id in wanted]
+        return Report(tree, patches, results, hashes, from_record=True)
+    results = [r for patch in patches for r in classify(patch, sources)]
+    return Report(
+        tree,
+        patches,
+        results,
+        hashes,
+        interrupted=interrupted,
+        sources=sources,
+        state_problem=problem,
+    )
+
+
+def _interrupted(tree: VllmTree, wait: float) -> tuple[str | None, str | None]:
+    """The op of an interrupted commit's journal (or None), and why no journal could be read
+    (or None). A journal that a live run holding the lock is writing right now is not an
+    interrupted one: wait for that run to finish."""
+    from k3patch import lock
+
+    txn = Transaction(tree.package_dir)
+    try:
+        journal = txn.pending_journal()
+        if journal is not None and wait > 0 and lock.wait_if_busy(tree.package, wait):
+            journal = txn.pending_journal()
+    except RecordProblem:
+        return "unknown (damaged journal)", None
+    except EnvironmentProblem as exc:
+        return None, str(exc)  # apply and revert stop on it; status names it
+    return (str(journal["op"]) if journal else None), None
