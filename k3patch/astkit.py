@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterable
-from typing import Any
+from typing import TypeVar
+
+T = TypeVar("T", bound=ast.stmt)
 
 
 class AmbiguousDefinition(Exception):
@@ -13,18 +15,15 @@ class AmbiguousDefinition(Exception):
     one, so patching the first would patch dead code and still read as applied: this is drift."""
 
     def __init__(self, scope: ast.AST, name: str, lines: list[int]) -> None:
-        self.scope = scope
-        self.name = name
-        self.lines = lines
-        where = ", ".join(str(n) for n in lines)
+        self.scope, self.name, self.lines = scope, name, lines
         super().__init__(
-            f"{name} is bound {len(lines)} times in one scope (lines {where}); "
+            f"{name} is bound {len(lines)} times in one scope (lines "
+            f"{', '.join(str(n) for n in lines)}); "
             "the last binding is the live one, so k3patch will not guess which to patch"
         )
 
 
 def _binds(stmt: ast.stmt, name: str) -> bool:
-    """Whether a statement of a scope's body binds `name` in that scope."""
     if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
         return stmt.name == name
     if isinstance(stmt, ast.Import | ast.ImportFrom):
@@ -46,55 +45,45 @@ def bindings(body: Iterable[ast.stmt], name: str) -> list[ast.stmt]:
     return [stmt for stmt in body if _binds(stmt, name)]
 
 
-def _bound_once(
-    scope: ast.AST, body: list[ast.stmt], name: str, kind: type | tuple[type, ...]
-) -> Any:
-    """The one statement of `body` that defines `name` as a `kind`; None when there is none.
-    Raises AmbiguousDefinition when `name` is bound more than once there."""
+def _bound_once(scope: ast.AST, body: list[ast.stmt], name: str, kind: type[T]) -> T | None:
+    """The one statement of `body` that defines `name` as a `kind`, else None;
+    AmbiguousDefinition when `name` is bound more than once there."""
     found = bindings(body, name)
     if len(found) > 1:
         raise AmbiguousDefinition(scope, name, [stmt.lineno for stmt in found])
-    if found and isinstance(found[0], kind):
-        return found[0]
-    return None
+    return found[0] if found and isinstance(found[0], kind) else None
+
+
+# Each lookup raises AmbiguousDefinition where its scope binds the name twice.
 
 
 def find_class(module: ast.Module, name: str) -> ast.ClassDef | None:
-    """The module's class `name`; AmbiguousDefinition if the module binds `name` twice."""
-    found: ast.ClassDef | None = _bound_once(module, module.body, name, ast.ClassDef)
-    return found
+    return _bound_once(module, module.body, name, ast.ClassDef)
 
 
 def find_method(cls: ast.ClassDef, name: str) -> ast.FunctionDef | None:
-    """The class's method `name`; AmbiguousDefinition if the class body binds `name` twice."""
-    found: ast.FunctionDef | None = _bound_once(cls, cls.body, name, ast.FunctionDef)
-    return found
+    return _bound_once(cls, cls.body, name, ast.FunctionDef)
 
 
 def find_function(module: ast.Module, name: str) -> ast.FunctionDef | None:
-    """The module's function `name`; AmbiguousDefinition if the module binds `name` twice."""
-    found: ast.FunctionDef | None = _bound_once(module, module.body, name, ast.FunctionDef)
-    return found
+    return _bound_once(module, module.body, name, ast.FunctionDef)
 
 
 def find_scope(module: ast.Module, path: str) -> ast.ClassDef | ast.FunctionDef | None:
-    """The class or function at `path` ("Class", "Class.method", "function"): each component
-    looked up with the same refusal of ambiguity as find_class / find_method."""
-    node: ast.AST = module
+    """The class or function at `path` ("Class", "Class.method", "function"), each component
+    looked up as find_class / find_method do."""
+    node: ast.Module | ast.ClassDef | ast.FunctionDef = module
     for part in path.split("."):
-        body = getattr(node, "body", None)
-        if not isinstance(body, list):
+        found = _bound_once(node, node.body, part, ast.stmt)
+        if not isinstance(found, ast.ClassDef | ast.FunctionDef):
             return None
-        node = _bound_once(node, body, part, (ast.ClassDef, ast.FunctionDef))
-        if node is None:
-            return None
-    assert isinstance(node, ast.ClassDef | ast.FunctionDef)
+        node = found
+    assert not isinstance(node, ast.Module)
     return node
 
 
 def find_def(module: ast.Module, path: str) -> ast.FunctionDef | None:
-    """The function or method at `path` ("function", "Class.method"), looked up as find_scope
-    does; None when it is absent or `path` names a class."""
+    """The function or method at `path`, as find_scope finds it; None for a class."""
     found = find_scope(module, path)
     return found if isinstance(found, ast.FunctionDef) else None
 
@@ -123,7 +112,6 @@ def mentioned_names(node: ast.AST, *, everything: bool = False) -> set[str]:
 
 
 def module_binds(module: ast.Module, name: str) -> bool:
-    """Whether the module binds `name` at top level (an import, a def, a class or an assignment)."""
     return bool(bindings(module.body, name))
 
 
@@ -138,8 +126,7 @@ def stored_names(nodes: Iterable[ast.AST]) -> set[str]:
 
 
 def imported_names(node: ast.AST) -> set[str]:
-    """The names the import statements anywhere under `node` bind: an alias's `as` name, else
-    the first component of the imported name (`import a.b` binds `a`)."""
+    """The names the imports anywhere under `node` bind (`import a.b` binds `a`)."""
     return {
         (alias.asname or alias.name).split(".")[0]
         for n in ast.walk(node)
@@ -151,8 +138,8 @@ def imported_names(node: ast.AST) -> set[str]:
 def parameter_names(
     func: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda, *, positional: bool = False
 ) -> set[str]:
-    """The named parameters of `func` (positional-only, ordinary and keyword-only; not `*args`
-    or `**kwargs`). With `positional`, only those a caller can pass by position."""
+    """The named parameters of `func` (not `*args` or `**kwargs`); with `positional`, only
+    those a caller can pass by position."""
     args = func.args
     return {
         a.arg for a in [*args.posonlyargs, *args.args, *([] if positional else args.kwonlyargs)]
@@ -167,7 +154,6 @@ def attribute_owner(expr: ast.AST, attr: str) -> str | None:
 
 
 def callee_name(call: ast.Call) -> str:
-    """The name a call calls: `f` for `f(...)`, `m` for `a.b.m(...)`; "" for anything else
-    (`f()()`, `table[k](...)`)."""
+    """`f` for `f(...)`, `m` for `a.b.m(...)`; "" for anything else (`f()()`, `t[k](...)`)."""
     func = call.func
     return func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")

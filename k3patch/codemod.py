@@ -1,18 +1,9 @@
 """The one way a patch changes a file: a libcst codemod over the file's concrete syntax tree.
 
-Classification reads the code with `ast` (fast; the fingerprints). A pending site is rewritten
-here: the file is parsed with `libcst.parse_module`, the statements classification picked out
-(as `ast` nodes) are found again in the libcst tree by their place in it (the same statement of
-the same block, from the module down: both trees hold one node per statement), and one
-`libcst.CSTTransformer` pass makes every change a patch asked for, on `updated_node`s. New code
-is parsed by libcst into nodes (`parse_statement`, `parse_expression`); the module's own
-indentation and newline style are libcst's to keep (tabs stay tabs, CRLF stays CRLF), and every
-byte outside the changed statements is printed back as it was.
-
-A patch builds one `Codemod` per file it changes, calls its operations (insert, replace, nest,
-change a statement, append an item, a definition or an import) with the ast nodes it found,
-and returns `codemod.code()`. Two changes of one statement that cannot be composed (two
-replacements, a change inside a replaced statement) raise `CodemodError`; nothing is applied.
+Classification picks statements out with `ast`; they are found again in the libcst tree by their
+place in it (both trees hold one node per statement) and changed in one `CSTTransformer` pass, so
+every byte outside the changed statements (indentation, tabs, CRLF) prints back as it was. Two
+changes of one statement that cannot be composed raise `CodemodError`; nothing is applied.
 """
 
 from __future__ import annotations
@@ -24,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import libcst as cst
+import libcst.matchers as m
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 
@@ -42,9 +34,9 @@ class CodemodError(ValueError):
 
 
 def statements(source: str, newline: str = "\n") -> list[Statement]:
-    """`source` (any indentation) as libcst statements; comment lines above the first one and
-    blank lines between them stay with the statement they precede. `newline`: the target
-    file's, which a multi-line string's own lines take too (libcst prints tokens verbatim)."""
+    """`source` (any indentation) as libcst statements, comments above each kept with it.
+    `newline` is the target file's: a multi-line string's lines take it too (libcst prints
+    tokens verbatim)."""
     text = textwrap.dedent(source.strip("\n")) + "\n"
     module = cst.parse_module(text.replace("\n", newline))
     body = list(module.body)
@@ -62,13 +54,12 @@ def with_leading_lines(stmt: Statement, lines: Sequence[cst.EmptyLine]) -> State
     return stmt.with_changes(leading_lines=[*lines, *stmt.leading_lines])
 
 
-# ---------------------------------------------------------------------------------------------
 # Finding an ast statement's libcst node: both trees hold the same blocks in the same order.
 
 
 def _suite(node: cst.CSTNode | None) -> list[cst.CSTNode]:
-    """The statements of a block: a suite, or what holds one (`else:`, `finally:`, a handler,
-    a case), or an `elif` (the one statement of the ast `orelse`)."""
+    """The statements of a block: a suite, or what holds one (`else:`, a handler, a case), or
+    an `elif` (the one statement of the ast `orelse`)."""
     if node is None:
         return []
     if isinstance(node, cst.If):
@@ -79,70 +70,51 @@ def _suite(node: cst.CSTNode | None) -> list[cst.CSTNode]:
 
 
 def _blocks(cst_node: cst.CSTNode, ast_node: ast.AST) -> Iterator[tuple[list[ast.stmt], list]]:
-    """The (ast block, libcst block) pairs directly under a statement or the module."""
+    """The (ast block, libcst block) pairs directly under a statement or the module; both
+    trees name a compound statement's blocks alike."""
     if isinstance(ast_node, ast.Module):
         yield ast_node.body, list(cst_node.body)  # type: ignore[attr-defined]
         return
-    c: object = cst_node
-    pairs: list[tuple[list[ast.stmt], cst.CSTNode | None]] = []
-    if isinstance(ast_node, ast.If) and isinstance(c, cst.If):
-        pairs = [(ast_node.body, c.body), (ast_node.orelse, c.orelse)]
-    elif isinstance(ast_node, ast.For | ast.AsyncFor | ast.While) and isinstance(
-        c, cst.For | cst.While
-    ):
-        pairs = [(ast_node.body, c.body), (ast_node.orelse, c.orelse)]
-    elif isinstance(ast_node, ast.Try | ast.TryStar) and isinstance(c, cst.Try | cst.TryStar):
-        pairs = [(ast_node.body, c.body)]
-        pairs += list(zip((h.body for h in ast_node.handlers), c.handlers, strict=True))
-        pairs += [(ast_node.orelse, c.orelse), (ast_node.finalbody, c.finalbody)]
-    elif isinstance(ast_node, ast.Match) and isinstance(c, cst.Match):
-        pairs = list(zip((case.body for case in ast_node.cases), c.cases, strict=True))
-    elif isinstance(
-        ast_node, ast.With | ast.AsyncWith | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
-    ):
-        pairs = [(ast_node.body, c.body)]  # type: ignore[attr-defined]
-    for ast_block, holder in pairs:
-        yield ast_block, _suite(holder)
+    for name in ("body", "handlers", "orelse", "finalbody", "cases"):
+        ast_value, cst_value = getattr(ast_node, name, None), getattr(cst_node, name, None)
+        if name in ("handlers", "cases"):  # clauses, each with its own block
+            for clause, holder in zip(ast_value or [], cst_value or [], strict=True):
+                yield clause.body, _suite(holder)
+        elif ast_value is not None:
+            yield ast_value, _suite(cst_value)
 
 
-@dataclass(frozen=True)
-class Slot:
-    """Where an ast statement is in the libcst tree: its line or compound statement, and its
-    index among the small statements of that line (None for a compound statement)."""
-
-    node: cst.CSTNode
-    small: int | None
-    alone: bool  # the only statement of its line (always True for a compound statement)
-
-
-def _index(module: cst.Module, tree: ast.Module) -> tuple[dict[int, Slot], dict[int, int]]:
-    """id(ast statement) -> Slot for every statement of the file, and id(libcst statement) ->
-    id(the compound statement that holds it) for every statement below the module."""
-    found: dict[int, Slot] = {}
+def _index(
+    module: cst.Module, tree: ast.Module
+) -> tuple[dict[int, Statement | None], dict[int, int]]:
+    """id(ast statement) -> its libcst line or compound statement (None where it shares its
+    line) for every statement of the file, and id(libcst statement) -> id(the compound
+    statement that holds it) for every statement below the module."""
+    found: dict[int, Statement | None] = {}
     parents: dict[int, int] = {}
     todo: list[tuple[cst.CSTNode, ast.AST]] = [(module, tree)]
     while todo:
         cst_node, ast_node = todo.pop()
         for ast_block, cst_block in _blocks(cst_node, ast_node):
-            slots: list[Slot] = []
+            nodes: list[Statement | None] = []
             for item in cst_block:
                 if cst_node is not module:
                     parents[id(item)] = id(cst_node)
-                if isinstance(item, cst.SimpleStatementLine | cst.SimpleStatementSuite):
-                    smalls = item.body
-                    slots += [Slot(item, i, len(smalls) == 1) for i in range(len(smalls))]
+                if isinstance(item, cst.SimpleStatementSuite):  # `if x: a` or `if x: a; b`
+                    nodes += [None] * len(item.body)
+                elif isinstance(item, cst.SimpleStatementLine):
+                    nodes += [item if len(item.body) == 1 else None] * len(item.body)
                 else:
-                    slots.append(Slot(item, None, True))
-            if len(slots) != len(ast_block):
+                    nodes.append(item)
+            if len(nodes) != len(ast_block):
                 raise CodemodError("the libcst and ast trees of the file disagree")
-            for stmt, slot in zip(ast_block, slots, strict=True):
-                found[id(stmt)] = slot
-                if slot.small is None:
-                    todo.append((slot.node, stmt))
+            for stmt, node in zip(ast_block, nodes, strict=True):
+                found[id(stmt)] = node
+                if isinstance(node, cst.BaseCompoundStatement):
+                    todo.append((node, stmt))
     return found, parents
 
 
-# ---------------------------------------------------------------------------------------------
 # The changes of one statement, composed in one transformer pass.
 
 
@@ -190,46 +162,40 @@ class _Apply(cst.CSTTransformer):
 
 
 class Codemod:
-    """The libcst tree of one file and the changes a patch makes to it."""
+    """The libcst tree of one file and the changes a patch makes to it; `code()` prints it."""
 
     def __init__(self, text: str, tree: ast.Module) -> None:
         self.text, self.tree = text, tree
         self.module = cst.parse_module(text)
         self.newline = self.module.default_newline
-        self._slots, self._parents = _index(self.module, tree)
+        self._nodes, self._parents = _index(self.module, tree)
         self._plans: dict[int, _Plan] = {}
         self._imports: list[str] = []
         self._definitions: list[Statement] = []
         self._transformers: list[cst.CSTTransformer] = []
 
-    # -- finding ------------------------------------------------------------------------------
-
     def node(self, stmt: ast.stmt) -> Statement:
         """The libcst statement (line or compound statement) that holds `stmt`, alone."""
-        slot = self._slots.get(id(stmt))
-        if slot is None:
+        if id(stmt) not in self._nodes:
             raise CodemodError(f"line {stmt.lineno}: not a statement of this file")
-        if not slot.alone or isinstance(slot.node, cst.SimpleStatementSuite):
+        node = self._nodes[id(stmt)]
+        if node is None:
             raise CodemodError(f"line {stmt.lineno}: another statement shares its line")
-        return slot.node  # type: ignore[return-value]
+        return node
 
     def _plan(self, stmt: ast.stmt) -> _Plan:
         return self._plans.setdefault(id(self.node(stmt)), _Plan())
 
-    # -- statement changes --------------------------------------------------------------------
-
     def insert_before(self, stmt: ast.stmt, source: str) -> None:
         """`source` as statements right before `stmt` (before its decorators); a `source` of
         comments only goes right above the statement (or what replaces it)."""
-        if not source.strip() or all(
-            line.strip().startswith("#") or not line.strip() for line in source.splitlines()
-        ):
-            lines = textwrap.dedent(source.strip("\n")).splitlines()
+        lines = source.splitlines()
+        if all(not line.strip() or line.strip().startswith("#") for line in lines):
             self._plan(stmt).comments += [
                 cst.EmptyLine(comment=cst.Comment(line.strip()))
                 if line.strip()
                 else cst.EmptyLine(indent=False)
-                for line in lines
+                for line in textwrap.dedent(source.strip("\n")).splitlines()
             ]
             return
         self._plan(stmt).before += statements(source, self.newline)
@@ -250,16 +216,16 @@ class Codemod:
             raise CodemodError(f"line {stmt.lineno}: a removed statement is also changed")
         plan.removed = True
 
+    def _fold(self, stmts: Sequence[ast.stmt], change: Change) -> None:
+        """The consecutive statements `stmts` become what `change` makes of the first."""
+        self.change(stmts[0], change)
+        for stmt in stmts[1:]:
+            self.remove(stmt)
+
     def replace(self, stmts: Sequence[ast.stmt], source: str) -> None:
         """The consecutive statements `stmts` by `source`; the comments above the first stay."""
         new = statements(source, self.newline)
-
-        def put(node: Statement) -> list[Statement]:
-            return [with_leading_lines(new[0], node.leading_lines), *new[1:]]
-
-        self.change(stmts[0], put)
-        for stmt in stmts[1:]:
-            self.remove(stmt)
+        self._fold(stmts, lambda node: [with_leading_lines(new[0], node.leading_lines), *new[1:]])
 
     def nest_under(self, stmts: Sequence[ast.stmt], header: str) -> None:
         """The consecutive statements `stmts` one level in under `header` (`if cond:`, ...);
@@ -269,15 +235,9 @@ class Codemod:
             raise CodemodError(f"{header!r} is not a compound statement header")
         # The later statements move as they are (nothing may change inside them).
         moved = [self.node(stmt) for stmt in stmts[1:]]
-
-        def nest(node: Statement) -> Statement:
-            return shell.with_changes(body=cst.IndentedBlock(body=[node, *moved]))
-
-        self.change(stmts[0], nest)
-        for stmt in stmts[1:]:
-            self.remove(stmt)
-
-    # -- items --------------------------------------------------------------------------------
+        self._fold(
+            stmts, lambda node: shell.with_changes(body=cst.IndentedBlock(body=[node, *moved]))
+        )
 
     def append_to(
         self,
@@ -306,10 +266,9 @@ class Codemod:
             key=lambda n: (n.lineno, n.col_offset, -(n.end_lineno or 0), -(n.end_col_offset or 0)),
         )
         ordinal = next(i for i, n in enumerate(same) if n is holder)
-        target: type[cst.CSTNode] = cst.Call if kind is ast.Call else cst.Dict
 
         def edit(node: Statement) -> Statement:
-            found = [n for n in _preorder(node) if isinstance(n, target)]
+            found = m.findall(node, m.Call() if kind is ast.Call else m.Dict())  # in preorder
             if len(found) != len(same):
                 raise CodemodError(f"line {within.lineno}: the calls of the statement disagree")
             new = node.deep_replace(found[ordinal], _append_element(found[ordinal], item))
@@ -326,17 +285,14 @@ class Codemod:
 
     def ensure_import(self, name: str) -> None:
         """`import name` unless the module binds `name` at its top level, however (libcst's
-        AddImportsVisitor, which puts it after the module's first block of imports, only
-        knows imports of the module itself)."""
+        AddImportsVisitor only knows imports of the module itself)."""
         if not module_binds(self.tree, name):
             self._imports.append(name)
 
     def transform(self, transformer: cst.CSTTransformer) -> None:
-        """Run `transformer` over the file after the statement changes (a patch's own
-        matcher-driven codemod, e.g. a `ScopedTransformer`)."""
+        """Run a patch's own transformer (e.g. a `ScopedTransformer`) after the statement
+        changes."""
         self._transformers.append(transformer)
-
-    # -- the result ---------------------------------------------------------------------------
 
     def code(self) -> str:
         """The file's new text: every change made in one pass, then imports and definitions."""
@@ -373,23 +329,14 @@ class Codemod:
         return code
 
 
-def _preorder(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
-    yield node
-    for child in node.children:
-        yield from _preorder(child)
-
-
-# Items appended to a parameter list, an argument list or a dict display (laid out by itemlayout).
-
-
 def _append_param(node: Statement, item: str) -> Statement:
     if not isinstance(node, cst.FunctionDef):
         raise CodemodError("parameters belong to a def")
     shell = cst.parse_statement(f"def f({item}): pass")
     assert isinstance(shell, cst.FunctionDef)
-    new = shell.params.params[0]
     params = node.params
-    return node.with_changes(params=params.with_changes(params=appended(params.params, new)))
+    new = appended(params.params, shell.params.params[0])
+    return node.with_changes(params=params.with_changes(params=new))
 
 
 def _append_element(node: cst.CSTNode, item: str) -> cst.CSTNode:
@@ -403,9 +350,9 @@ def _append_element(node: cst.CSTNode, item: str) -> cst.CSTNode:
 
 
 class ScopedTransformer(cst.CSTTransformer):
-    """A transformer that enters only the classes and functions on the way to `scope`
-    (`Class.method`, `function`, ...), so it costs a few milliseconds on a large module, and
-    calls `leave_scope` on each node of that qualified name (`found` counts them)."""
+    """Enters only the classes and functions on the way to `scope` (`Class.method`, ...), so it
+    costs milliseconds on a large module, and calls `leave_scope` on each node of that
+    qualified name (`found` counts them)."""
 
     scope: str = ""
 
@@ -415,46 +362,37 @@ class ScopedTransformer(cst.CSTTransformer):
         self._entered: list[bool] = []
         self.found = 0
 
-    def _visit(self, name: str) -> bool:
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if not isinstance(node, cst.ClassDef | cst.FunctionDef):
+            return super().on_visit(node)
+        name = node.name.value
         inside = self.scope.split(".")[: len(self._path) + 1] == [*self._path, name]
         self._entered.append(inside)
         if inside:
             self._path.append(name)
         return inside
 
-    def _leave(self, node: cst.CSTNode) -> cst.CSTNode:
+    def on_leave(  # type: ignore[override]
+        self, original_node: cst.CSTNode, updated_node: cst.CSTNode
+    ) -> cst.CSTNode | cst.RemovalSentinel | cst.FlattenSentinel[cst.CSTNode]:
+        if not isinstance(updated_node, cst.ClassDef | cst.FunctionDef):
+            return super().on_leave(original_node, updated_node)
         if not self._entered.pop():
-            return node
+            return updated_node
         here = ".".join(self._path)
         self._path.pop()
         if here != self.scope:
-            return node
+            return updated_node
         self.found += 1
-        return self.leave_scope(node)
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-        return self._visit(node.name.value)
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        return self._visit(node.name.value)
-
-    def leave_ClassDef(  # type: ignore[override]
-        self, original_node: cst.ClassDef, updated_node: cst.ClassDef
-    ) -> cst.CSTNode:
-        return self._leave(updated_node)
-
-    def leave_FunctionDef(  # type: ignore[override]
-        self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
-    ) -> cst.CSTNode:
-        return self._leave(updated_node)
+        return self.leave_scope(updated_node)
 
     def leave_scope(self, node: cst.CSTNode) -> cst.CSTNode:
         raise NotImplementedError
 
 
 class Codemods:
-    """The libcst trees of a run's changed files: each parsed once, on first use, however many
-    patches change it; `texts()` prints every touched file."""
+    """The libcst trees of a run's changed files, each parsed once, on first use, however many
+    patches change it."""
 
     def __init__(self, sources: Sources) -> None:
         self._sources = sources

@@ -1,7 +1,5 @@
-"""The formats every layer shares, kept at the bottom of the house so that imports run one way:
-the schema versions of the state record and of the JSON output, the JSON envelope and report,
-the one-line verdicts of a log, and the digests (the state two nodes compare, the patch set).
-"""
+"""The formats every layer shares, at the bottom of the house so that imports run one way: the
+schema versions, the JSON envelope and report, the one-line verdicts of a log, the digests."""
 
 from __future__ import annotations
 

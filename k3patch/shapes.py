@@ -1,20 +1,12 @@
-"""Shapes with holes: a site's known forms declared as Python source a reader can hold against
-the field map, matched against the real statements structurally.
+"""Shapes with holes: a site's known forms declared as Python source, matched against the real
+statements structurally (standard library only: classification must not import libcst).
 
-A pattern is ordinary source with two kinds of wildcard:
-
-- a *named hole*: an identifier that starts with `HOLE_` (`HOLE_message`, `HOLE_limit`). As an
-  expression it matches any expression; alone on a line it matches any one statement. A hole
-  used twice must match equal code both times. `match` returns what each hole matched.
-- an *elision*: a statement that is just `...`. It matches any run of statements (none
-  included), so a pattern can say "these statements, in this order, with anything between".
-
-Everything else must be the same syntax tree: names, operators, constants, structure.
-Positions, comments, formatting and docstrings are ignored (they are not in the tree).
-
-Version ranges are data on a `Shape` (`versions=("0.28.0", "0.29.0")`, `None` for open ends);
-`outside_range` tells a report that a known shape was met in a vLLM it was not seen in.
-Standard library only (classification must not import libcst).
+A pattern is ordinary source with two wildcards. A *named hole* (`HOLE_message`) matches any
+expression, or alone on a line any one statement; used twice, it must match equal code both
+times, and `match` returns what each hole matched. An *elision* (a statement that is just `...`)
+matches any run of statements, none included. Everything else must be the same syntax tree;
+positions, comments, formatting and docstrings are ignored. `Shape.versions` is a
+`VersionRange`; `outside_range` words a shape met in a vLLM it was not seen in.
 """
 
 from __future__ import annotations
@@ -44,29 +36,26 @@ def parse_pattern(source: str) -> tuple[ast.stmt, ...]:
 
 
 def _hole(node: Any) -> str | None:
-    if isinstance(node, ast.Name) and node.id.startswith(HOLE_PREFIX):
-        return node.id
-    return None
+    return node.id if isinstance(node, ast.Name) and node.id.startswith(HOLE_PREFIX) else None
 
 
 def _statement_hole(stmt: ast.stmt) -> str | None:
     return _hole(stmt.value) if isinstance(stmt, ast.Expr) else None
 
 
+def _constant(stmt: ast.stmt) -> object:
+    """The value of a statement that is one constant (`...`, a docstring); None otherwise."""
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+        return stmt.value.value
+    return None
+
+
 def _is_elision(stmt: ast.stmt) -> bool:
-    return (
-        isinstance(stmt, ast.Expr)
-        and isinstance(stmt.value, ast.Constant)
-        and stmt.value.value is Ellipsis
-    )
+    return _constant(stmt) is Ellipsis
 
 
 def is_docstring(stmt: ast.stmt) -> bool:
-    return (
-        isinstance(stmt, ast.Expr)
-        and isinstance(stmt.value, ast.Constant)
-        and isinstance(stmt.value.value, str)
-    )
+    return isinstance(_constant(stmt), str)
 
 
 def _dump(node: Any) -> str:
@@ -98,16 +87,11 @@ def _match_node(pattern: Any, target: Any, bindings: Bindings) -> bool:
             _match_node(p, t, bindings) for p, t in zip(pattern, target, strict=True)
         )
     if isinstance(pattern, ast.AST):
-        if type(pattern) is not type(target):
-            return False
-        for field in pattern._fields:
-            if field in _IGNORED:
-                continue
-            if not _match_node(
-                getattr(pattern, field, None), getattr(target, field, None), bindings
-            ):
-                return False
-        return True
+        return type(pattern) is type(target) and all(
+            _match_node(getattr(pattern, f, None), getattr(target, f, None), bindings)
+            for f in pattern._fields
+            if f not in _IGNORED
+        )
     return bool(pattern == target) and type(pattern) is type(target)
 
 
@@ -134,10 +118,7 @@ def _match_body(
             return None
         trial = dict(bound)
         hole = _statement_hole(head)
-        if hole is not None:
-            ok = _bind(hole, target[j], trial)
-        else:
-            ok = _match_node(head, target[j], trial)
+        ok = _bind(hole, target[j], trial) if hole else _match_node(head, target[j], trial)
         return go(i + 1, j + 1, trial) if ok else None
 
     result = go(0, 0, dict(bindings))
@@ -229,7 +210,6 @@ def find_expressions(pattern: str, node: ast.AST) -> Iterator[ast.expr]:
     return (n for n in ast.walk(node) if isinstance(n, kind) and match(stmts, n) is not None)
 
 
-# --------------------------------------------------------------------------------------------
 # Version ranges
 
 
@@ -253,7 +233,7 @@ class VersionRange:
     last: str | None = None
 
     def contains(self, version: str | None) -> bool | None:
-        """True/False; None when the version cannot be read."""
+        """None when the version cannot be read."""
         key = version_key(version) if version else None
         if key is None:
             return None
@@ -278,11 +258,7 @@ def outside_range(versions: VersionRange | None, version: str | None) -> str | N
 
 def holes(bindings: Mapping[str, Any]) -> dict[str, str]:
     """The bindings as source text (for reports and tests)."""
-    out = {}
-    for name, node in bindings.items():
-        out[name] = (
-            "\n".join(ast.unparse(n) for n in node)
-            if isinstance(node, list)
-            else (ast.unparse(node))
-        )
-    return out
+    return {
+        name: "\n".join(map(ast.unparse, node)) if isinstance(node, list) else ast.unparse(node)
+        for name, node in bindings.items()
+    }

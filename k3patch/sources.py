@@ -4,6 +4,7 @@ library only: the verify child and the patches import it)."""
 from __future__ import annotations
 
 import ast
+import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -31,12 +32,11 @@ class SourceFile:
 
     @property
     def bom(self) -> bool:
-        """Whether the file starts with a UTF-8 byte-order mark (Python accepts it; `text`
-        leaves it out, and `encode` puts it back)."""
+        """A UTF-8 byte-order mark (Python accepts it): `text` leaves it out, `encode` puts it
+        back."""
         return self.data is not None and self.data.startswith(BOM)
 
     def encode(self, text: str) -> bytes:
-        """New text for this file as bytes, with its byte-order mark kept if it had one."""
         return (BOM if self.bom else b"") + text.encode("utf-8")
 
     @property
@@ -74,8 +74,8 @@ class SourceFile:
         return self._tree
 
     def depth(self) -> int:
-        """How many nodes deep the file's syntax tree goes, walked without recursion (0 for a
-        file that is absent or does not parse): which file is too deep to analyse."""
+        """How many nodes deep the syntax tree goes (0 when absent or unparsable), walked
+        without recursion: which file is too deep to analyse."""
         try:
             todo: list[tuple[ast.AST, int]] = [(self.tree, 1)]
         except SourceError:
@@ -90,8 +90,6 @@ class SourceFile:
     def segment(self, node: ast.AST) -> str:
         """The exact source text of a node, for reports: its first line padded to its column
         and the whole dedented, so a method's body stays one level under its `def`."""
-        import textwrap
-
         text = ast.get_source_segment(self.text, node, padded=True)
         return textwrap.dedent(text) if text else ast.unparse(node)
 
@@ -118,10 +116,7 @@ class Sources:
 class _ChangedSources(Sources):
     def __init__(self, base: Sources, changes: dict[str, str]) -> None:
         super().__init__(lambda rel: base[rel].encode(changes[rel]), base.version)
-        self._base = base
-        self._changes = changes
+        self._base, self._changes = base, changes
 
     def __getitem__(self, rel: str) -> SourceFile:
-        if rel not in self._changes:
-            return self._base[rel]
-        return super().__getitem__(rel)
+        return super().__getitem__(rel) if rel in self._changes else self._base[rel]

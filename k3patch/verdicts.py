@@ -1,14 +1,12 @@
-"""The vocabulary of a classification, at the bottom of the house: what k3patch knows about a
-site (`Verdict`), which verdicts are good, how a patch's sites sum to one verdict, and one site's
-result as it is reported and recorded. The patches, the engine, the state record and the no-op
-path all speak it; it imports nothing of k3patch.
-"""
+"""The vocabulary of a classification, at the bottom of the house (it imports nothing of
+k3patch): a site's `Verdict`, which verdicts are good, how a patch's sites sum to one verdict,
+and one site's result as it is reported and recorded."""
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 
@@ -23,7 +21,6 @@ class Verdict(str, enum.Enum):
 
     @property
     def is_good(self) -> bool:
-        """True for a site that is in a known good state (nothing left to do)."""
         return self.value in GOOD
 
 
@@ -60,28 +57,15 @@ class SiteResult:
     expected: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "patch": self.patch_id,
-            "site": self.site,
-            "file": self.file,
-            "verdict": self.verdict.value,
-            "shape": self.shape,
-            "detail": self.detail,
-            "line": self.line,
-            "found": self.found,
-            "expected": list(self.expected),
-        }
+        data = {"patch": self.patch_id, **asdict(self), "verdict": self.verdict.value}
+        del data["patch_id"]
+        return {**data, "expected": list(self.expected)}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> SiteResult:
+        optional = {key: data[key] for key in ("shape", "detail", "line", "found") if key in data}
+        verdict = Verdict(data["verdict"])
+        expected = tuple(data.get("expected", ()))
         return cls(
-            patch_id=data["patch"],
-            site=data["site"],
-            file=data["file"],
-            verdict=Verdict(data["verdict"]),
-            shape=data.get("shape", ""),
-            detail=data.get("detail", ""),
-            line=data.get("line"),
-            found=data.get("found", ""),
-            expected=tuple(data.get("expected", ())),
+            data["patch"], data["site"], data["file"], verdict, expected=expected, **optional
         )
