@@ -1,11 +1,8 @@
-"""Runs inside the tree's own interpreter for `k3patch verify`. Standard library only: this
-interpreter may not have k3patch's dependencies. It imports the modules it is given, then runs
-each patch's probe, and prints one JSON line after MARKER.
-
-argv[1] is a JSON object: {"package_dir": k3patch's directory, "patches": {id: file},
-"modules": [...], "probes": [ids], "overlay": {abs path of a source: abs path of the text
-to import instead}}. With an overlay, the listed sources are imported from other text (the
-originals, to tell "broken by the patch" from "blocked by the environment").
+"""Runs inside the tree's own interpreter for `k3patch verify` (standard library only: k3patch's
+dependencies may be missing there): imports the modules it is given, runs each patch's probe, and
+prints one JSON line after MARKER. argv[1] is the JSON object `verify` builds; with an "overlay"
+({source path: path of the text to import instead}), those sources are imported from other text
+(the originals, to tell "broken by the patch" from "blocked by the environment").
 """
 
 from __future__ import annotations
@@ -99,16 +96,13 @@ def main() -> int:
         # k3patch and its patches as namespaces over their directories, without running
         # k3patch/__init__.py: a patch (a module or a folder) and the standard-library modules
         # of k3patch it uses import as they do in k3patch's own interpreter.
-        package = types.ModuleType("k3patch")
-        package.__path__ = [args["package_dir"]] if args.get("package_dir") else []
-        sys.modules.setdefault("k3patch", package)
-        patches_pkg = types.ModuleType("k3patch.patches")
-        patches_pkg.__path__ = [args["patches_dir"]] if args.get("patches_dir") else []
-        sys.modules.setdefault("k3patch.patches", patches_pkg)
+        for name, key in (("k3patch", "package_dir"), ("k3patch.patches", "patches_dir")):
+            namespace = types.ModuleType(name)
+            namespace.__path__ = [args[key]] if args.get(key) else []
+            sys.modules.setdefault(name, namespace)
         needs = args.get("probe_modules", {})
         for patch_id in args["probes"]:
-            failed = [m for m in needs.get(patch_id, []) if not out["imports"][m]["ok"]]
-            if failed:
+            if not all(out["imports"][m]["ok"] for m in needs.get(patch_id, [])):
                 continue  # the parent reports "not run: its module did not import"
             try:
                 dotted = args.get("patch_modules", {}).get(patch_id)
