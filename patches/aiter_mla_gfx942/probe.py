@@ -1,24 +1,13 @@
-"""aiter-mla-gfx942's probe, in the verify child on the real module, no GPU needed: it stands in
-`vllm.platforms.rocm` with a module holding the tree's own GPU helpers (rocm.py's `_ON_*` flags
-and `on_*` functions: `on_gfx942`, `on_gfx950`, `on_mi3xx`, ...) computed for a GPU it chooses,
-so a fix that asks any of them sees one consistent GPU.
+"""aiter-mla-gfx942's probe, in the verify child on the real module, no GPU needed: a stand-in
+`vllm.platforms.rocm` holds the tree's own GPU helpers (`_ON_*`, `on_*`) computed for a GPU the
+probe picks, so a fix that asks any of them sees one consistent GPU.
 
-Every row's expected value comes from SITES.md section 4's rule, `expected` below, never from
-running the code: AITER MLA is on when both AITER flags are on and either the user set
-VLLM_ROCM_USE_AITER_MLA (to anything) or the GPU is not gfx942. The variable's value reaches the
-method only through `_MLA_ENABLED`, which vLLM parses from it (unset: on, its default; `0`: off;
-`1`: on); the method asks only whether it is set. Two tables:
-- FLAG_ROWS, the method's inputs, every combination (variable unset/0/1 x gfx942/gfx950/gfx90a x
-  each flag): the flags stood in directly, so some rows have a flag that differs from the
-  variable (the variable changed after vLLM read the flags): the flag decides, per the rule.
-- VARIABLE_ROWS, the variables alone (VLLM_ROCM_USE_AITER 0/1 x VLLM_ROCM_USE_AITER_MLA
-  unset/0/1/true x the three GPUs), the flags derived by the tree's own
-  `refresh_env_variables()`: here `=0` is the user's "off" on every GPU, and `true` (vLLM's other
-  spelling of on) an explicit "on" as `1` is.
-The unpatched code is wrong in one row of each table (unset on gfx942, both flags on). Every
-other row is a must-not-break row: the unpatched code holds it too, and it is there to kill a
-wrong fix (the explicit-variable branch dropped, the GPU test inverted or asked of another
-helper, a flag no longer required).
+Every expected value comes from SITES.md section 4's rule (`expected`), never from running the
+code. FLAG_ROWS stand the two flags in directly, every combination with the variable and the GPU
+(so a flag may differ from the variable: the flag decides); VARIABLE_ROWS set only the variables
+and let the tree's `refresh_env_variables()` derive the flags (`=0` is "off" on every GPU, `true`
+is an explicit "on" as `1` is). The unpatched code fails one row of each table (unset on gfx942,
+both flags on); every other row is there to kill a wrong fix.
 """
 
 from __future__ import annotations
@@ -33,8 +22,7 @@ from k3patch.probekit import Checks, Stub, Swap, package_dir
 VARIABLE = "VLLM_ROCM_USE_AITER_MLA"
 AITER_VARIABLE = "VLLM_ROCM_USE_AITER"
 # The arch names ROCm reports; gfx90a (MI200) is a gfx9 that is neither MI300 nor MI350.
-GPUS = {"gfx942": "gfx942:sramecc+:xnack-", "gfx950": "gfx950:sramecc+:xnack-"}
-GPUS["gfx90a"] = "gfx90a:sramecc+:xnack-"
+GPUS = {gpu: f"{gpu}:sramecc+:xnack-" for gpu in ("gfx942", "gfx950", "gfx90a")}
 VALUES: tuple[str | None, ...] = (None, "0", "1")  # None: unset
 
 
@@ -110,9 +98,8 @@ def _answer(func: Any, ops: Any) -> bool | str:
 
 
 def _gpu_helpers() -> dict[str, dict[str, Any]]:
-    """Per GPU of GPUS, the tree's own module-level `_ON_*` assignments and `on_*` functions of
-    platforms/rocm.py run for its arch (older releases ask torch for it, newer ones read
-    `_GCN_ARCH`); decorators (a `functools.cache`) are dropped."""
+    """Per GPU, rocm.py's own `_ON_*` assignments and `on_*` functions (decorators such as
+    `functools.cache` dropped) run for its arch, read from torch or from `_GCN_ARCH`."""
     vllm_dir = package_dir("vllm")
     if vllm_dir is None:
         raise RuntimeError("vllm is not importable as a package")

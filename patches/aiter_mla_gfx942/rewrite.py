@@ -1,4 +1,5 @@
-"""aiter-mla-gfx942's codemod: the method, found by its qualified name, becomes the post-image."""
+"""aiter-mla-gfx942's codemod: the method, found by its qualified name (decorators included),
+becomes the post-image; the blank lines and comments above it stay."""
 
 from __future__ import annotations
 
@@ -8,9 +9,6 @@ from k3patch.codemod import ScopedTransformer, statements
 
 
 class ExcludeGfx942(ScopedTransformer):
-    """`rocm_aiter_ops.is_mla_enabled` (decorators included) becomes `post_image`; the blank
-    lines and comments above it stay."""
-
     def __init__(self, scope: str, post_image: str, newline: str) -> None:
         super().__init__()
         self.scope = scope
