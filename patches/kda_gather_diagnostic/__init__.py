@@ -3,8 +3,8 @@
 Symptom: a long prompt looks hung (at 750K tokens, about 25,000 GPU stream drains in the prefill).
 Cause: the Kimi-K3 fork's "k3-kda guard" in `gather_initial_states` (inlined by some fork builds
 in `chunk_kda_prefill` and `KimiK3DeltaAttention._forward`) clamps the state indices on the device,
-then logs a warning under `if bool((indices >= n).any()) or bool((indices < 0).any()):`; each
-`bool()` makes the CPU wait for every queued kernel, once per KDA layer per prefill chunk.
+then logs under `if bool((indices >= n).any()) or bool((indices < 0).any()):`; each `bool()` waits
+for every queued kernel, once per KDA layer per prefill chunk.
 Fix: that `if` goes under `if os.environ.get("K3_KDA_GATHER_LOG", "0") == "1":`; the clamp stays.
 Check: `k3patch verify` finds every sync-capable call of each site inside the gate and traces a
 CPU run of `gather_initial_states`: no sync while unset, the bad index logged at =1, rows clamped.
@@ -37,7 +37,7 @@ KDA_FILE = "models/kimi_k3/amd/kda.py"
 
 
 class Site(NamedTuple):
-    """Where the diagnostic is (some fork builds), and the details of its not-applicable results."""
+    """Where the diagnostic may be, and the details of its not-applicable results."""
 
     name: str
     file: str
@@ -66,9 +66,9 @@ SITES = (
     ),
 )
 
-# SITES.md section 3's shapes. The index tensor and the pool size have other names where a caller
-# inlines the diagnostic, the message differs between fork builds; all else must match.
-FORK_BUILDS = VersionRange("0.27.1", "0.28.0")  # the fork's file is 0.27.1/0.28.0's plus the guard
+# SITES.md section 3's shapes: the index, the pool size and the message are holes; all else must
+# match. The fork's file is 0.27.1/0.28.0's plus the guard.
+FORK_BUILDS = VersionRange("0.27.1", "0.28.0")
 
 DIAGNOSTIC = """
 if bool((HOLE_indices >= HOLE_bound).any()) or bool((HOLE_indices < 0).any()):
@@ -103,8 +103,8 @@ LEGACY_DIAGNOSTIC = Shape(
 )
 DIAGNOSTIC_SHAPES = (FORK_DIAGNOSTIC, APPLIED_DIAGNOSTIC, LEGACY_DIAGNOSTIC)
 
-# The fork's guard, the diagnostic (any shape above) third. k3patch never rewrites the other
-# three statements; they must be there, unchanged, for any verdict but not applicable.
+# The fork's guard, the diagnostic (any shape above) third; the other three statements are never
+# rewritten and must be there, unchanged, for any verdict but not applicable.
 _GUARD = """
 _n_state_blocks = int(state.shape[0])
 _safe_idx = torch.where(
@@ -125,8 +125,8 @@ GUARD_NAMES = ("indices", "_n_state_blocks")  # HOLE_indices, HOLE_bound in gath
 
 
 def match_diagnostic(node: ast.stmt, names: tuple[str, str] | None = None) -> Shape | None:
-    """The known shape of a diagnostic (bare, gated or legacy-gated), or None. With `names`,
-    the index tensor and the pool size must be exactly those names."""
+    """The known shape of a diagnostic (bare, gated or legacy-gated), or None; with `names`, the
+    index tensor and the pool size must be those."""
     for shape in DIAGNOSTIC_SHAPES:
         found = shape.match(node)
         text = holes(found) if found and string_constants([found["HOLE_message"]]) else {}
@@ -136,8 +136,8 @@ def match_diagnostic(node: ast.stmt, names: tuple[str, str] | None = None) -> Sh
 
 
 def diagnostic_units(func: ast.FunctionDef) -> list[ast.If]:
-    """The `if` statements that are the diagnostic, or a gate around it, in source order: those
-    whose test names the variable, and those outside them whose test can sync."""
+    """The `if`s that are the diagnostic or a gate around it, in source order: those whose test
+    names the variable, and those outside them whose test can sync."""
     ifs = [node for node in walk_scope(func.body) if isinstance(node, ast.If)]
     gates = [n for n in ifs if any(ENV in s for s in string_constants(ast.walk(n.test)))]
     inside = {id(n) for gate in gates for n in ast.walk(gate)}
@@ -146,8 +146,7 @@ def diagnostic_units(func: ast.FunctionDef) -> list[ast.If]:
 
 
 def fork_traces(func: ast.FunctionDef) -> list[str]:
-    """What in `func` says a fork's guard or diagnostic was here, in whatever form: the names and
-    texts that only the guard (or a fix of it) puts there."""
+    """The names and texts in `func` that only a fork's guard (or a fix of it) puts there."""
     nodes = list(walk_scope(func.body))
     names = {n.id for n in nodes if isinstance(n, ast.Name)}
     names |= {name for n in nodes if isinstance(n, ast.Import) for name in astkit.imported_names(n)}
@@ -240,9 +239,8 @@ class KdaGatherDiagnostic(Patch):
         return drifted(self.id, site.name, src, nodes, why, expected), []
 
     def rewrite(self, sources: Sources, pending: list[SiteResult], files: Codemods) -> None:
-        """Each diagnostic moves one level in under the gate, GATE_COMMENT above it; a module
-        without `import os` gets one (libcst's AddImportsVisitor places it). Every other
-        statement stays as it was."""
+        """Each diagnostic moves in under the gate, GATE_COMMENT above it; a module without
+        `import os` gets one. Every other statement stays as it was."""
         wanted = {(r.site, r.file) for r in pending}
         for site in (s for s in SITES if (s.name, s.file) in wanted):
             result, found = self.locate(sources, site)
@@ -264,9 +262,8 @@ class KdaGatherDiagnostic(Patch):
 
 
 def walk_scope(nodes: Iterable[ast.AST]) -> Iterator[ast.AST]:
-    """`nodes` (a scope's statements) and every node under them that belongs to that scope: a
-    nested function or class is yielded but not entered (its code runs when it is called, or
-    never)."""
+    """`nodes` (a scope's statements) and every node under them in that scope: a nested function
+    or class is yielded but not entered (its code runs when called, or never)."""
     stack = list(nodes)
     while stack:
         node = stack.pop()
@@ -281,10 +278,9 @@ def string_constants(nodes: Iterable[ast.AST]) -> list[str]:
 
 
 def imported_module(body: Iterable[ast.stmt], name: str) -> str | None:
-    """The module `name` stands for where every statement of `body` (a scope's) that binds it
-    is an `import` of one module: `import os` and `import os.path` bind `os` to "os", `import
-    posix as os` to "posix". "" when anything else binds it too (a def, an assignment, `from m
-    import name`, a second module); None when nothing binds it."""
+    """The module `name` stands for where each statement of the scope `body` binding it imports
+    one module (`import os.path`: "os", `import posix as os`: "posix"); "" when anything else
+    binds it too (a def, an assignment, `from m import name`, a second module); None: unbound."""
     found = astkit.bindings(body, name)
     if not found:
         return None
@@ -307,8 +303,8 @@ def drifted(
     why: str,
     expected: Iterable[str] = (),
 ) -> SiteResult:
-    """A drifted site: `why` and that nothing will be written, the source of `nodes` (one or
-    more statements of `source`) as found, at the first one's line, and what was expected."""
+    """A drifted site: `why`, the source of `nodes` as found (at the first one's line), and what
+    was expected."""
     return SiteResult(
         patch_id=patch_id,
         site=site,

@@ -77,8 +77,8 @@ def sync_points(root: ast.AST) -> list[tuple[ast.AST, str]]:
 
 
 def is_gate(test: ast.expr) -> bool:
-    """A GATE_PATTERNS test on a bare name (`os`), its default a constant other than "1": it
-    reads only the environment (no device work runs before it decides) and is off when unset."""
+    """A GATE_PATTERNS test on a bare name (`os`) with a constant default other than "1": it
+    reads only the environment (no device work before it decides) and is off when unset."""
     for pattern in GATE_PATTERNS:
         found = match(pattern, test)
         if found is not None:
@@ -99,8 +99,8 @@ def ungated_sync_points(func: ast.AST) -> tuple[list[str], list[str]]:
 
 
 def walk_code(root: ast.AST) -> Iterator[ast.AST]:
-    """`root` and every node under it except annotations (where `A | B` and `x[...]` are types)
-    and a def's parameter list (its defaults are walked); nested defs are entered."""
+    """`root` and every node under it, nested defs entered, except annotations (`A | B` and
+    `x[...]` are types there) and a def's parameter list (its defaults are walked)."""
     stack = [root]
     while stack:
         node = stack.pop()
@@ -115,9 +115,8 @@ def walk_code(root: ast.AST) -> Iterator[ast.AST]:
 
 
 def truth_tests(node: ast.AST) -> list[ast.expr]:
-    """The expressions that `node` itself uses as truth values: the test of an `if`, `while`,
-    conditional expression or `assert`, the operands of `and`/`or` and `not`, a comprehension's
-    `if`s."""
+    """The expressions `node` itself uses as truth values: the test of an `if`, `while`, `x if
+    c else y` or `assert`, the operands of `and`/`or`/`not`, a comprehension's `if`s."""
     if isinstance(node, ast.If | ast.While | ast.IfExp | ast.Assert):
         return [node.test]
     if isinstance(node, ast.BoolOp):
