@@ -161,7 +161,7 @@ class TorchTrace:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self.aten: list[str] = []
         self._paused = False
-        self._modes: list[Any] = []
+        self._modes = contextlib.ExitStack()
 
     def __enter__(self) -> TorchTrace:
         from torch.overrides import TorchFunctionMode
@@ -187,14 +187,12 @@ class TorchTrace:
 
         self.calls.clear()
         self.aten.clear()
-        self._modes = [Functions(), Aten()]
-        for mode in self._modes:
-            mode.__enter__()
+        self._modes.enter_context(Functions())
+        self._modes.enter_context(Aten())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        while self._modes:
-            self._modes.pop().__exit__(*exc)
+        self._modes.close()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
