@@ -7,7 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import libcst as cst
-import libcst.matchers as m
+
+# The whitespace before the closer, which the new last item takes over (a dict element has none).
+_TRAILING = {cst.Arg: "whitespace_after_arg", cst.Param: "whitespace_after_param"}
 
 
 def appended(items: Sequence[cst.CSTNode], new: cst.CSTNode) -> list[cst.CSTNode]:
@@ -19,8 +21,8 @@ def appended(items: Sequence[cst.CSTNode], new: cst.CSTNode) -> list[cst.CSTNode
     comma = last.comma  # type: ignore[attr-defined]
     if len(items) > 1 and isinstance(items[-2].comma, cst.Comma):  # type: ignore[attr-defined]
         separator = items[-2].comma  # type: ignore[attr-defined]
-    elif isinstance(comma, cst.Comma) and m.matches(
-        comma.whitespace_after, m.ParenthesizedWhitespace()
+    elif isinstance(comma, cst.Comma) and isinstance(
+        comma.whitespace_after, cst.ParenthesizedWhitespace
     ):
         separator = comma  # a lone item on its own line: the new one goes on the next
     else:
@@ -33,12 +35,11 @@ def appended(items: Sequence[cst.CSTNode], new: cst.CSTNode) -> list[cst.CSTNode
         )
         tail = comma.with_changes(whitespace_after=_with_comment(comma.whitespace_after, None))
         return [*items[:-1], last.with_changes(comma=sep), new.with_changes(comma=tail)]
-    moved = _trailing_whitespace(last)
-    return [
-        *items[:-1],
-        _set_trailing(last.with_changes(comma=separator), None),
-        _set_trailing(new, moved),
-    ]
+    name = _TRAILING.get(type(last))
+    if name is None:
+        return [*items[:-1], last.with_changes(comma=separator), new]
+    bare = last.with_changes(comma=separator, **{name: cst.SimpleWhitespace("")})
+    return [*items[:-1], bare, new.with_changes(**{name: getattr(last, name)})]
 
 
 def _comment_of(comma: cst.Comma) -> cst.Comment | None:
@@ -53,18 +54,3 @@ def _with_comment(ws: cst.BaseParenthesizableWhitespace, comment: cst.Comment | 
         comment=comment, whitespace=cst.SimpleWhitespace("  " if comment else "")
     )
     return ws.with_changes(first_line=first)
-
-
-_TRAILING = {cst.Arg: "whitespace_after_arg", cst.Param: "whitespace_after_param"}
-
-
-def _trailing_whitespace(node: cst.CSTNode) -> object:
-    name = _TRAILING.get(type(node))
-    return getattr(node, name) if name else None
-
-
-def _set_trailing(node: cst.CSTNode, value: object) -> cst.CSTNode:
-    name = _TRAILING.get(type(node))
-    if name is None:
-        return node
-    return node.with_changes(**{name: value if value is not None else cst.SimpleWhitespace("")})

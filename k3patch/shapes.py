@@ -26,7 +26,7 @@ _IGNORED = frozenset(
     {"lineno", "col_offset", "end_lineno", "end_col_offset", "ctx", "kind", "type_comment"}
 )
 
-Bindings = dict[str, Any]  # hole name -> ast.AST (or list[ast.stmt] for a statement hole)
+Bindings = dict[str, Any]  # hole name -> the ast.expr (or ast.stmt) it matched
 
 
 @cache
@@ -58,16 +58,12 @@ def is_docstring(stmt: ast.stmt) -> bool:
     return isinstance(_constant(stmt), str)
 
 
-def _dump(node: Any) -> str:
-    if isinstance(node, list):
-        return "[" + ",".join(_dump(n) for n in node) + "]"
-    if isinstance(node, ast.AST):
-        # A name read and the same name stored are the same code for a repeated hole.
-        return re.sub(r", ctx=\w+\(\)", "", ast.dump(node, include_attributes=False))
-    return repr(node)
+def _dump(node: ast.AST) -> str:
+    # A name read and the same name stored are the same code for a repeated hole.
+    return re.sub(r", ctx=\w+\(\)", "", ast.dump(node, include_attributes=False))
 
 
-def _bind(name: str, value: Any, bindings: Bindings) -> bool:
+def _bind(name: str, value: ast.AST, bindings: Bindings) -> bool:
     if name in bindings:
         return _dump(bindings[name]) == _dump(value)
     bindings[name] = value
@@ -121,12 +117,9 @@ def _match_body(
         ok = _bind(hole, target[j], trial) if hole else _match_node(head, target[j], trial)
         return go(i + 1, j + 1, trial) if ok else None
 
-    result = go(0, 0, dict(bindings))
-    if result is None:
-        return False
-    bindings.clear()
-    bindings.update(result)
-    return True
+    result = go(0, 0, dict(bindings))  # what `bindings` held, and more
+    bindings.update(result or {})
+    return result is not None
 
 
 def match(
@@ -258,7 +251,4 @@ def outside_range(versions: VersionRange | None, version: str | None) -> str | N
 
 def holes(bindings: Mapping[str, Any]) -> dict[str, str]:
     """The bindings as source text (for reports and tests)."""
-    return {
-        name: "\n".join(map(ast.unparse, node)) if isinstance(node, list) else ast.unparse(node)
-        for name, node in bindings.items()
-    }
+    return {name: ast.unparse(node) for name, node in bindings.items()}
