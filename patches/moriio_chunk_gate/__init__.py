@@ -1,17 +1,8 @@
 """moriio-chunk-gate: the MoRIIO WRITE producer sends a request's KV after its final prefill chunk.
 
-Symptom: behind a MoRIIO WRITE-mode prefill/decode pair, Kimi-K3's decode answers as if the prompt
-ended after 2,048 tokens (recall dies at exactly max_num_batched_tokens), and a request whose
-final chunk allocates no new KV block is never sent and hangs.
-Cause: `MoRIIOConnectorScheduler.build_connector_meta` calls a chunk final by block count in its
-two gates (SITES.md 2); K3's ~5,760-token blocks hold the whole prompt after chunk 1, and G1 runs
-only under `if new_block_ids is not None:`.
-Fix: both gate headers decide on compute progress (bCM runs before the scheduler advances
-`num_computed_tokens`: no slack), G1 for every pending request, as vLLM 0.32.0 does (satisfied);
-the older k3-chunk-gate script is pending and repaired in place.
-Check: `k3patch verify` drives the tree's real `build_connector_meta`, then vLLM's own
-`Scheduler.schedule()`, through chunked prompts in one 5,760-token block (later chunks allocate no
-block): each must be sent once, with its final chunk.
+`build_connector_meta`'s two gates (SITES.md 2) call a chunk final by block count: K3's
+~5,760-token blocks hold the prompt after chunk 1 (recall dies at 2,048 tokens), and G1 runs only
+when a block was allocated (a request can hang). Both gates decide on compute progress, no slack.
 """
 
 from __future__ import annotations
@@ -34,9 +25,8 @@ METHOD = "build_connector_meta"
 G1 = f"{METHOD} G1 (cached requests)"
 G2 = f"{METHOD} G2 (_reqs_need_save)"
 
-# The shapes, over the body of the gate's loop: `...` is any run of statements the patch neither
-# reads nor writes; a pattern ends where the gate must be last in its block. The gates of A, B, C
-# and the fork are the same: a FROM_SURROUNDINGS shape is named by the release its loop is in.
+# Shapes over the gate loop's body (`...`: statements left alone). A-C and the fork share gates:
+# a FROM_SURROUNDINGS shape is named by the release its loop is in.
 FROM_SURROUNDINGS = "A-C / fork"
 G1_BLOCK_COUNT = Shape(
     FROM_SURROUNDINGS,
@@ -120,7 +110,7 @@ SHAPES = {
     G2: (G2_BLOCK_COUNT, G2_BLOCK_COUNT_D, G2_APPLIED),
 }
 
-# The older k3-chunk-gate script's module-level helper, read by its decisions (gates.py).
+# The older k3-chunk-gate script's module-level helper, read by its decisions.
 LEGACY_HELPER = "_k3_prefill_done"
 LEGACY_HELPER_SHAPE = Shape(
     "k3-chunk-gate helper",
@@ -168,13 +158,11 @@ if (
     pass
 """
 
-
-# The forms told by predicate, not by a skeleton: upstream's, inline, and the older script's.
+# The forms told by meaning, not by a skeleton: upstream's, inline, and the older script's.
 SATISFIED_UPSTREAM = "upstream fix (_is_final_prefill_chunk, 0.32.0 and later)"
 SATISFIED_INLINE = "upstream-style progress gate (inline)"
 LEGACY_PENDING = "older k3-chunk-gate script (legacy, defective)"
 LEGACY_APPLIED = "k3patch (the older k3-chunk-gate form, repaired in place)"
-# What a drift report says a site may be in, after its shapes.
 FIXED_FORMS = (
     f"{SATISFIED_UPSTREAM} (satisfied)",
     f"{SATISFIED_INLINE} (satisfied)",

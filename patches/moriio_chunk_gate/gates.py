@@ -1,6 +1,5 @@
-"""How moriio-chunk-gate reads and rewrites its sites (stdlib ast only, to stay fast): the older
-script's decision chains, else the one gate `if`: a known shape, or a fixed form by its meaning.
-A rewrite hands the statements it found to the file's `Codemod` (libcst only in rewrite.py)."""
+"""moriio-chunk-gate's sites, read with stdlib ast (fast): the older script's decision chains, else
+the one gate `if`, in a known shape or a fixed form told by its meaning. Private to this patch."""
 
 from __future__ import annotations
 
@@ -35,15 +34,7 @@ from . import (
     site_result,
 )
 from .legacy import classify_chains, site_chains
-from .progress import (
-    FINAL,
-    WRONG,
-    flip,
-    is_call_to,
-    needed_meaning,
-    progress_meaning,
-    strip_nots,
-)
+from .progress import FINAL, WRONG, flip, is_call_to, needed_meaning, progress_meaning, strip_nots
 
 if TYPE_CHECKING:
     from k3patch.codemod import Codemod
@@ -113,8 +104,7 @@ class Context:
 
     @functools.cached_property
     def release(self) -> str:
-        """Where block-count gates of A-C come from, by the G1 loop and its producer branch
-        (the same for both sites: found once)."""
+        """Where block-count gates of A-C come from, by the G1 loop and its producer branch."""
         g1, _ = locate(self, G1)
         if g1 is None:
             return _UNKNOWN
@@ -181,7 +171,6 @@ class Gate:
     conditions: list[ast.stmt]
 
     def result(self, verdict: Verdict, shape: str, why: str) -> SiteResult:
-        """Drift shows the gate's conditions (a header line each), temporaries and header."""
         inner = [*map(ast.unparse, self.temps), f"if {ast.unparse(self.node.test)}:", "    ..."]
         found = outline(self.conditions, inner)
         return site_result(self.site, verdict, why, shape, self.node.lineno, found)
@@ -197,7 +186,6 @@ class Gate:
         return self.result(Verdict.DRIFTED, "", f"{shape.name} gate, but " + "; ".join(problems))
 
     def classify_fixed(self, context: Context) -> SiteResult:
-        """A fixed form: a progress gate, inline or upstream's, that decides what its body needs."""
         core, times = strip_nots(self.node.test)
         upstream = is_call_to(core, UPSTREAM_HELPER)
         env = names.named_values(self.temps)
@@ -280,10 +268,8 @@ class Gate:
         return problems
 
     def rewrite(self, codemod: Codemod) -> None:
-        """The gate's temporaries go (with the comments above them) and its header becomes the
-        post-image's; comments right above the gate stay. G1's gate then leaves
-        `if new_block_ids is not None:` for the guard after it, which runs for every pending
-        request."""
+        """The temporaries go and the header becomes the post-image's; G1's gate also leaves
+        `if new_block_ids is not None:` for a guard after it, run for every pending request."""
         from .rewrite import new_header, under_guard  # libcst: only when rewriting
 
         for temp in self.temps:
@@ -295,15 +281,14 @@ class Gate:
 
 
 def parent_map(root: ast.AST) -> dict[int, ast.AST]:
-    """id(node) -> its parent, for every node under `root` (ast nodes do not know theirs)."""
+    """id(node) -> its parent, for every node under `root`."""
     return {id(child): node for node in ast.walk(root) for child in ast.iter_child_nodes(node)}
 
 
 def ancestors(
     node: ast.AST, parents: Mapping[int, ast.AST], stop: ast.AST | None = None
 ) -> list[ast.AST]:
-    """The nodes that enclose `node`, innermost first, from a parent_map: up to its root, or up
-    to (not including) `stop`."""
+    """The nodes enclosing `node`, innermost first, up to the root or to (not including) `stop`."""
     found = []
     parent = parents.get(id(node))
     while parent is not None and parent is not stop:
@@ -313,18 +298,15 @@ def ancestors(
 
 
 def loops_over(node: ast.AST, name: str) -> list[ast.For]:
-    """The `for` loops under `node` (itself included) whose iterable mentions `name` (as a
-    name, an attribute or a keyword, as mentioned_names reads it)."""
+    """The `for` loops under `node` (itself included) whose iterable mentions `name`."""
     return [n for n in ast.walk(node) if isinstance(n, ast.For) and name in mentioned_names(n.iter)]
 
 
 def expression_dump(source: str) -> str:
-    """normalised_dump of the expression written in `source`."""
     return normalised_dump(ast.parse(source, mode="eval").body)
 
 
 def outline(outer: Sequence[ast.stmt], inner: Sequence[str], unit: str = "    ") -> str:
-    """A report's view of code nested in the statements `outer` (outermost first): the first
-    line of each, one `unit` deeper than the one before, then the `inner` lines one deeper."""
+    """The first line of each of `outer` (outermost first), a `unit` deeper each, then `inner`."""
     heads = [unit * depth + ast.unparse(stmt).splitlines()[0] for depth, stmt in enumerate(outer)]
     return "\n".join([*heads, *(unit * len(outer) + line for line in inner)])

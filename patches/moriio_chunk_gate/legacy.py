@@ -1,11 +1,11 @@
-"""moriio-chunk-gate on the older k3-chunk-gate script's form (SITES.md 2): its decision chains
-found, checked (helper, fallback, the names they read) and repaired in place."""
+"""moriio-chunk-gate on the older k3-chunk-gate script's decision chains (SITES.md 2): found,
+checked and repaired in place."""
 
 from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from k3patch.astkit import mentioned_names
 from k3patch.fingerprints import site_fingerprint
@@ -40,21 +40,11 @@ from .progress import (
 if TYPE_CHECKING:
     from k3patch.codemod import Codemod
 
+    from .gates import Context
 
-class Context(Protocol):
-    """What the chains read of the method's surroundings (gates.Context)."""
-
-    module: ast.Module
-    method: ast.FunctionDef
-    cls: ast.ClassDef
-
-    def loops(self, over: str) -> list[ast.For]: ...
-
-
-# The older k3-chunk-gate script's form (SITES.md 2): a decision chain `NAME = <its helper call
-# or k3patch's repair>`, `if NAME is None:` (its fallback), debug `if`s, then `if [not] NAME:`.
+# A decision chain: `NAME = <the script's helper call or k3patch's repair>`, `if NAME is None:`
+# (its fallback), debug `if`s, then `if [not] NAME:`.
 LEGACY_MAP = "_k3_prog"
-# k3patch's repair of a decision, in place.
 LEGACY_TEMPLATE = """
 # k3patch moriio-chunk-gate: final when compute progress reaches
 # the prompt; no slack (it sent up to 2 tokens early) and no
@@ -65,7 +55,7 @@ LEGACY_TEMPLATE = """
     >= {req}.num_prompt_tokens
 )
 """
-# k3patch's repaired decision about `req`, as a report shows it (without its `x = `).
+# The repaired decision about `req`, as a report shows it (without its `x = `).
 _REPAIRED = ast.unparse(ast.parse(LEGACY_TEMPLATE.format(name="x", req="req", req_id="req_id")))[4:]
 # The block-count fallback each site's older form keeps, as the script writes it.
 LEGACY_FALLBACK = {
@@ -106,7 +96,7 @@ class Chain:
         return self.block[self.block.index(self.decision) : self.block.index(self.gate) + 1]
 
     def kind(self) -> str:
-        """ "legacy" (the script's helper), "progress" (k3patch's repair) or "other"."""
+        """ "legacy" (the script's helper call), "progress" (k3patch's repair) or "other"."""
         value = self.decision.value
         if isinstance(value, ast.Call) and is_call_to(value, LEGACY_HELPER):
             names = len(value.args) == 3 and all(isinstance(a, ast.Name) for a in value.args)
@@ -153,7 +143,6 @@ def classify_chains(context: Context, site: str, chains: list[Chain]) -> SiteRes
 
 
 def _chain_problems(context: Context, site: str, chains: list[Chain]) -> list[str]:
-    """Why decision chains are in no form the script or k3patch's repair leaves."""
     gates = [c for c in chains if c.part == "gate"]
     sweeps = [c for c in chains if c.part == "sweep"]
     if len(gates) != 1:

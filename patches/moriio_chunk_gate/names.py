@@ -1,5 +1,4 @@
-"""The names moriio-chunk-gate's checks follow through the connector's code: what a statement
-reads, binds or leaves unbound, a gate's temporaries, and the attributes of `self`."""
+"""The names moriio-chunk-gate's checks follow: what code reads, binds or leaves unbound."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ def loaded_names(nodes: Iterable[ast.AST], skip: Iterable[ast.AST] = ()) -> set[
 
 
 def attribute_names(nodes: Iterable[ast.AST], owner: str, ctx: type[ast.expr_context]) -> set[str]:
-    """The attributes of the bare name `owner` (`self`) that `nodes` read (ctx ast.Load) or
-    assign (ast.Store)."""
+    """The attributes of the bare name `owner` that `nodes` read (ast.Load) or assign (Store)."""
     return {
         n.attr
         for node in nodes
@@ -44,8 +42,7 @@ def attribute_names(nodes: Iterable[ast.AST], owner: str, ctx: type[ast.expr_con
 
 
 def attribute_assignments(nodes: Iterable[ast.AST], owner: str) -> list[tuple[str, ast.expr]]:
-    """(attribute, value) of every one-target `owner.attribute = value` and
-    `owner.attribute: T = value` under `nodes` (nested scopes included), in `ast.walk` order."""
+    """(attribute, value) of every one-target `owner.attribute [: T] = value` under `nodes`."""
     found = []
     for n in (n for node in nodes for n in ast.walk(node)):
         if isinstance(n, ast.Assign) and len(n.targets) == 1:
@@ -60,7 +57,7 @@ def attribute_assignments(nodes: Iterable[ast.AST], owner: str) -> list[tuple[st
 
 
 def assigned_name(stmt: ast.AST) -> str | None:
-    """The name a plain `name = value` statement binds (one target, a bare name); else None."""
+    """The name a plain `name = value` binds (one target, a bare name); else None."""
     if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
         target = stmt.targets[0]
         return target.id if isinstance(target, ast.Name) else None
@@ -75,17 +72,15 @@ def named_values(stmts: Iterable[ast.AST]) -> dict[str, ast.expr]:
 
 
 def resolve_name(expr: ast.expr, values: Mapping[str, ast.expr], limit: int = 4) -> ast.expr:
-    """`expr`, or, when it is a bare name in `values`, the value it names, followed through
-    further names at most `limit` times in all (a cycle stops there)."""
+    """`expr`, or the value the bare name names, followed at most `limit` times (cycles stop)."""
     while limit > 0 and isinstance(expr, ast.Name) and expr.id in values:
         expr, limit = values[expr.id], limit - 1
     return expr
 
 
 def temporaries_before(block: Sequence[ast.stmt], index: int, expr: ast.AST) -> list[ast.Assign]:
-    """The run of plain `name = value` statements right before `block[index]` that `expr` reads,
-    directly or through one another, in source order: it ends at the first statement that is
-    not such a temporary."""
+    """The run of `name = value` right before `block[index]` that `expr` reads, directly or
+    through one another, in source order."""
     wanted = loaded_names([expr])
     temps: list[ast.Assign] = []
     for stmt in reversed(block[:index]):
@@ -97,17 +92,15 @@ def temporaries_before(block: Sequence[ast.stmt], index: int, expr: ast.AST) -> 
 
 
 def unbound_names(nodes: Iterable[ast.AST], module: ast.Module, func: ast.FunctionDef) -> set[str]:
-    """The bare names `nodes` (code of `func`, a function of `module`) read that nothing binds:
-    not the module as it runs, not the builtins, not `func`'s parameters, nor an assignment or
-    import anywhere in `func` (coarse: bound somewhere in it counts as bound). Reading one
-    raises NameError."""
+    """The bare names `nodes` (in `func`, of `module`) read that nothing binds: not the module as
+    it runs, the builtins, nor anything in `func` (coarse). Reading one raises NameError."""
     bound = runtime_module_names(module) | set(dir(builtins)) | parameter_names(func)
     return loaded_names(nodes) - bound - imported_names(func) - stored_names([func])
 
 
 def unset_attributes(nodes: Iterable[ast.AST], cls: ast.ClassDef) -> set[str]:
-    """The attributes of `self` that `nodes` read but that nothing in `cls` assigns to `self`
-    and that are not methods of `cls`. Reading one raises AttributeError."""
+    """The attributes of `self` that `nodes` read and `cls` neither assigns nor defines as methods.
+    Reading one raises AttributeError."""
     methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
     return (
         attribute_names(nodes, "self", ast.Load)
@@ -117,9 +110,8 @@ def unset_attributes(nodes: Iterable[ast.AST], cls: ast.ClassDef) -> set[str]:
 
 
 def runtime_module_names(module: ast.Module) -> set[str]:
-    """The names a module binds when it runs: top-level imports, defs, classes and assignments,
-    also inside top-level `if` and `try` blocks, but not under `if TYPE_CHECKING:` (those
-    imports exist only for the type checker)."""
+    """The names a module binds when it runs, also in top-level `if` and `try` blocks, but not
+    under `if TYPE_CHECKING:`."""
     names: set[str] = set()
 
     def visit(block: list[ast.stmt]) -> None:

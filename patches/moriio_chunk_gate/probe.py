@@ -1,21 +1,7 @@
-"""moriio-chunk-gate's behaviour probes, run in the verify child (the tree's own interpreter, no
-GPU, no network): the real build_connector_meta driven step by step on moriio-group-routing's
-MoRIIO stand-ins, then vLLM's own Scheduler.schedule() of the tree through the same chunked
-prompts.
-
-Besides a few cases written out, both drives run rows of one table (TABLE; SCHEDULED, a subset,
-through the Scheduler, which costs more): prompts whose last chunk is 1, 2, block - 1, block and
-block + 1 tokens after 1, 2 and 3 full chunks, in K3's 5,760-token blocks (a last chunk never
-reaches one: there the prompt ends one token short of, at and past the first block's end) and in
-16-token blocks, each as sent and after mamba_n1's truncation. G2 (the `_reqs_need_save` loop)
-decides at chunk 1, G1 (the cached-requests loop) at every later one; every row is followed by a
-decode step where the request has one. The save must leave exactly once, with the final chunk,
-carrying every block allocated by then: a gate that fires 1 or 2 tokens early fails the rows
-whose last chunk is that short (after one full chunk G2's, after two or more G1's), `>` for
-`>=` or a gate without this step's scheduled tokens fails every row (late: at the decode step,
-or never), a block count fails K3's rows whose final chunk allocates no block, and so does a G1
-still under `if new_block_ids is not None:` (never sent), a save that stays pending sends again
-at the decode step, one that misses the final chunk's blocks fails the 16-token rows."""
+"""moriio-chunk-gate's probes, in the verify child (no GPU, no network): the real
+build_connector_meta driven step by step on moriio-group-routing's MoRIIO stand-ins (a few written
+cases, then TABLE), then vLLM's own Scheduler.schedule() through SCHEDULED. The save must leave
+once, with the final chunk, carrying every block allocated by then."""
 
 from __future__ import annotations
 
@@ -63,11 +49,9 @@ DIRECT_CASES: tuple[tuple[str, int, tuple[Request, ...]], ...] = (
         (("small", 5000, ((2048, 128), (2048, 128), (904, 57)), 3),),
     ),
     ("a prompt in one chunk", K3_BLOCK, (("short", 1000, ((1000, 1),), 1),)),
-    # Preempted after 98 output tokens and resumed: vLLM prefills it again over num_tokens (prompt
-    # and output), so the final recompute chunk ends past num_prompt_tokens (a gate that fires
-    # only on landing exactly at the prompt's end never sends). One K3 block holds it all: which
-    # blocks past the prompt's end should travel is not this gate's question (upstream 0.32.0
-    # sends the prompt's blocks only).
+    # Resumed after preemption, vLLM prefills prompt + output again: the final chunk ends past
+    # num_prompt_tokens. One K3 block holds it all (which blocks past the prompt travel is not
+    # this gate's question: upstream 0.32.0 sends the prompt's blocks only).
     (
         "resumed after preemption: 4,000-token prompt recomputed over 4,098 tokens, chunks "
         "2,048 + 2,050 (past the prompt's end)",
@@ -79,11 +63,9 @@ DIRECT_CASES: tuple[tuple[str, int, tuple[Request, ...]], ...] = (
 
 @dataclass(frozen=True)
 class Prefill:
-    """A row of the table: a client's prompt of `tokens`, prefilled in CHUNK-token chunks into
-    `block`-token KV blocks. `truncated`: mamba_n1's P side first drops the prompt's last token
-    (the fork pops it with `num_prompt_tokens -= 1` before the scheduler counts the tokens, so one
-    token less is prefilled and is what the gate compares with) and sets max_tokens to 1 (no
-    decode step)."""
+    """A row: a prompt of `tokens` in CHUNK-token chunks and `block`-token KV blocks.
+    `truncated`: mamba_n1's P side pops the last token before the scheduler counts (the gate
+    compares with N-1) and sets max_tokens to 1 (no decode step)."""
 
     tokens: int
     block: int
@@ -100,10 +82,8 @@ class Prefill:
 
     @property
     def steps(self) -> tuple[tuple[int, int], ...]:
-        """(tokens, new blocks) per step: each chunk gets the blocks for every token computed by
-        its end, as vLLM allocates; the decode step (1 token) gets none, even where its token
-        starts a block: 0.14.1-0.27.1 index the pending map unguarded for a cached request given
-        a block after its save (a KeyError upstream fixed in 0.28.0; not this gate's)."""
+        """(tokens, new blocks) per step, as vLLM allocates; the decode step gets no block even
+        where its token starts one: 0.14.1-0.27.1 then raise a KeyError that is not this gate's."""
         held = [0, *(-(-total // self.block) for total in itertools.accumulate(self.chunks))]
         prefill = zip(self.chunks, (b - a for a, b in itertools.pairwise(held)), strict=True)
         return (*prefill, *([(1, 0)] if not self.truncated else []))
@@ -118,6 +98,9 @@ class Prefill:
 
 
 def _table() -> tuple[Prefill, ...]:
+    """Last chunks of 1, 2 (and block - 1, block, block + 1 in 16-token blocks) after 1-3 full
+    chunks; K3's first block ends inside chunk 3, so the prompt ends just short of, at and past
+    it; one chunk (G2 alone). Each as sent and truncated."""
     lasts = {K3_BLOCK: (1, 2), SMALL_BLOCK: (1, 2, SMALL_BLOCK - 1, SMALL_BLOCK, SMALL_BLOCK + 1)}
     tokens = [
         (full * CHUNK + last, block)
@@ -125,7 +108,6 @@ def _table() -> tuple[Prefill, ...]:
         for full in (1, 2, 3)
         for last in ends
     ]
-    # K3's first block ends inside the third chunk (5,760 = 2 x 2,048 + 1,664); one chunk: G2 alone.
     tokens += [(K3_BLOCK + d, K3_BLOCK) for d in (-1, 0, 1)] + [(1000, K3_BLOCK), (CHUNK, K3_BLOCK)]
     return tuple(Prefill(n, block, cut) for n, block in tokens for cut in (False, True))
 
@@ -149,16 +131,12 @@ REQUEST_MAPS = (
 ).split()
 
 
-def _request_maps(mc: Any) -> list[str]:
+def _scheduler(mc: Any, block_size: int) -> Any:
+    """A MoRIIO scheduler holding what build_connector_meta and update_state_after_alloc read."""
     init = source_of(mc.MoRIIOConnectorScheduler.__init__)
     assigned = attribute_assignments([init] if init else [], "self")
     empty = [a for a, v in assigned if any(match(e, v) is not None for e in ("{}", "dict()"))]
-    return [*REQUEST_MAPS, *empty]
-
-
-def _scheduler(mc: Any, block_size: int, maps: list[str]) -> Any:
-    """A MoRIIO scheduler holding what build_connector_meta and update_state_after_alloc read."""
-    state: dict[str, Any] = {name: {} for name in maps}
+    state: dict[str, Any] = {name: {} for name in [*REQUEST_MAPS, *empty]}
     state.update(
         mode=mc.MoRIIOMode.WRITE,
         block_size=block_size,  # 0.14.1-0.29.0 gate
@@ -172,7 +150,6 @@ def _scheduler(mc: Any, block_size: int, maps: list[str]) -> Any:
 
 
 def _saves(steps: list[int], chunks: int) -> str:
-    """Where the save left: chunks of the prefill, and the decode step after it."""
     at = [step for step in steps if step <= chunks]
     none = f"no save in {chunks} chunk{'s' * (chunks > 1)}"
     text = f"save at chunk {', '.join(map(str, at))} of {chunks}" if at else none
@@ -205,9 +182,9 @@ def truncate(request: Any) -> None:
 Planned = tuple[Any, tuple[tuple[int, int], ...], int | None, int]
 
 
-def _direct(scheduler: Any, requests: list[Planned]) -> list[tuple[str, bool]]:
-    """The real build_connector_meta through chunked prefills run side by side: per request its
-    line and whether the save left once, at its final chunk, with every block allocated by then."""
+def _direct(scheduler: Any, requests: list[Planned], checks: Checks, heads: list[str]) -> None:
+    """The real build_connector_meta through chunked prefills run side by side: a check per
+    request, that its save left once, at its final chunk, with every block allocated by then."""
     counter = itertools.count()  # block ids in allocation order, step by step across requests
     allocated: dict[str, list[list[int]]] = {r.request_id: [] for r, *_ in requests}
     for step in range(max(len(steps) for _, steps, *_ in requests)):
@@ -227,55 +204,46 @@ def _direct(scheduler: Any, requests: list[Planned]) -> list[tuple[str, bool]]:
             emitted[req_id].append(
                 (step, [*itertools.chain(*sent)] if nested else [*map(int, sent)])
             )
-    results = []
-    for request, _, want, chunks in requests:
+    for (request, _, want, chunks), head in zip(requests, heads, strict=True):
         got = emitted[request.request_id]
         saved = [step for step, _ in got]
-        line = f"{_saves(saved, chunks)}, {_expected(want)}"
+        line = f"{head}: {_saves(saved, chunks)}, {_expected(want)}"
         ok = saved == ([] if want is None else [want])
         blocks = [b for ids in allocated[request.request_id][:want] for b in ids]
         if ok and got and got[0][1] != blocks:
             ok = False
             line += f"; sent blocks {got[0][1][:8]} ({len(got[0][1])}), allocated {len(blocks)}"
-        results.append((line, ok))
-    return results
+        checks.record(line, ok)
 
 
 def _direct_case(scheduler: Any, title: str, requests: tuple[Request, ...], checks: Checks) -> None:
-    """One written-out case, a check per request."""
     planned: list[Planned] = []
     for req_id, n, steps, want in requests:
-        stub = stub_request(
-            router_id(req_id), n, kv_params("decode", f"t-{req_id}") if want else None
-        )
+        params = kv_params("decode", f"t-{req_id}") if want else None
+        stub = stub_request(router_id(req_id), n, params)
         # A resumed request holds its output tokens too: num_tokens is what it prefills.
         stub.num_tokens = max(n, sum(tokens for tokens, _ in steps[:want]))
         # Chunks: the steps up to the save where a decode step follows it.
         chunks = want if want and steps[want:] == ((1, 0),) else len(steps)
         planned.append((stub, steps, want, chunks))
-    for (req_id, *_), (line, ok) in zip(requests, _direct(scheduler, planned), strict=True):
-        checks.record(f"{title} [{req_id}]: {line}", ok)
+    _direct(scheduler, planned, checks, [f"{title} [{req_id}]" for req_id, *_ in requests])
 
 
 def _direct_row(scheduler: Any, row: Prefill, checks: Checks) -> None:
-    """One row of the table alone, the truncation made before the scheduler first sees it."""
+    """One row alone, truncated before the scheduler first sees it."""
     request = stub_request(router_id(f"row-{row.tokens}"), row.tokens, kv_params("decode"))
     if row.truncated:
         truncate(request)
     chunks = len(row.chunks)
-    ((line, ok),) = _direct(scheduler, [(request, row.steps, chunks, chunks)])
-    checks.record(f"{row.label}: {line}", ok)
+    _direct(scheduler, [(request, row.steps, chunks, chunks)], checks, [row.label])
 
 
-# The second probe: vLLM's own `Scheduler.schedule()` drives the connector's scheduler side
-# through chunked prefills, built on CPU as vLLM's unit tests build one (a MoRIIO producer, one
-# full-attention group, a config.json written here: no download, no tokenizer), with K3's block,
-# bigger than a chunk; it also records `req.num_computed_tokens`.
+# The second probe: vLLM's own Scheduler on CPU, built as vLLM's unit tests build one (a MoRIIO
+# producer, one full-attention group in K3's block, a config.json written here: no download).
 MAX_LEN = 16384
 
-# (request id, row): the written-out cases first, then the rows that tell each wrong gate of G1
-# and of G2 from the right one (slack of 1 and 2 after one and two chunks, a block count at
-# chunk 3, one chunk for `>` and a gate without this step's tokens, the truncation).
+# (request id, row): the rows that tell each wrong gate of G1 and G2 from the right one (slack
+# of 1 and 2 after one and two chunks, a block count at chunk 3, one chunk, the truncation).
 SCHEDULED = (
     ("sched-2611", Prefill(2611, K3_BLOCK)),  # 2,048 + 563 in one 5,760-token block
     ("sched-5000", Prefill(5000, K3_BLOCK)),  # 2,048 + 2,048 + 904
@@ -350,10 +318,9 @@ def _seen_in_output(output: Any, req_id: str) -> int | None:
 
 
 def drive_scheduler(scheduler: Any, name: str, row: Prefill, checks: Checks) -> None:
-    """One request through vLLM's Scheduler until it finishes: whether each step's connector
-    metadata carried the save, and `req.num_computed_tokens` inside build_connector_meta beside
-    what scheduler_output says. A truncated row goes through the fork's own truncation where the
-    tree has it (mamba_n1), else the probe's; the others get one decode step (max_tokens 2)."""
+    """One request through vLLM's Scheduler until it finishes: which steps' metadata carried the
+    save, and `req.num_computed_tokens` inside build_connector_meta against scheduler_output.
+    A truncated row is cut by the tree's own mamba_n1 truncation where it has one, else ours."""
     from vllm import SamplingParams
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
@@ -363,7 +330,7 @@ def drive_scheduler(scheduler: Any, name: str, row: Prefill, checks: Checks) -> 
     request = call_accepted(Request, sampling_params=SamplingParams(max_tokens=2), **fields)
     request.kv_transfer_params = {**kv_params("decode", f"t-{name}"), "do_remote_prefill": False}
     steps, saves = 0, []
-    seen: list[tuple[int, int | None, int]] = []
+    seen: list[tuple[int, int | None, int]] = []  # computed: live, in the output; scheduled
     prompts: list[int] = []  # the prompt the connector compares with
     connector = scheduler.connector.connector_scheduler
     build, matched = connector.build_connector_meta, connector.get_num_new_matched_tokens
@@ -373,13 +340,8 @@ def drive_scheduler(scheduler: Any, name: str, row: Prefill, checks: Checks) -> 
         if req_id in scheduler_output.num_scheduled_tokens:
             live = scheduler.requests[req_id]
             scheduled = int(scheduler_output.num_scheduled_tokens[req_id])
-            seen.append(
-                (
-                    int(live.num_computed_tokens),
-                    _seen_in_output(scheduler_output, req_id),
-                    scheduled,
-                )
-            )
+            told = _seen_in_output(scheduler_output, req_id)
+            seen.append((int(live.num_computed_tokens), told, scheduled))
             prompts.append(int(live.num_prompt_tokens))
         return build(scheduler_output)
 
@@ -408,8 +370,9 @@ def drive_scheduler(scheduler: Any, name: str, row: Prefill, checks: Checks) -> 
             model_output = call_accepted(ModelRunnerOutput, sampled_token_ids=sampled, **ran)
             scheduler.update_from_output(output, model_output)
     chunks = len(row.chunks)
-    head = f"Scheduler.schedule() [{name}] {row.label}:"
-    line = f"{head} {_saves(saves, chunks)}, {_expected(chunks)}"
+    line = (
+        f"Scheduler.schedule() [{name}] {row.label}: {_saves(saves, chunks)}, {_expected(chunks)}"
+    )
     scheduled = [n for _, _, n in seen]
     want = [*row.chunks, *([1] if not row.truncated else [])]
     if scheduled != want:
@@ -429,14 +392,13 @@ def drive_scheduler(scheduler: Any, name: str, row: Prefill, checks: Checks) -> 
 def probe_chunk_gate() -> ProbeOutcome:
     """Both probes: the direct drive of build_connector_meta, then vLLM's own Scheduler."""
     checks, mc = Checks("chunk gate"), importlib.import_module(CONNECTOR)
-    maps = _request_maps(mc)
     with Swap() as swap:
         # The producer role is process-global state set at connector start; pin it here.
         swap.attr(mc, "get_role", lambda: mc.ROLE.PRODUCER)
         for title, block_size, requests in DIRECT_CASES:
-            _direct_case(_scheduler(mc, block_size, maps), title, requests, checks)
+            _direct_case(_scheduler(mc, block_size), title, requests, checks)
         for row in TABLE:
-            _direct_row(_scheduler(mc, row.block, maps), row, checks)
+            _direct_row(_scheduler(mc, row.block), row, checks)
     with Swap() as swap, tempfile.TemporaryDirectory(prefix="k3patch-probe-model-") as model:
         # The scheduler side sets the process-wide MoRIIO role: later probes get theirs back.
         swap.on_exit(mc.set_role, mc.get_role())

@@ -1,5 +1,5 @@
 """What a final-chunk gate's test means: compute progress (`num_computed_tokens` plus this step's
-scheduled tokens) against the prompt, as moriio-chunk-gate reads a fixed form by its meaning."""
+scheduled tokens) against the prompt."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def strip_nots(expr: ast.expr) -> tuple[ast.expr, int]:
 
 
 def is_call_to(expr: ast.AST, name: str, owner: str = "self") -> bool:
-    """Whether `expr` calls `name(...)` or `<owner>.name(...)` (a method on `self` by default)."""
+    """Whether `expr` calls `name(...)` or `<owner>.name(...)`."""
     if not isinstance(expr, ast.Call):
         return False
     func = expr.func

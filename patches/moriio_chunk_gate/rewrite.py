@@ -1,6 +1,5 @@
-"""moriio-chunk-gate's codemod on libcst nodes (imported only when a gate is rewritten): a gate's
-header becomes the post-image's, its body and the comments around it stay; G1's gate also moves
-out of `if new_block_ids is not None:`, under the post-image's guard."""
+"""moriio-chunk-gate's libcst changes (imported only to rewrite): a gate's header becomes the
+post-image's, its body and comments stay."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ def _template(source: str) -> cst.If:
 
 
 def _with_test(gate: cst.CSTNode, post: cst.If) -> cst.If:
-    """`gate` with `post`'s test: the lines from `if` to the `:` are the post-image's, the body
-    (from the comment after the colon on) is the gate's."""
+    """`gate` with `post`'s test: from `if` to the `:` the post-image's, the rest the gate's."""
     if not isinstance(gate, cst.If):
         raise CodemodError("the gate is no `if`")
     return gate.with_changes(
@@ -31,8 +29,7 @@ def _with_test(gate: cst.CSTNode, post: cst.If) -> cst.If:
 
 
 def new_header(template: str) -> Change:
-    """The change of G2's gate: the template's header, its comments right above it (under the
-    comments the gate already had)."""
+    """G2's change: the template's header, its comments above it (under the gate's own)."""
     post = _template(template)
 
     def change(node: Statement) -> Statement:
@@ -42,10 +39,9 @@ def new_header(template: str) -> Change:
 
 
 def under_guard(template: str) -> Change:
-    """The change of `if new_block_ids is not None:`, whose last statement is G1's gate: the gate
-    leaves the branch and follows it, under the template's guard (its comments above the guard,
-    its own above the gate), with the template's header. The branch's indentation step is the
-    guard's, so the gate and its body keep their columns."""
+    """The change of `if new_block_ids is not None:`, which ends in G1's gate: the gate leaves it
+    for the template's guard after it, with the template's header, at the branch's indentation
+    (the gate and its body keep their columns)."""
     guard = _template(template)
     guard_block = guard.body
     if not isinstance(guard_block, cst.IndentedBlock):
