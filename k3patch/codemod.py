@@ -87,9 +87,8 @@ def _blocks(cst_node: cst.CSTNode, ast_node: ast.AST) -> Iterator[tuple[list[ast
 def _index(
     module: cst.Module, tree: ast.Module
 ) -> tuple[dict[int, Statement | None], dict[int, int]]:
-    """id(ast statement) -> its libcst line or compound statement (None where it shares its
-    line) for every statement of the file, and id(libcst statement) -> id(the compound
-    statement that holds it) for every statement below the module."""
+    """id(ast statement) -> its libcst line or compound statement (None: it shares its line),
+    and id(libcst statement) -> id(the compound statement that holds it)."""
     found: dict[int, Statement | None] = {}
     parents: dict[int, int] = {}
     todo: list[tuple[cst.CSTNode, ast.AST]] = [(module, tree)]
@@ -217,7 +216,6 @@ class Codemod:
         plan.removed = True
 
     def _fold(self, stmts: Sequence[ast.stmt], change: Change) -> None:
-        """The consecutive statements `stmts` become what `change` makes of the first."""
         self.change(stmts[0], change)
         for stmt in stmts[1:]:
             self.remove(stmt)
@@ -290,8 +288,7 @@ class Codemod:
             self._imports.append(name)
 
     def transform(self, transformer: cst.CSTTransformer) -> None:
-        """Run a patch's own transformer (e.g. a `ScopedTransformer`) after the statement
-        changes."""
+        """A patch's own transformer (a `ScopedTransformer`), run after the statement changes."""
         self._transformers.append(transformer)
 
     def code(self) -> str:
@@ -391,8 +388,7 @@ class ScopedTransformer(cst.CSTTransformer):
 
 
 class Codemods:
-    """The libcst trees of a run's changed files, each parsed once, on first use, however many
-    patches change it."""
+    """The libcst trees of a run's changed files, each parsed once, on first use."""
 
     def __init__(self, sources: Sources) -> None:
         self._sources = sources
