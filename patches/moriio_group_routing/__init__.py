@@ -1,20 +1,13 @@
 """moriio-group-routing: MoRIIO writes each layer's KV into its own KV-cache group's blocks.
 
-Symptom: Kimi-K3 served as a prefill/decode split over the MoRIIO connector (WRITE mode)
-answers fluently but without the prompt's context.
-Cause: the fork's "mamba block ids" change (apply_kimik3_moriio_mamba_blockids.py on vLLM
-0.28.0) knows two KV-cache groups, `[0]` attention and `[1]` Mamba. K3 has three KDA (Mamba)
-groups, then MLA at index 3: the prefill node wrote MLA layers into a KDA group's blocks and
-decode read blocks nobody had written. 0.28.0 also caches transfer offsets by tensor geometry
-alone, which K3's three KDA groups share, so a per-group choice inside that cache misroutes.
-Fix: the worker maps each layer to its KV-cache group (attention: the first that is not a
-MambaSpec); every group's block ids travel end to end (FORK_SITES: one site per hop) to the
-transfer plan, which indexes them with the layer's group and caches offsets per layer (as
-upstream 0.29.0 keys them). Without the lists (a peer without the fix) it fails loudly.
-Check: `k3patch verify` drives the patched scheduler, notify message and transfer plan on CPU
-with K3's layout: every layer's blocks land in its own group's blocks (probe.py). The operators'
-trees are all pending (the older fix's plumbing stays, unused: revert is exact); upstream's are
-not applicable or satisfied (upstream.py).
+Symptom: Kimi-K3 split into prefill and decode over MoRIIO (WRITE mode) answers fluently but
+without the prompt's context. Cause: the fork's "mamba block ids" change on vLLM 0.28.0 knows two
+groups, `[0]` attention and `[1]` Mamba; K3 has three KDA (Mamba) groups, then MLA at index 3, so
+MLA layers were written into a KDA group's blocks, and 0.28.0's offsets cache, keyed by tensor
+geometry that K3's KDA groups share, misroutes any per-group choice made inside it. Fix: every
+group's block ids travel end to end (FORK_SITES, one site per hop); the transfer plan indexes them
+with the layer's group and caches offsets per layer; a peer without them fails loudly. Check:
+`k3patch verify` drives the patched WRITE path on CPU with K3's layout (probe.py).
 """
 
 from __future__ import annotations
@@ -57,8 +50,8 @@ ENGINE = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_engine.py"
 FILES = (COMMON, CONNECTOR, ENGINE)
 
 # Without these words neither the fork's statements nor k3patch's are there: a cheap gate before
-# a walk of three long ASTs; a hit (maybe a comment) is no verdict. The substring test runs
-# first: the regex alone, with its leading \b, scans a 115 kB file in about 1 ms.
+# three long ASTs (a hit, maybe a comment, is no verdict); the substring test spares the regex's
+# 1 ms scan of a 115 kB file.
 _WORDS = ("mamba_local_block_ids", "mamba_block_notify_list", "k3patch_group_")
 _MENTIONS = re.compile(r"\b(?:" + "|".join(_WORDS) + ")")
 
@@ -223,8 +216,7 @@ class MoriioGroupRouting(Patch):
 
 
 def _one_change(results: list[SiteResult]) -> list[SiteResult]:
-    """The three files are one change: a drifted site refuses them all, and its detail names
-    every file's state, so a refusal says what is patched and what drifted."""
+    """The three files are one change: a drifted site refuses all three, naming each one's state."""
     drifted = Verdict.DRIFTED
     if not any(r.verdict is drifted for r in results):
         return results

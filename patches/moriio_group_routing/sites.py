@@ -1,5 +1,6 @@
-"""The parts of a moriio-group-routing site: each sees one piece of its site's class or function
-in the fork's shape (pending), k3patch's (applied), neither (drifted) or has no opinion (None)."""
+"""moriio-group-routing's sites and their parts (private to this patch): each part sees one piece
+of its site's class or function in the fork's shape (pending), k3patch's (applied), neither
+(drifted) or has no opinion (None)."""
 
 from __future__ import annotations
 
@@ -46,8 +47,7 @@ class Part:
         raise NotImplementedError
 
     def rewrite(self, src: SourceFile, file: Codemod, node: Any) -> None:
-        """Make this part k3patch's in `file` (the codemod of `src`); a part without text of
-        its own changes nothing."""
+        """Make this part k3patch's in `file`, the codemod of `src` (a note changes nothing)."""
 
 
 @dataclass(frozen=True)
@@ -100,11 +100,13 @@ class Insert(Part):
         if self.anchors:
             file.insert_after(body[i], self.added)
             return
-        from .rewrite import blank_line_above  # libcst: only when there is something to rewrite
+        import libcst as cst  # only when there is something to rewrite: status never loads it
+
+        from k3patch.codemod import with_leading_lines
 
         # k3patch's statements stand apart from the final return, as a paragraph of their own.
         file.insert_before(body[i], self.added)
-        file.change(body[i], blank_line_above)
+        file.change(body[i], lambda n: with_leading_lines(n, [cst.EmptyLine(indent=False)]))
 
 
 @dataclass(frozen=True)
@@ -183,17 +185,32 @@ class Item(Part):
 
     def rewrite(self, src: SourceFile, file: Codemod, node: Any) -> None:
         holder = self._holders(node)[0]
-        if self.kind == "field":
-            file.append_to(holder, f"{FIELD_COMMENT}\n{self.added}")
-        elif self.kind == "param":
-            file.append_to(holder, self.added)
-        else:
-            file.append_to(holder, self.added, within=_statement_holding(node, holder))
+        if self.kind in ("field", "param"):
+            added = f"{FIELD_COMMENT}\n{self.added}" if self.kind == "field" else self.added
+            file.append_to(holder, added)
+            return
+        # The codemod edits the innermost statement whose text holds the call or dict literal.
+        start = (holder.lineno, holder.col_offset)
+        end = (holder.end_lineno or 0, holder.end_col_offset or 0)
+        holding = [
+            s
+            for s in ast.walk(node)
+            if isinstance(s, ast.stmt)
+            and (s.lineno, s.col_offset) <= start
+            and end <= (s.end_lineno or 0, s.end_col_offset or 0)
+        ]
+        within = max(holding, key=lambda s: (s.lineno, s.col_offset))  # the one that starts last
+        file.append_to(holder, self.added, within=within)
 
 
 def keyword(callee: str, added: str) -> Item:
     """k3patch's keyword argument `added` beside the fork's (forms.FORK_KEYWORDS) to `callee`."""
     return Item("keyword", forms.FORK_KEYWORDS[callee], added, callee)
+
+
+def takes(name: str) -> Holds:
+    """A site's precondition: its function has a positional parameter `name`."""
+    return lambda src, fn: fn is not None and name in astkit.parameter_names(fn, positional=True)
 
 
 @dataclass(frozen=True)
@@ -215,25 +232,6 @@ class Function(Part):
 
     def rewrite(self, src: SourceFile, file: Codemod, node: ast.AST) -> None:
         file.append_definition(self.source)
-
-
-def _statement_holding(scope: ast.AST, expr: ast.expr) -> ast.stmt:
-    """The innermost statement of `scope` whose text holds `expr` (the one a codemod changes to
-    append an item to `expr`): of the statements that hold it, the one that starts last."""
-    start, end = (expr.lineno, expr.col_offset), (expr.end_lineno or 0, expr.end_col_offset or 0)
-    holding = [
-        s
-        for s in ast.walk(scope)
-        if isinstance(s, ast.stmt)
-        and (s.lineno, s.col_offset) <= start
-        and end <= (s.end_lineno or 0, s.end_col_offset or 0)
-    ]
-    return max(holding, key=lambda s: (s.lineno, s.col_offset))
-
-
-def takes(name: str) -> Holds:
-    """A site's precondition: its function has a positional parameter `name`."""
-    return lambda src, fn: fn is not None and name in astkit.parameter_names(fn, positional=True)
 
 
 def _is_debug_block(imp: ast.stmt, gate: ast.stmt) -> bool:
@@ -359,9 +357,9 @@ class Site:
 
 
 def combined_verdict(verdicts: Iterable[Verdict]) -> Verdict | None:
-    """One verdict for a whole made of parts (a site's pieces, a change's files): any drifted
-    part makes it drifted, parts that all agree give theirs; None for a mixture (some applied,
-    some pending: half done, perhaps by hand) and for no parts at all."""
+    """One verdict for a whole (a site's parts, a change's files): any drifted part makes it
+    drifted, parts that all agree give theirs; None for a mixture (half done, perhaps by hand)
+    and for no parts at all."""
     seen = set(verdicts)
     if Verdict.DRIFTED in seen:
         return Verdict.DRIFTED
@@ -369,8 +367,7 @@ def combined_verdict(verdicts: Iterable[Verdict]) -> Verdict | None:
 
 
 def clip_lines(text: str, limit: int = 40) -> str:
-    """`text` as it is when it has at most `limit` lines, else its first `limit` lines and a
-    line saying how many more there are (a report shows a long function's head)."""
+    """`text`, or (over `limit` lines) its first `limit` lines and how many more there are."""
     lines = text.splitlines()
     if len(lines) <= limit:
         return text
@@ -378,16 +375,13 @@ def clip_lines(text: str, limit: int = 40) -> str:
 
 
 def named_items(holder: ast.AST) -> dict[str, tuple[ast.AST, ast.expr | None]]:
-    """The named items of a holder, name -> (the node that names the item, its value): a
-    class's annotated fields (the AnnAssign, its value), a function's positional parameters
-    (the ast.arg, its default), a call's keyword arguments (not `**x`) and a dict literal's
-    string keys (the key, its value). None where there is no value; a name written twice is
-    its last item; any other node has none."""
+    """name -> (the node naming the item, its value or None): a class's annotated fields, a
+    function's positional parameters (their defaults), a call's keyword arguments (not `**x`),
+    a dict literal's string keys; a name written twice is its last item; other nodes have none."""
     if isinstance(holder, ast.ClassDef):
-        body = holder.body
         return {
             s.target.id: (s, s.value)
-            for s in body
+            for s in holder.body
             if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
         }
     if isinstance(holder, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):

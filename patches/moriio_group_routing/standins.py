@@ -1,6 +1,5 @@
-"""MoRIIO and vLLM stand-ins for the probes in the verify child: KV-cache configs and tensors in a
-layout of groups, a vLLM config, requests and their kv_transfer_params, and the prefill
-scheduler driven step by step (moriio-chunk-gate's probe drives build_connector_meta with them)."""
+"""MoRIIO and vLLM stand-ins for the probes in the verify child (moriio-chunk-gate's too): KV-cache
+configs and tensors of a layout, a vLLM config, requests, and the prefill scheduler step by step."""
 
 from __future__ import annotations
 
@@ -37,8 +36,8 @@ def _spec(kind: str, bare: bool = False) -> Any:
 
 
 def kv_cache_config(layout: Layout, bare_specs: bool = False, real: bool = True) -> Any:
-    """`layout` as this version's own KVCacheConfig (TypeError where its fields differ); not
-    `real`: a stand-in with what the connector reads of one."""
+    """`layout` as this version's KVCacheConfig (TypeError where its fields differ), or not
+    `real`: a stand-in."""
     specs = importlib.import_module("vllm.v1.kv_cache_interface")
     groups = [(list(names), _spec(kind, bare_specs)) for kind, names in layout]
     if real:
@@ -94,9 +93,9 @@ def block_ids(per_group: list[list[int]]) -> Stub:
 
 
 def finish_request(scheduler: Any, request: Any, blocks: list[int]) -> list[str]:
-    """Ends `request` as vLLM's scheduler does (request_finished, a step that names it finished,
-    the worker's ack that its KV was sent, one more step) and names the scheduler's attributes
-    that still hold its request or transfer id: per-request state left behind is a leak."""
+    """Ends `request` as vLLM does (request_finished, a step naming it finished, the worker's ack
+    that its KV was sent, one more step); the scheduler's attributes still holding its request or
+    transfer id (a leak)."""
     request.status = importlib.import_module("vllm.v1.request").RequestStatus.FINISHED_LENGTH_CAPPED
     scheduler.request_finished(request, list(blocks))
     scheduler.build_connector_meta(_step_output([], finished={request.request_id}))
@@ -105,16 +104,9 @@ def finish_request(scheduler: Any, request: Any, blocks: list[int]) -> list[str]
         scheduler.update_connector_output(Stub(**ack, invalid_block_ids=set()))
     scheduler.build_connector_meta(_step_output([]))
     ids = {request.request_id, (request.kv_transfer_params or {}).get("transfer_id")}
-    return [name for name, value in vars(scheduler).items() if _holds(value, ids)]
-
-
-def _holds(value: Any, ids: set[Any]) -> bool:
-    """Whether a mapping's keys or a collection's members name one of `ids`."""
-    if isinstance(value, dict):
-        value = value.keys()
-    elif not isinstance(value, (set, frozenset, list, tuple)):
-        return False
-    return any(isinstance(item, str) and item in ids for item in value)
+    kinds = dict | set | frozenset | list | tuple  # a dict: its keys
+    held = [(name, v) for name, v in vars(scheduler).items() if isinstance(v, kinds)]
+    return [name for name, v in held if any(isinstance(item, str) and item in ids for item in v)]
 
 
 def _step_output(
@@ -122,8 +114,8 @@ def _step_output(
     new: int = 0,
     finished: set[str] | frozenset[str] = frozenset(),
 ) -> Stub:
-    """A SchedulerOutput: `live` (request, tokens, blocks per group) scheduled, the first `new`
-    of them new, the others cached; `finished` the ids that ended since the last step."""
+    """A SchedulerOutput: `live` (request, tokens, blocks per group) scheduled, its first `new`
+    new, the others cached; `finished`: the ids that ended since the last step."""
     cached = live[new:]
     return Stub(
         scheduled_new_reqs=[request for request, _, _ in live[:new]],
@@ -146,10 +138,9 @@ def _step_output(
 def drive_prefill(
     scheduler: Any, plans: list[tuple[Any, list[tuple[int, list[list[int]]]]]]
 ) -> list[dict[str, Any]]:
-    """Each step's `reqs_to_save` from `build_connector_meta` driven as vLLM's scheduler does; per
-    step `plans` gives each request its tokens and blocks allocated per group. A request is new at
-    its first step (update_state_after_alloc first), then cached with that step's blocks (None
-    when none, as vLLM sends it); its computed tokens advance after each step."""
+    """Each step's `reqs_to_save` from `build_connector_meta`, driven as vLLM does: `plans` gives
+    each request its tokens and blocks per group per step; it is new at its first step (after
+    update_state_after_alloc), then cached; its computed tokens advance after each step."""
     sent = []
     for step in range(max(len(steps) for _, steps in plans)):
         live = [(request, *steps[step]) for request, steps in plans if step < len(steps)]
