@@ -10,7 +10,6 @@ On upstream 0.31.0+ it checks the group split and, 0.33.0+, the MLA plan.
 
 from __future__ import annotations
 
-import ast
 import importlib
 import threading
 import weakref
@@ -21,7 +20,7 @@ from typing import Any
 from k3patch import probekit
 from k3patch.patch import ProbeOutcome
 from k3patch.probekit import Checks, Stub, Swap, stand_in
-from k3patch.shapes import find_expressions, match
+from k3patch.shapes import find_expressions
 
 from .forms import FIELD_NAME
 from .standins import (
@@ -30,11 +29,13 @@ from .standins import (
     ENGINE,
     TRANSFER_ID,
     Layout,
+    ProbeSetupError,
     block_ids,
     drive_prefill,
     finish_request,
     kv_cache_config,
     kv_params,
+    prefill_worker,
     stub_kv_caches,
     stub_request,
     stub_vllm_config,
@@ -139,10 +140,6 @@ CASES = (
     ),
 )
 Failures = list[tuple[int | None, str]]  # (the misrouted layer's group, or None: the case's)
-
-
-class ProbeSetupError(Exception):
-    """The tree's code is not in a shape this probe can drive (a reason, not a routing result)."""
 
 
 def probe_routing() -> ProbeOutcome | None:
@@ -252,7 +249,7 @@ def _names_missing_fix(error: str, side: str) -> bool:
 def _check_all_mamba(connector: Any, checks: Checks) -> None:
     """Every group a MambaSpec: the worker's layer maps must refuse, not take one for attention."""
     head = "every group Mamba (no attention group): the worker's layer maps"
-    _, error = probekit.attempt(_prefill_worker, connector, ALL_MAMBA_LAYOUT)
+    _, error = probekit.attempt(prefill_worker, connector, ALL_MAMBA_LAYOUT)
     refused = error is not None and error.startswith("ValueError: ") and "attention" in error
     line = f"{head} refuse: {error}" if refused else f"{head}: {error or 'built without a word'}"
     checks.record(line, refused, f"{line}, expected a ValueError naming the attention group")
@@ -368,7 +365,7 @@ def drive_write(case: Case) -> Stub:
             setattr(meta, FIELD_NAME, None)  # where the tree has per-group lists, none sent
 
         # 4. Prefill worker: its own layer maps, then a write task per layer.
-        worker = _prefill_worker(connector, case.layout)
+        worker = prefill_worker(connector, case.layout)
         layers = [name for _, names in case.layout for name in names]
         tasks: list[Any] = []
         offsets = probekit.Calls(
@@ -402,34 +399,6 @@ def drive_write(case: Case) -> Stub:
             by = next((args[0] for args, _, answer in offsets.calls if answer[0] is ids), None)
             drive.routes[task.layer_name] = ((list(ids), list(plan.transfer_remote_offsets)), by)
     return drive
-
-
-def _prefill_worker(connector: Any, layout: Layout) -> Any:
-    """A WRITE-mode prefill worker with its layer maps for `layout`: `MoRIIOConnectorWorker.
-    __init__`'s own statements from `self.layer_to_spec = ...` to `if self.is_producer:` (a
-    patch's too); the rest needs a GPU and a network."""
-    config = stub_vllm_config("kv_producer")
-    worker = stand_in(connector.MoRIIOConnectorWorker, is_producer=True, vllm_config=config)
-    mode = importlib.import_module(COMMON).MoRIIOMode.WRITE
-    worker.kv_transfer_config, worker.mode = config.kv_transfer_config, mode
-    init, where = connector.MoRIIOConnectorWorker.__init__, "MoRIIOConnectorWorker.__init__"
-    body = getattr(probekit.source_of(init), "body", None)
-    if body is None:
-        raise ProbeSetupError(f"{where} has no source")
-    starts = [match("self.layer_to_spec = HOLE_v", s) is not None for s in body]
-    ends = [isinstance(s, ast.If) and match("self.is_producer", s.test) is not None for s in body]
-    if True not in starts:
-        raise ProbeSetupError(f"{where} sets no self.layer_to_spec")
-    start = starts.index(True)
-    if True not in ends[start:]:
-        raise ProbeSetupError(f"{where} has no `if self.is_producer:` after layer_to_spec")
-    try:
-        kv_config = kv_cache_config(layout)
-    except TypeError:  # another version's fields
-        kv_config = kv_cache_config(layout, real=False)
-    body = body[start : ends.index(True, start)]
-    probekit.run_statements(init, body, worker, config, "prefill", kv_config)
-    return worker
 
 
 def probe_upstream(connector: Any) -> ProbeOutcome:

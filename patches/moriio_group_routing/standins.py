@@ -1,13 +1,17 @@
 """MoRIIO and vLLM stand-ins for the probes in the verify child (moriio-chunk-gate's too): KV-cache
-configs and tensors of a layout, a vLLM config, requests, and the prefill scheduler step by step."""
+configs and tensors of a layout, a vLLM config, requests, the prefill scheduler step by step and
+the prefill worker with its own layer maps."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 from typing import Any
 
+from k3patch import probekit
 from k3patch.probekit import Stub, stand_in
+from k3patch.shapes import match
 
 PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
 COMMON, CONNECTOR, ENGINE = (f"{PACKAGE}.moriio_{m}" for m in ("common", "connector", "engine"))
@@ -151,3 +155,35 @@ def drive_prefill(
         for request, tokens, _ in live:
             request.num_computed_tokens += tokens
     return sent
+
+
+class ProbeSetupError(Exception):
+    """The tree's code is not in a shape this probe can drive (a reason, not a routing result)."""
+
+
+def prefill_worker(connector: Any, layout: Layout) -> Any:
+    """A WRITE-mode prefill worker with its layer maps for `layout`: `MoRIIOConnectorWorker.
+    __init__`'s own statements from `self.layer_to_spec = ...` to `if self.is_producer:` (a
+    patch's too); the rest needs a GPU and a network."""
+    config = stub_vllm_config("kv_producer")
+    worker = stand_in(connector.MoRIIOConnectorWorker, is_producer=True, vllm_config=config)
+    mode = importlib.import_module(COMMON).MoRIIOMode.WRITE
+    worker.kv_transfer_config, worker.mode = config.kv_transfer_config, mode
+    init, where = connector.MoRIIOConnectorWorker.__init__, "MoRIIOConnectorWorker.__init__"
+    body = getattr(probekit.source_of(init), "body", None)
+    if body is None:
+        raise ProbeSetupError(f"{where} has no source")
+    starts = [match("self.layer_to_spec = HOLE_v", s) is not None for s in body]
+    ends = [isinstance(s, ast.If) and match("self.is_producer", s.test) is not None for s in body]
+    if True not in starts:
+        raise ProbeSetupError(f"{where} sets no self.layer_to_spec")
+    start = starts.index(True)
+    if True not in ends[start:]:
+        raise ProbeSetupError(f"{where} has no `if self.is_producer:` after layer_to_spec")
+    try:
+        kv_config = kv_cache_config(layout)
+    except TypeError:  # another version's fields
+        kv_config = kv_cache_config(layout, real=False)
+    body = body[start : ends.index(True, start)]
+    probekit.run_statements(init, body, worker, config, "prefill", kv_config)
+    return worker
