@@ -33,7 +33,7 @@ from . import (
     names,
     site_result,
 )
-from .legacy import classify_chains, site_chains
+from .legacy import Chain, classify_chains, site_chains
 from .progress import FINAL, WRONG, flip, is_call_to, needed_meaning, progress_meaning, strip_nots
 
 if TYPE_CHECKING:
@@ -70,12 +70,12 @@ def rewrite_sites(src: SourceFile, pending: list[str], codemod: Codemod) -> None
     for site in pending:
         if classify_site(context, site).verdict is not Verdict.PENDING:
             raise ValueError(f"{site} is no longer pending")
-        chains = site_chains(context, site)
-        for chain in chains or ():
-            chain.rewrite(codemod)
-        gate = None if chains else locate(context, site)[0]
-        if gate is not None:
-            gate.rewrite(codemod)
+        parts: Sequence[Chain | Gate | None] = site_chains(context, site) or [
+            locate(context, site)[0]
+        ]
+        for part in parts:
+            if part is not None:
+                part.rewrite(codemod)
 
 
 # The fork's mamba-blockids edit (SITES.md 1), by its statements: a name alone decides nothing.

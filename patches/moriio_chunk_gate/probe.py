@@ -308,6 +308,7 @@ def _vllm_scheduler(model_dir: str) -> Any:
 
 
 def _seen_in_output(output: Any, req_id: str) -> int | None:
+    """The request's num_computed_tokens as scheduler_output tells it."""
     for new in getattr(output, "scheduled_new_reqs", None) or ():
         if new.req_id == req_id:
             return int(new.num_computed_tokens)
