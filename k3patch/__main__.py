@@ -1,8 +1,5 @@
-"""`python -m k3patch` and the `k3patch` console script.
-
-The no-op path (a fresh state record) is tried first, before typer, rich or libcst is imported;
-anything it does not serve goes to the full CLI.
-"""
+"""`python -m k3patch` and the `k3patch` console script: the no-op path (a fresh state record)
+is tried before typer, rich or libcst is imported; what it does not serve goes to the full CLI."""
 
 from __future__ import annotations
 
@@ -31,9 +28,8 @@ def _main() -> None:
         try:
             code = try_fast(sys.argv[1:])
         except Exception:
-            # The shortcut must never be the thing that fails: the full path decides and
-            # reports. (Its own errors, e.g. a lock timeout, are returned as codes.) Debugging
-            # shows the traceback but must not change the code.
+            # The shortcut must never be the thing that fails: the full path decides and reports
+            # (its own errors, a lock timeout say, come back as codes).
             if os.environ.get("K3PATCH_DEBUG"):
                 import traceback
 

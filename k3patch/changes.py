@@ -1,12 +1,6 @@
-"""What k3patch changed in a tree: the originals it recorded against the files as they are now.
-
-`apply --check --diff` shows what an apply would write; on a tree that is already patched it
-has nothing to show. An operator auditing a live container wants the other question answered:
-what differs from the vLLM that was installed. The state record keeps the sha256 of every
-original k3patch replaced and its bytes as a blob (for `revert`), so the answer is a unified
-diff from each blob to the file now. Files k3patch never wrote are not in the record and never
-appear; a file someone else changed after k3patch shows that change too, which is the point.
-"""
+"""What differs from the vLLM that was installed: a diff from each original k3patch saved (for
+revert) to the file now, for auditing a patched tree, where `apply --check --diff` has nothing to
+show. A change made by someone else after k3patch shows too, which is the point."""
 
 from __future__ import annotations
 
@@ -38,8 +32,7 @@ def recorded_diff(tree: VllmTree) -> str | None:
         now = tree.read(rel)
         if before == now:
             continue
-        old = _lines(before)
-        new = _lines(now)
+        old, new = _lines(before), _lines(now)
         for text in (old, new):
             if text and not text[-1].endswith("\n"):
                 text[-1] += "\n\\ No newline at end of file\n"

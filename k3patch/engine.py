@@ -1,8 +1,7 @@
-"""The library API under the CLI: apply and revert (scan, the classification, is `scan.py`).
+"""The library API under the CLI: plan, apply and revert (the classification is `scan.py`).
 
-Data flows one way: tree.locate -> read target files -> each patch classifies its sites ->
-apply plans the edits in memory, compiles and re-classifies them -> transaction commits them ->
-the state record is written in the same transaction. Nothing here prints.
+tree.locate -> scan (each patch classifies its sites) -> plan (edits in memory, compiled and
+re-classified) -> one transaction writes the files and the state record. Nothing here prints.
 """
 
 from __future__ import annotations
@@ -10,22 +9,17 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from k3patch.errors import EnvironmentProblem, PatchBug
 from k3patch.lock import locked
 from k3patch.patch import Patch
-from k3patch.registry import all_patches, patch_set_digest
+from k3patch.registry import all_patches
 from k3patch.replace import write_atomically
 from k3patch.scan import Report, classify, file_hashes, patch_meta, scan, target_files
 from k3patch.sources import SourceError, Sources
-from k3patch.state import (
-    STATE_FILE,
-    STATE_REL,
-    FileState,
-    StateRecord,
-    load,
-)
+from k3patch.state import STATE_FILE, STATE_REL, FileState, StateRecord, load, patch_set, read_bytes
 from k3patch.transaction import FaultHook, FileEdit, Transaction, sha256
 from k3patch.tree import VllmTree
 from k3patch.verdicts import SiteResult, Verdict
@@ -34,12 +28,10 @@ DEFAULT_LOCK_TIMEOUT = 120.0
 
 
 def _carried_files(record: StateRecord | None, report: Report) -> dict[str, FileState]:
-    """The record's files whose recorded original is still this file's. After an upgrade (another
-    vLLM version) or a reinstall (the original is back, or no site of the file reads applied any
-    more) the file holds other bytes and k3patch's edit is gone: that original would put an old
-    version's file into the new install, so it is dropped. A file edited by hand on top of
-    k3patch's edit (same version, a site still applied) keeps it: revert then refuses, naming
-    both hashes, instead of silently forgetting the file."""
+    """The record's files whose recorded original is still this install's. After an upgrade or
+    a reinstall k3patch's edit is gone and that original is another install's: dropped. A file
+    edited by hand over k3patch's edit (same version, a site still applied) is kept, so revert
+    refuses, naming both hashes, instead of silently forgetting the file."""
     if record is None:
         return {}
     carried = {}
@@ -50,16 +42,6 @@ def _carried_files(record: StateRecord | None, report: Report) -> dict[str, File
         if now == fs.applied or (same_install and ours):
             carried[rel] = fs
     return carried
-
-
-def _state_bytes(tree: VllmTree) -> bytes | None:
-    from k3patch.state import read_bytes
-
-    return read_bytes(tree.state_dir)
-
-
-# ----------------------------------------------------------------------------------------
-# apply
 
 
 @dataclass
@@ -89,28 +71,21 @@ class Plan:
 
 
 def plan(report: Report, refused: Iterable[str] = ()) -> Plan:
-    """Rewrite every pending site in memory, compile the results and re-classify them: every
-    pending site must now read as applied and no other verdict may change. The patches named
-    in `refused` (drifted ones) are not rewritten: each of their sites must keep its verdict,
-    so another patch's edit of a shared file cannot have touched them.
-
-    Patch by patch: each is rewritten over the files as the patches before it left them, in
-    its own libcst trees, and checked at once. A patch whose rewrite raises, does not compile,
-    or does not re-classify as exactly that (a k3patch bug) is left out and named in
-    `Plan.bugs`; the files it touched are as the patches before it left them, so it cannot
-    poison another patch's edit of a shared file, and the others go on."""
+    """Rewrite every pending site in memory, patch by patch over the files as the patches before
+    it left them, and check each at once: the files compile, its pending sites now read applied
+    and no other verdict changed (so the `refused`, drifted, patches are untouched). A patch that
+    fails this (a k3patch bug) is left out and named in `Plan.bugs`, its edits dropped so they
+    cannot poison another patch's edit of a shared file, and the others go on."""
     sources = report.sources or Sources(report.tree.read, report.tree.version)
     skip = frozenset(refused)
     changes: dict[str, str] = {}
-    current: Sources = sources
+    current = sources
     results = {p.id: report.for_patch(p.id) for p in report.patches}
     rewritten: set[str] = set()
     bugs: dict[str, str] = {}
     for patch in report.patches:
-        if patch.id in skip:
-            continue
         pending = [r for r in results[patch.id] if r.verdict is Verdict.PENDING]
-        if not pending:
+        if patch.id in skip or not pending:
             continue
         try:
             mine = _rewrite(patch, current, pending)
@@ -129,8 +104,8 @@ def plan(report: Report, refused: Iterable[str] = ()) -> Plan:
 
 
 def _rewrite(patch: Patch, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
-    """One patch's new file texts (only the files it changed), in its own libcst trees over
-    `sources`. Imported here: status and a tree with nothing pending never need libcst."""
+    """One patch's new file texts (only those it changed). libcst is imported here: status and a
+    tree with nothing pending never need it."""
     from k3patch.codemod import Codemods
 
     try:
@@ -148,10 +123,9 @@ def _rewrite(patch: Patch, sources: Sources, pending: list[SiteResult]) -> dict[
 def _check(
     report: Report, after: Sources, changed: set[str], rewritten: set[str], refused: frozenset[str]
 ) -> dict[str, list[SiteResult]]:
-    """The new results of every patch whose files are in `changed`, checked: each changed file
-    compiles, every pending site of the `rewritten` patches now reads applied and every other
-    site keeps its verdict (so the `refused` patches' sites are untouched). A patch none of
-    whose files changed keeps its results: its inputs are the same bytes."""
+    """The new results of every patch that reads a `changed` file, checked: each changed file
+    compiles, every pending site of the `rewritten` patches reads applied, every other site keeps
+    its verdict. A patch none of whose files changed keeps its results (the same bytes)."""
     for rel in changed:
         # Parsed once: the tree feeds both the compile check and the re-classification.
         try:
@@ -190,9 +164,8 @@ class ApplyOutcome:
     report: Report  # the classification the outcome rests on (after the commit, if any)
     plan: Plan | None = None
     written: list[str] = field(default_factory=list)  # files replaced by this run
-    refused: bool = False  # a selected patch drifted: nothing of it was written
-    # The drifted patches refused (nothing of them written). Without --all-or-nothing the
-    # other patches are still applied in the same run; with it, nothing at all is written.
+    # The drifted patches refused, nothing of them written. Without --all-or-nothing the other
+    # patches are still applied in the same run; with it, nothing at all is written.
     refused_patches: list[str] = field(default_factory=list)
     all_or_nothing: bool = False
     recovered: list[str] = field(default_factory=list)
@@ -202,20 +175,20 @@ class ApplyOutcome:
     # is written; the others are, unless --all-or-nothing (then nothing at all). Exit 2.
     bugs: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def refused(self) -> bool:
+        """A selected patch drifted: nothing of it was written."""
+        return bool(self.refused_patches)
 
-def _record(
-    tree: VllmTree,
-    results: list[SiteResult],
-    hashes: dict[str, str | None],
-    files: dict[str, FileState],
-) -> StateRecord:
+
+def _record(report: Report, files: dict[str, FileState]) -> StateRecord:
     return StateRecord(
         patches=patch_meta(all_patches()),
-        patch_set=patch_set_digest(),
-        vllm_version=tree.version,
+        patch_set=patch_set(),
+        vllm_version=report.tree.version,
         files=files,
-        scan=hashes,
-        results=results,
+        scan=report.hashes,
+        results=report.results,
     )
 
 
@@ -228,12 +201,10 @@ def apply(
     fault: FaultHook | None = None,
     all_or_nothing: bool = False,
 ) -> ApplyOutcome:
-    """Bring every selected patch to applied (or leave it satisfied / not applicable).
-
-    A patch with a drifted site is refused: nothing of it is written. The other selected
-    patches are still applied, in one transaction, so an entrypoint that goes on in warn mode
-    starts vLLM with every fix that is safe. With `all_or_nothing`, any drift refuses the whole
-    run and nothing is written."""
+    """Bring every selected patch to applied (or leave it satisfied / not applicable). A patch
+    with a drifted site is refused, nothing of it written; the others are still applied, in one
+    transaction, so an entrypoint that goes on in warn mode starts vLLM with every fix that is
+    safe. With `all_or_nothing`, any drift or patch bug refuses the whole run."""
     patches = all_patches() if patches is None else patches
     # Every patch is classified (the record covers them all); the outcome speaks of `patches`.
     first = scan(tree, all_patches())
@@ -242,21 +213,13 @@ def apply(
     report = first.selected(patches)
     refused = _drifted_patches(report)
     if refused and all_or_nothing:
-        return _refused(report, refused, check=check, all_or_nothing=True)
+        return ApplyOutcome(report, refused_patches=refused, all_or_nothing=True, check=check)
     if not report.pending_outside(refused) and report.interrupted is None:
         if not report.from_record and not check:
             _refresh_record(tree, lock_timeout)
-        return _refused(report, refused, check=check)
+        return ApplyOutcome(report, refused_patches=refused, check=check)
     if check:
-        the_plan = plan(report, refused) if report.pending_outside(refused) else None
-        outcome = _refused(report, refused, check=True)
-        if the_plan is not None:
-            outcome.bugs = the_plan.bugs
-            outcome.all_or_nothing = outcome.all_or_nothing or bool(
-                the_plan.bugs and all_or_nothing
-            )
-            outcome.plan = None if the_plan.bugs and all_or_nothing else the_plan
-        return outcome
+        return _planned(report, refused, all_or_nothing, check=True)
 
     txn = Transaction(tree.package_dir, fault)
     with locked(tree.package_dir, lock_timeout):
@@ -268,25 +231,21 @@ def apply(
         full.interrupted = None  # recovered above, under the lock: no journal is left
         report = full.selected(patches)
         refused = _drifted_patches(report)
-        if refused and all_or_nothing:
-            return _refused(report, refused, recovered=recovered, all_or_nothing=True)
-        if not report.pending_outside(refused):
-            return _refused(report, refused, recovered=recovered)
-        the_plan = plan(report, refused)
-        if the_plan.bugs and (all_or_nothing or not the_plan.new_texts):
-            outcome = _refused(report, refused, recovered=recovered)
-            outcome.bugs = the_plan.bugs
-            outcome.all_or_nothing = all_or_nothing
+        outcome = _planned(report, refused, all_or_nothing, recovered=recovered)
+        the_plan = outcome.plan
+        if the_plan is None or not the_plan.new_texts:
+            outcome.plan = None  # nothing is written: there is no plan to show
             return outcome
         sources = report.sources or Sources(tree.read, tree.version)
         # Damaged or of another schema: stop (exit 3) before its saved originals are pruned.
         old = load(tree.state_dir)
         files = _carried_files(old, full)
+        after_hashes = dict(full.hashes)
         edits = []
         for rel, text in the_plan.new_texts.items():
-            before = sources[rel].data
-            after = sources[rel].encode(text)
+            before, after = sources[rel].data, sources[rel].encode(text)
             edits.append(FileEdit(rel, before, after))
+            after_hashes[rel] = sha256(after)
             prior = files.get(rel)
             touched = {
                 r.patch_id
@@ -295,14 +254,12 @@ def apply(
             }
             files[rel] = FileState(
                 original=prior.original if prior else (None if before is None else sha256(before)),
-                applied=sha256(after),
+                applied=after_hashes[rel],
                 patches=tuple(sorted(touched | set(prior.patches if prior else ()))),
             )
-        after_hashes = dict(full.hashes)
-        for rel, text in the_plan.new_texts.items():
-            after_hashes[rel] = sha256(sources[rel].encode(text))
-        record = _record(tree, _recorded_results(full, the_plan, sources), after_hashes, files)
-        edits.append(FileEdit(STATE_REL, _state_bytes(tree), record.to_bytes()))
+        results = _recorded_results(full, the_plan, sources)
+        record = _record(Report(tree, all_patches(), results, after_hashes), files)
+        edits.append(FileEdit(STATE_REL, read_bytes(tree.state_dir), record.to_bytes()))
         try:
             pycache = txn.commit(edits, "apply")
         except BaseException:
@@ -310,24 +267,33 @@ def apply(
             raise
         txn.prune_blobs({fs.original for fs in files.values() if fs.original})
         final = Report(tree, patches, the_plan.after_results, after_hashes)
-        return ApplyOutcome(
-            final,
-            plan=the_plan,
-            written=list(the_plan.new_texts),
-            refused=bool(refused),
-            refused_patches=refused,
-            recovered=recovered,
-            pycache=pycache,
-            bugs=the_plan.bugs,
-        )
+        return replace(outcome, report=final, written=list(the_plan.new_texts), pycache=pycache)
+
+
+def _planned(
+    report: Report, refused: list[str], all_or_nothing: bool, **fields: Any
+) -> ApplyOutcome:
+    """The outcome before anything is written: its plan, if there is anything to rewrite and
+    `all_or_nothing` does not stop the run (a drifted patch, or a patch bug in the plan)."""
+    stop = bool(refused) and all_or_nothing
+    the_plan = None if stop or not report.pending_outside(refused) else plan(report, refused)
+    bugs = the_plan.bugs if the_plan else {}
+    stop = stop or (bool(bugs) and all_or_nothing)
+    return ApplyOutcome(
+        report,
+        None if stop else the_plan,
+        refused_patches=refused,
+        all_or_nothing=stop,
+        bugs=bugs,
+        **fields,
+    )
 
 
 def _recorded_results(full: Report, the_plan: Plan, sources: Sources) -> list[SiteResult]:
-    """Every patch's results for the record, as the written files now read: the selected
-    patches' from the plan; a patch left out (`--only`/`--skip`) keeps its results only when
-    none of its files changed, else it is classified again over the new texts (a rewrite of a
-    shared file moves its sites' lines, may change its verdict), so that the no-op path answers
-    what the full path would."""
+    """Every patch's results for the record, as the written files now read, so the no-op path
+    answers what the full path would: the selected patches' from the plan; a patch left out
+    (`--only`/`--skip`) keeps its results unless one of its files changed (a rewrite of a shared
+    file moves its sites' lines, may change its verdict): then it is classified again."""
     planned = {r.patch_id for r in the_plan.after_results} | {p.id for p in the_plan.before.patches}
     after = sources.with_changes(the_plan.new_texts)
     out: list[SiteResult] = []
@@ -345,29 +311,6 @@ def _drifted_patches(report: Report) -> list[str]:
     """The selected patches with a drifted site, in report order."""
     drifted = {r.patch_id for r in report.drifted}
     return [p.id for p in report.patches if p.id in drifted]
-
-
-def _refused(
-    report: Report,
-    refused: list[str],
-    *,
-    check: bool = False,
-    recovered: list[str] | None = None,
-    all_or_nothing: bool = False,
-) -> ApplyOutcome:
-    """An outcome that writes nothing (more), naming the drifted patches it refused."""
-    return ApplyOutcome(
-        report,
-        refused=bool(refused),
-        refused_patches=refused,
-        all_or_nothing=all_or_nothing and bool(refused),
-        recovered=recovered or [],
-        check=check,
-    )
-
-
-# ----------------------------------------------------------------------------------------
-# revert
 
 
 @dataclass
@@ -411,17 +354,16 @@ def revert(
             current = None if data is None else sha256(data)
             if current == fs.original:
                 already.append(rel)
-                continue
-            if current != fs.applied:
+            elif current != fs.applied:
                 conflicts.append(
                     f"vllm/{rel} changed since k3patch applied it and is not the recorded "
                     f"original either (now {current and current[:12]}, k3patch wrote "
                     f"{fs.applied and fs.applied[:12]}, original "
                     f"{fs.original and fs.original[:12]})"
                 )
-                continue
-            original = None if fs.original is None else txn.load_blob(fs.original)
-            edits.append(FileEdit(rel, data, original))
+            else:
+                original = None if fs.original is None else txn.load_blob(fs.original)
+                edits.append(FileEdit(rel, data, original))
         if conflicts:
             return RevertOutcome(conflicts=conflicts, recovered=recovered)
         try:
@@ -441,9 +383,9 @@ def revert(
 
 
 def _refresh_record(tree: VllmTree, lock_timeout: float) -> None:
-    """After a run with nothing to write, record the classification (only the state record is
-    written, never a vLLM file) so the next run, and every waiting concurrent run, takes the no-op
-    path. Best effort: a tree that cannot be written keeps no record."""
+    """After a run with nothing to write, record the classification (the state record only,
+    never a vLLM file) so the next run, and every waiting concurrent run, takes the no-op path.
+    Best effort: a tree that cannot be written keeps no record."""
     if not os.access(tree.package_dir, os.W_OK):
         return
     try:
@@ -452,7 +394,7 @@ def _refresh_record(tree: VllmTree, lock_timeout: float) -> None:
             if full.from_record or full.pending or full.drifted or full.interrupted:
                 return
             old = load(tree.state_dir)
-            record = _record(tree, full.results, full.hashes, _carried_files(old, full))
+            record = _record(full, _carried_files(old, full))
             # One file replaced atomically: no journal needed.
             write_atomically(tree.state_dir / STATE_FILE, record.to_bytes(), root=tree.package_dir)
     except EnvironmentProblem:

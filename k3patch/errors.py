@@ -1,7 +1,5 @@
-"""Every error k3patch raises on purpose, at the bottom of the house: the modules that raise
-them and the one place that turns them into exit codes (exitcodes.py) import them from here, so
-neither has to import the other.
-"""
+"""Every error k3patch raises on purpose, here so that the modules raising them and exitcodes.py
+(which maps them to exit codes) need not import each other."""
 
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
-"""The vLLM plugin (entry point group `vllm.general_plugins`): a preflight in every vLLM process.
+"""The vLLM plugin (`vllm.general_plugins`): in every vLLM process, is the tree it imports in the
+state k3patch recorded (the no-op path's question: no libcst, typer, rich or patch module), and
+did the target modules come from it? Catches a worker whose fix was lost before it serves.
 
-vLLM calls `preflight()` in the API server, the engine core and every worker. It asks the no-op
-path's question (`state.fresh_record`: no libcst, typer, rich or patch module) of the vLLM tree
-this process imports: is it in the state k3patch recorded, every patch there applied, satisfied
-or not applicable; and did the target modules already imported come from that tree? A worker
-started from an image whose fix was lost (a rebuilt layer, a reinstalled wheel) is caught
-before serving.
-
-K3PATCH_PREFLIGHT=off | warn (default) | fail. `fail` raises, which stops vLLM.
-
-Whatever is on disk (a damaged record, an unreadable target, a FIFO where a module should be,
-a record this user may not read: each named as what it is, never as "never applied"),
-`off` and `warn` never raise and never block: vLLM's plugin loader does not catch, so an error
-here would stop every vLLM process. Every check is bounded (regular files only, opened
-non-blocking) and any unexpected failure becomes one warning; `fail` raises one PreflightError.
-"""
+K3PATCH_PREFLIGHT=off | warn (default) | fail. `off` and `warn` never raise and never block,
+whatever is on disk: vLLM's plugin loader does not catch, so an error here would stop every
+vLLM process: every check is bounded (regular files only, opened non-blocking) and an unexpected
+failure becomes one warning. `fail` raises one PreflightError, which stops vLLM."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Finds the patches: every module or folder in `k3patch.patches` (the repository's `patches/`)
-that defines `PATCH`. Adding a patch is adding a folder; nothing here names one.
-
-Loading them also checks the patch set against `k3patch.patches.TARGETS`, the static table of
-files the no-op path hashes without importing a patch: a patch whose `files` the table lacks
-would go unchecked there, so the registry refuses to run until the table is right.
-"""
+"""Finds the patches: every module or folder in `k3patch.patches` that defines `PATCH`, and
+checks them against `k3patch.patches.TARGETS`, the files the no-op path hashes without importing
+a patch (a file missing there would go unchecked, so the registry refuses to run)."""
 
 from __future__ import annotations
 
@@ -48,13 +44,11 @@ def check_targets(patches: Iterable[Patch], targets: frozenset[str]) -> None:
     files = {rel for patch in patches for rel in patch.files}
     missing, extra = sorted(files - targets), sorted(targets - files)
     if missing or extra:
-        what = [
-            f"add {', '.join(missing)} to it" if missing else "",
-            f"remove {', '.join(extra)} from it (no patch reads them)" if extra else "",
-        ]
+        what = [f"add {', '.join(missing)} to it"] if missing else []
+        what += [f"remove {', '.join(extra)} from it (no patch reads them)"] if extra else []
         raise PatchSetError(
             "the patches' files and TARGETS in patches/__init__.py differ (the no-op path hashes "
-            "TARGETS): " + "; ".join(w for w in what if w)
+            "TARGETS): " + "; ".join(what)
         )
 
 
@@ -96,16 +90,10 @@ def select(only: list[str] | None = None, skip: list[str] | None = None) -> tupl
 
 
 def patches_dir() -> Path:
-    """The directory the patches are loaded from (the repository's `patches/`, installed as
-    `k3patch/patches/`)."""
+    """The directory the patches are loaded from (`patches/`, installed as `k3patch/patches/`)."""
     package = importlib.import_module("k3patch.patches")
     return Path(os.path.dirname(package.__file__ or ""))
 
 
 def patch_module_file(patch: Patch) -> Path:
     return Path(sys.modules[type(patch).__module__].__file__ or "")
-
-
-def patch_set_digest() -> str:
-    """A hash of the patch modules' own source: a state record made by other patch code is stale."""
-    return state.patch_set()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from k3patch import formats
@@ -42,16 +42,7 @@ class Report:
         """The same classification restricted to `patches`."""
         wanted = {p.id for p in patches}
         results = [r for r in self.results if r.patch_id in wanted]
-        return Report(
-            self.tree,
-            patches,
-            results,
-            self.hashes,
-            self.from_record,
-            self.interrupted,
-            state_problem=self.state_problem,
-            sources=self.sources,
-        )
+        return replace(self, patches=patches, results=results)
 
     def for_patch(self, patch_id: str) -> list[SiteResult]:
         return [r for r in self.results if r.patch_id == patch_id]
@@ -104,39 +95,30 @@ def patch_meta(patches: Iterable[Patch]) -> list[dict[str, str]]:
 
 
 def target_files(patches: Iterable[Patch]) -> list[str]:
-    seen: dict[str, None] = {}
-    for patch in patches:
-        for rel in patch.files:
-            seen.setdefault(rel)
-    return list(seen)
+    return list(dict.fromkeys(rel for patch in patches for rel in patch.files))
 
 
-def _file_drift(patch: Patch, rel: str, detail: str) -> SiteResult:
-    return SiteResult(
-        patch_id=patch.id, site="(file)", file=rel, verdict=Verdict.DRIFTED, detail=detail
-    )
+def _drift(
+    patch: Patch, rel: str, detail: str, site: str = "(file)", line: int | None = None
+) -> SiteResult:
+    return SiteResult(patch.id, site, rel, Verdict.DRIFTED, detail=detail, line=line)
 
 
 def _unreadable(patch: Patch, sources: Sources) -> list[SiteResult]:
-    """Every file a patch reads must parse, whatever the patch would look at first: a patch
-    that answers "not applicable" or "satisfied" from one file must not do so past another it
-    cannot read. One drifted result per present file that is not Python source (syntax error,
-    binary junk, not UTF-8, nested past the parser's limits) or holds no code at all (an empty
-    or truncated target is never vLLM's). An absent file is the patch's to judge."""
+    """One drifted result per present file of the patch that is not Python source (syntax error,
+    binary junk, not UTF-8, nested past the parser's limits) or holds no code (an empty target is
+    never vLLM's): a patch must not answer "not applicable" or "satisfied" from one file past
+    another it cannot read. An absent file is the patch's to judge."""
     out = []
     for rel in patch.files:
-        src = sources[rel]
-        if not src.exists:
+        if not sources[rel].exists:
             continue
         try:
-            tree = src.tree
+            if not sources[rel].tree.body:
+                empty = f"{rel}: holds no code (empty); restore it from the wheel"
+                out.append(_drift(patch, rel, empty))
         except SourceError as exc:
-            out.append(_file_drift(patch, rel, str(exc)))
-            continue
-        if not tree.body:
-            out.append(
-                _file_drift(patch, rel, f"{rel}: holds no code (empty); restore it from the wheel")
-            )
+            out.append(_drift(patch, rel, str(exc)))
     return out
 
 
@@ -156,31 +138,19 @@ def classify(patch: Patch, sources: Sources) -> list[SiteResult]:
             ),
             patch.files[0],
         )
-        return [
-            SiteResult(
-                patch_id=patch.id,
-                site=exc.name,
-                file=rel,
-                verdict=Verdict.DRIFTED,
-                detail=str(exc),
-                line=exc.lines[-1],
-            )
-        ]
+        return [_drift(patch, rel, str(exc), exc.name, exc.lines[-1])]
     except SourceError as exc:
-        return [_file_drift(patch, str(exc).split(":", 1)[0], str(exc))]
+        return [_drift(patch, str(exc).split(":", 1)[0], str(exc))]
     except (RecursionError, MemoryError):
         # It parsed, but is nested deeper than the analysis can follow (a recursive copy or
         # unparse of an expression hundreds of operators deep): the deepest of the patch's
         # files is the one, whichever file the patch happened to be reading.
         rel = max(patch.files, key=lambda rel: sources[rel].depth())
-        return [
-            _file_drift(
-                patch,
-                rel,
-                f"{rel}: code nested too deeply to analyse ({sources[rel].depth()} levels; a "
-                "generated or hostile file?); restore it from the wheel",
-            )
-        ]
+        why = (
+            f"{rel}: code nested too deeply to analyse ({sources[rel].depth()} levels; a "
+            "generated or hostile file?); restore it from the wheel"
+        )
+        return [_drift(patch, rel, why)]
 
 
 def file_hashes(sources: Sources, files: Iterable[str]) -> dict[str, str | None]:

@@ -7,32 +7,21 @@ import csv
 import os
 import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3patch.errors import TreeError
 from k3patch.safefs import NotRegular, file_sha256, read_file
 
 
+@dataclass(frozen=True)
 class VllmTree:
-    """A located vLLM tree: `package` is the `vllm` package directory as a string (what the
-    reports print), `package_dir` the same as a Path."""
+    """A located vLLM tree; two are equal when they are the same package dir."""
 
-    __slots__ = ("kind", "package", "version", "version_source")
-
-    def __init__(self, package: str, kind: str, version: str | None, version_source: str) -> None:
-        self.package = package  # the `vllm` package directory
-        self.kind = kind  # "site-packages", "source checkout" or "package dir"
-        self.version = version
-        self.version_source = version_source
-
-    def __repr__(self) -> str:
-        return f"VllmTree({self.package!r}, {self.kind!r}, {self.version!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, VllmTree) and other.package == self.package
-
-    def __hash__(self) -> int:
-        return hash(self.package)
+    package: str  # the `vllm` package directory, as the reports print it
+    kind: str = field(compare=False)  # "site-packages", "source checkout" or "package dir"
+    version: str | None = field(compare=False)
+    version_source: str = field(compare=False)
 
     @property
     def info(self) -> dict[str, str | None]:
@@ -52,10 +41,6 @@ class VllmTree:
     def root(self) -> Path:
         """The directory that holds `vllm/` (site-packages or a source checkout)."""
         return self.package_dir.parent
-
-    @property
-    def state(self) -> str:
-        return os.path.join(self.package, ".k3patch")
 
     @property
     def state_dir(self) -> Path:
@@ -98,9 +83,7 @@ class VllmTree:
 
 
 def _looks_like_vllm(package_dir: str) -> bool:
-    return os.path.isfile(os.path.join(package_dir, "__init__.py")) and os.path.isfile(
-        os.path.join(package_dir, "envs.py")
-    )
+    return all(os.path.isfile(os.path.join(package_dir, f)) for f in ("__init__.py", "envs.py"))
 
 
 def locate(path: str | os.PathLike[str] | None = None) -> VllmTree:
@@ -124,18 +107,12 @@ def locate(path: str | os.PathLike[str] | None = None) -> VllmTree:
         if not os.path.isdir(given):
             raise TreeError(f"{given}: not a directory; pass the vllm package dir", usage=True)
         given = given.rstrip(os.sep) or os.sep
+        leftovers = (os.path.join(given, ".k3patch"), os.path.join(given, "vllm", ".k3patch"))
         if os.path.basename(given) == "vllm" and _looks_like_vllm(given):
             package_dir = given
         elif _looks_like_vllm(os.path.join(given, "vllm")):
             package_dir = os.path.join(given, "vllm")
-        elif orphan := next(
-            (
-                d
-                for d in (os.path.join(given, ".k3patch"), os.path.join(given, "vllm", ".k3patch"))
-                if os.path.lexists(d)
-            ),
-            None,
-        ):
+        elif orphan := next((d for d in leftovers if os.path.lexists(d)), None):
             # pip uninstall leaves `.k3patch` (it is not in the wheel's RECORD) in an otherwise
             # empty vllm/: not a wrong path, a leftover whose originals belong to no install.
             raise TreeError(
@@ -167,9 +144,7 @@ def locate(path: str | os.PathLike[str] | None = None) -> VllmTree:
     version, source = _read_version(root, package_dir)
     if source.startswith("dist-info") or _SEVERAL in source:
         kind = "site-packages"
-    elif os.path.isfile(os.path.join(root, "pyproject.toml")) or os.path.isfile(
-        os.path.join(root, "setup.py")
-    ):
+    elif any(os.path.isfile(os.path.join(root, f)) for f in ("pyproject.toml", "setup.py")):
         kind = "source checkout"
     else:
         kind = "package dir"
@@ -186,11 +161,6 @@ def _header(text: str, name: str) -> str | None:
 _VERSION_PY = re.compile(
     r"""^__version__[ \t]*=[ \t]*(?:version[ \t]*=[ \t]*)?['"]([^'"\n]+)['"]""", re.M
 )
-
-
-def _version_assignment(text: str) -> str | None:
-    match = _VERSION_PY.search(text)
-    return match.group(1) if match else None
 
 
 def _read_text(path: str, what: str) -> str | None:
@@ -216,20 +186,12 @@ _SEVERAL = "vllm dist-infos"
 _OWNED = ("vllm/__init__.py", "vllm/envs.py", "vllm/_version.py")
 
 
-def _record_hashes(text: str) -> dict[str, str]:
-    """path -> `sha256=...` of the rows of a RECORD that name an _OWNED file."""
-    out = {}
-    for row in csv.reader(text.splitlines()):
-        if len(row) >= 2 and row[0] in _OWNED:
-            out[row[0]] = row[1]
-    return out
-
-
 def _owns(root: str, record: str | None) -> bool:
     """The RECORD lists the package's own files with the hashes they have now: this install is
     the one that put them there (an older dist-info left by `pip install --target --upgrade`
     lists other bytes)."""
-    listed = _record_hashes(record or "")
+    rows = csv.reader((record or "").splitlines())
+    listed = {row[0]: row[1] for row in rows if len(row) >= 2 and row[0] in _OWNED}
     if not listed:
         return False
     for rel in _OWNED:
@@ -260,9 +222,7 @@ def _read_version(root: str, package_dir: str) -> tuple[str | None, str]:
     for name in names:
         if not (name.startswith("vllm-") and name.endswith(".dist-info")):
             continue
-        text = _read_text(os.path.join(root, name, "METADATA"), "METADATA")
-        if text is None:
-            continue
+        text = _read_text(os.path.join(root, name, "METADATA"), "METADATA") or ""
         found_name, version = _header(text, "Name"), _header(text, "Version")
         if found_name and version and found_name.lower() == "vllm":
             found.append((name, version))
@@ -283,9 +243,7 @@ def _read_version(root: str, package_dir: str) -> tuple[str | None, str]:
             f"unknown ({len(found)} {_SEVERAL} beside the package, "
             f"{'none' if not owners else len(owners)} of whose RECORD matches its files)"
         )
-    text = _read_text(os.path.join(package_dir, "_version.py"), "_version.py")
-    if text is not None:
-        version = _version_assignment(text)
-        if version:
-            return version, "vllm/_version.py"
+    version_py = _read_text(os.path.join(package_dir, "_version.py"), "_version.py")
+    if match := _VERSION_PY.search(version_py or ""):
+        return match.group(1), "vllm/_version.py"
     return None, "unknown (no dist-info METADATA or vllm/_version.py)"

@@ -1,11 +1,6 @@
-"""One folder (or module) per patch. Each defines a `Patch` subclass and a module-level `PATCH`.
-
-Installed as `k3patch.patches`; the engine discovers the patches here and knows none by name.
-
-`TARGETS` is every file (relative to the vllm package dir) that some patch's `files` names. The
-no-op path hashes exactly these without importing a patch; the registry checks, whenever it
-loads the patches, that the union of their `files` is this table, and refuses to run otherwise.
-A patch that reads a new file adds it here.
+"""One folder (or module) per patch, each defining a `Patch` subclass and `PATCH`; installed as
+`k3patch.patches`. `TARGETS`: every file (under the vllm package dir) some patch's `files` names,
+hashed by the no-op path without importing a patch; the registry checks it is exactly their union.
 """
 
 TARGETS = (
