@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -12,9 +13,8 @@ from k3patch import __version__
 
 
 class _FlagsWithoutTypes:
-    """Help that shows no type for a flag. Typer 0.29 prints `<bool>` beside every flag, its own
-    --help and completion options included; a flag takes no value, so there is nothing to show.
-    Options that take a value declare their metavar (PATH, ID, SECONDS, MODULE)."""
+    """Help that shows no type for a flag: Typer 0.29 prints `<bool>` beside every flag (its own
+    --help and completion options too), and a flag takes no value."""
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
         params = list(getattr(self, "params", []))
@@ -146,68 +146,58 @@ LockOpt = Annotated[
 ]
 
 
-def _guarded(command: str, as_json: bool, body: Callable[[], int]) -> None:
-    """Run a command body; every exception becomes a one-line error and its documented code."""
-    import sys
+def _command(name: str, help: str | None = None) -> Callable[[Callable[..., int]], object]:
+    """A command whose body returns its exit code; any exception in it becomes a one-line
+    error (and under --json the error envelope) and its documented code."""
 
-    from k3patch import exitcodes, render
-    from k3patch.exitcodes import describe, for_exception
+    def decorate(body: Callable[..., int]) -> object:
+        @functools.wraps(body)  # typer reads the options from the body's signature
+        def command(**options: Any) -> None:
+            import sys
 
-    exitcodes.decided.clear()
-    try:
-        code = body()
-        sys.stdout.flush()
-    except (typer.Exit, typer.Abort, KeyboardInterrupt):
-        raise
-    except Exception as exc:
-        # Output never raises here (exitcodes.guarded): an OSError is the work's own.
-        if os.environ.get("K3PATCH_DEBUG") and exitcodes.is_internal(exc):
-            import traceback
+            from k3patch import exitcodes, render
 
-            traceback.print_exc()  # for whoever debugs k3patch; the code stays the same
-        code = int(for_exception(exc))
-        message = describe(exc)
-        if as_json:
-            render.emit_json(command, code, {"error": message})
-        render.error_line(message)
-    raise typer.Exit(code)
+            try:
+                code = body(**options)
+                sys.stdout.flush()
+            except (typer.Exit, typer.Abort, KeyboardInterrupt):
+                raise
+            except Exception as exc:
+                # Output never raises here (exitcodes.guarded): an OSError is the work's own.
+                if os.environ.get("K3PATCH_DEBUG") and exitcodes.is_internal(exc):
+                    import traceback
 
+                    traceback.print_exc()  # for whoever debugs k3patch; the code stays the same
+                code = exitcodes.for_exception(exc)
+                if options.get("as_json"):
+                    render.emit_json(name, code, {"error": exitcodes.describe(exc)})
+                render.error_line(exitcodes.describe(exc))
+            raise typer.Exit(code)
 
-def _tree(vllm: str | None) -> Any:
-    from k3patch.tree import locate
+        return app.command(name, cls=_Command, help=help)(command)
 
-    return locate(vllm)
+    return decorate
 
 
-@app.command("list", cls=_Command)
-def list_(as_json: JsonOpt = False) -> None:
+@_command("list")
+def list_(as_json: JsonOpt = False) -> int:
     """List the patches this k3patch carries."""
+    from k3patch import plaintext, render
+    from k3patch.registry import all_patches
 
-    def body() -> int:
-        from k3patch import render
-        from k3patch.registry import all_patches
-
-        patches = all_patches()
-        if as_json:
-            render.emit_json(
-                "list",
-                0,
-                {
-                    "patches": [
-                        {"id": p.id, "title": p.title, "files": list(p.files), "caveat": p.caveat}
-                        for p in patches
-                    ]
-                },
-            )
-        else:
-            render.print_list(patches)
-        return 0
-
-    _guarded("list", as_json, body)
+    patches = [
+        {"id": p.id, "title": p.title, "files": list(p.files), "caveat": p.caveat}
+        for p in all_patches()
+    ]
+    if as_json:
+        render.emit_json("list", 0, {"patches": patches})
+    else:
+        render.emit(plaintext.list_lines(patches))
+    return 0
 
 
-@app.command(
-    cls=_Command,
+@_command(
+    "status",
     help=(
         "Report the verdict of every patch and site: pending, applied, satisfied, not "
         "applicable or drifted. Exits 1 when anything is pending or drifted.\n\n"
@@ -235,43 +225,34 @@ def status(
             help="Print the unified diff from the originals k3patch recorded to the files now.",
         ),
     ] = False,
-) -> None:
-    # Typer shows a docstring's line breaks as they are: the help is one line per paragraph.
-    """Report the verdict of every patch and site."""
+) -> int:
+    from k3patch import engine, exitcodes, render, scan
+    from k3patch.changes import recorded_diff
+    from k3patch.registry import select
+    from k3patch.tree import locate
 
-    def body() -> int:
-        from k3patch import engine, exitcodes, render, scan
-        from k3patch.registry import select
-
-        tree = _tree(vllm)
-        # A journal of a live run is not an interrupted one: wait for that run, then look.
-        report = scan.scan(tree, select(only, skip), wait_for_live=engine.DEFAULT_LOCK_TIMEOUT)
-        code = int(exitcodes.for_status(report))
-        if report.state_problem:
-            render.error_line(report.state_problem)
-        changes = None
+    tree = locate(vllm)
+    # A journal of a live run is not an interrupted one: wait for that run, then look.
+    report = scan.scan(tree, select(only, skip), wait_for_live=engine.DEFAULT_LOCK_TIMEOUT)
+    code = exitcodes.for_status(report)
+    if report.state_problem:
+        render.error_line(report.state_problem)
+    if as_json:
+        payload = report.to_json()
         if diff:
-            from k3patch.changes import recorded_diff
-
-            changes = recorded_diff(tree)
-        if as_json:
-            payload = report.to_json()
-            if diff:
-                payload["diff"] = changes or ""
-            render.emit_json("status", code, payload)
-        elif diff:
-            render.print_recorded_diff(changes)
-        elif digest:
-            print(report.digest)
-        else:
-            render.print_status(report, quiet=quiet, every_site=sites)
-        return code
-
-    _guarded("status", as_json, body)
+            payload["diff"] = recorded_diff(tree) or ""
+        render.emit_json("status", code, payload)
+    elif diff:
+        render.print_recorded_diff(recorded_diff(tree))
+    elif digest:
+        print(report.digest)
+    else:
+        render.print_status(report, quiet=quiet, every_site=sites)
+    return code
 
 
-@app.command(
-    cls=_Command,
+@_command(
+    "apply",
     help=(
         "Apply every pending patch as one transaction. A drifted patch is refused (nothing of "
         "it is written, exit 1) and the other patches are still applied; --all-or-nothing "
@@ -303,72 +284,59 @@ def apply(
     ] = False,
     lock_timeout: LockOpt = 120.0,
     sites: SitesOpt = False,
-) -> None:
-    """Apply every pending patch as one transaction."""
+) -> int:
+    from k3patch import engine, exitcodes, render
+    from k3patch.registry import select
+    from k3patch.tree import locate
 
-    def body() -> int:
-        from k3patch import engine, exitcodes, fastpath, render
-        from k3patch.registry import select
-
-        outcome = engine.apply(
-            _tree(vllm),
-            select(only, skip),
-            check=check,
-            lock_timeout=lock_timeout,
-            all_or_nothing=all_or_nothing,
-        )
-        code = int(exitcodes.for_apply(outcome))
-        if as_json:
-            payload = fastpath.apply_payload(outcome)
-            if diff and outcome.plan is not None:
-                payload["diff"] = outcome.plan.diff()
-            if outcome.bugs:
-                payload["bugs"] = outcome.bugs
-            render.emit_json("apply", code, payload)
-            render.bug_line(outcome)
-        else:
-            render.print_apply(outcome, quiet=quiet, diff=diff, every_site=sites)
-        return code
-
-    _guarded("apply", as_json, body)
+    outcome = engine.apply(
+        locate(vllm),
+        select(only, skip),
+        check=check,
+        lock_timeout=lock_timeout,
+        all_or_nothing=all_or_nothing,
+    )
+    code = exitcodes.for_apply(outcome)
+    if as_json:
+        payload = render.apply_payload(outcome)
+        if diff and outcome.plan is not None:
+            payload["diff"] = outcome.plan.diff()
+        render.emit_json("apply", code, payload)
+    else:
+        render.print_apply(outcome, quiet=quiet, diff=diff, every_site=sites)
+    render.bug_line(outcome)
+    return code
 
 
-@app.command(
-    cls=_Command,
+@_command(
+    "revert",
     help=(
         "Restore the original files k3patch recorded, byte for byte. When any of them changed "
         "since k3patch wrote it, nothing is written and it exits 1."
     ),
 )
-def revert(vllm: VllmOpt = None, as_json: JsonOpt = False, lock_timeout: LockOpt = 120.0) -> None:
-    """Restore the original files k3patch recorded."""
+def revert(vllm: VllmOpt = None, as_json: JsonOpt = False, lock_timeout: LockOpt = 120.0) -> int:
+    from k3patch import engine, exitcodes, render
+    from k3patch.tree import locate
 
-    def body() -> int:
-        from k3patch import engine, exitcodes, render
-
-        outcome = engine.revert(_tree(vllm), lock_timeout=lock_timeout)
-        code = int(exitcodes.for_revert(outcome))
-        if as_json:
-            render.emit_json(
-                "revert",
-                code,
-                {
-                    "restored": [f"vllm/{rel}" for rel in outcome.restored],
-                    "conflicts": outcome.conflicts,
-                    "nothing_recorded": outcome.nothing_recorded,
-                    "recovered": outcome.recovered,
-                    "bytecode": outcome.pycache,
-                },
-            )
-        else:
-            render.print_revert(outcome)
-        return code
-
-    _guarded("revert", as_json, body)
+    outcome = engine.revert(locate(vllm), lock_timeout=lock_timeout)
+    code = exitcodes.for_revert(outcome)
+    payload = {
+        "restored": [f"vllm/{rel}" for rel in outcome.restored],
+        "conflicts": outcome.conflicts,
+        "nothing_recorded": outcome.nothing_recorded,
+        "recovered": outcome.recovered,
+        "bytecode": outcome.pycache,
+    }
+    if as_json:
+        render.emit_json("revert", code, payload)
+    else:
+        render.print_revert(payload)
+    return code
 
 
-@app.command(
-    cls=_Command,
+@_command(
+    "verify",
     help=(
         "Import the patched modules in a subprocess and run each patch's behaviour probe.\n\n"
         'It tells "broken by the patch" from "blocked by the environment" (no GPU, a missing '
@@ -393,31 +361,25 @@ def verify(
         list[str] | None,
         typer.Option("--module", metavar="MODULE", help="Also import this module (repeatable)."),
     ] = None,
-) -> None:
-    """Import the patched modules and run each patch's behaviour probe."""
+) -> int:
+    from k3patch import exitcodes, render
+    from k3patch.registry import select
+    from k3patch.tree import locate
+    from k3patch.verify import verify as run_verify
 
-    def body() -> int:
-        from k3patch import exitcodes, render
-        from k3patch.registry import select
-        from k3patch.verify import verify as run_verify
-
-        report = run_verify(
-            _tree(vllm),
-            select(only, skip),
-            python=python,
-            extra_modules=tuple(module or ()),
-            progress=render.progress_line,
-        )
-        code = int(exitcodes.for_verify(report))
-        if as_json:
-            payload = report.report.to_json()
-            payload.update(verify=report.to_json())
-            render.emit_json("verify", code, payload)
-        else:
-            render.print_verify(report)
-        return code
-
-    _guarded("verify", as_json, body)
+    report = run_verify(
+        locate(vllm),
+        select(only, skip),
+        python=python,
+        extra_modules=tuple(module or ()),
+        progress=render.progress_line,
+    )
+    code = exitcodes.for_verify(report)
+    if as_json:
+        render.emit_json("verify", code, {**report.report.to_json(), "verify": report.to_json()})
+    else:
+        render.print_verify(report)
+    return code
 
 
 def version_callback(value: bool) -> None:

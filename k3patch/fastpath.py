@@ -1,16 +1,8 @@
-"""The no-op path: `status` and `apply` on a tree whose state record is fresh.
-
-An entrypoint runs k3patch on every node and rank before `vllm serve`, and the tree is usually
-already patched. Then the answer is in the state record: `state.fresh_record` (the same question
-the engine asks) says whether every registered target still hashes to what the record saw, with
-the same patch code and k3patch version. If so, this module prints what the full path would
-print, without importing typer, rich, libcst or a patch module, and without classifying.
-
-It serves only the command forms it understands completely (`parse`); anything else, or any
-doubt (a hash differs, a journal is there, a drifted site whose report needs the full path),
-returns None and the full CLI runs. What it prints comes from the modules both paths print
-with: formats (the JSON, the one-line verdicts, the digest), plaintext (the human report) and
-the two helpers here that the CLI's renderer calls too.
+"""The no-op path: `status` and `apply` on a tree whose state record is fresh (an entrypoint
+runs k3patch on every rank, and the tree is usually patched already). When `state.fresh_record`
+says every target still hashes as the record saw, this prints what the full path would, through
+the same `formats` and `plaintext`, without typer, rich, libcst, a patch module or classifying.
+Any form `parse` does not serve, and any doubt, returns None: the full CLI runs.
 """
 
 from __future__ import annotations
@@ -18,58 +10,11 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from k3patch import exitcodes, formats, lock, plaintext, state
 from k3patch.errors import EnvironmentProblem, TreeError
 from k3patch.tree import locate
-
-if TYPE_CHECKING:
-    from k3patch.engine import ApplyOutcome
-
-
-def apply_quiet_text(
-    patch_ids: Sequence[str],
-    results: Sequence[dict[str, Any]],
-    recovered: Sequence[str],
-    refused: Sequence[str] = (),
-    all_or_nothing: bool = False,
-) -> str:
-    """`apply --quiet`: one line per patch (and per recovery step), for entrypoint logs."""
-    lines = [f"k3patch: {formats.quiet_line(patch_id, results)}" for patch_id in patch_ids]
-    lines += [f"k3patch: recovered: {line}" for line in recovered]
-    lines += [refused_line(refused, all_or_nothing)] if refused else []
-    return "".join(
-        f"{out}\n" for text in lines for out in plaintext.wrap(text, plaintext.LOG_WIDTH)
-    )
-
-
-def refused_line(refused: Sequence[str], all_or_nothing: bool) -> str:
-    """The line that names the drifted patches an apply refused, and what it did instead."""
-    rest = (
-        "nothing was written (--all-or-nothing)"
-        if all_or_nothing
-        else "nothing of it was written (the other patches were not held back)"
-    )
-    return f"k3patch: refused: {', '.join(refused)} (drifted): {rest}"
-
-
-def apply_payload(outcome: ApplyOutcome) -> dict[str, Any]:
-    """The JSON of `apply` (inside the envelope) of the full path."""
-    payload = outcome.report.to_json()
-    payload.update(
-        formats.apply_fields(
-            check=outcome.check,
-            refused=outcome.refused,
-            refused_patches=outcome.refused_patches,
-            all_or_nothing=outcome.all_or_nothing,
-            written=outcome.written,
-            recovered=outcome.recovered,
-            bytecode=outcome.pycache,
-        )
-    )
-    return payload
-
 
 # ------------------------------------------------------------------------------------------
 # The command forms served: what the CLI accepts for these options, parsed as click parses them
@@ -118,18 +63,7 @@ def parse(argv: Sequence[str]) -> dict[str, Any] | None:
 
 
 def try_fast(argv: list[str]) -> int | None:
-    """Serve the command from the state record, or return None to let the full path run.
-    Output that fails after the outcome is known (a closed pipe, a full disk) keeps its code."""
-    exitcodes.decided.clear()
-    try:
-        return _try_fast(argv)
-    except OSError as exc:
-        if exitcodes.decided:
-            return exitcodes.output_failed(exc)
-        raise
-
-
-def _try_fast(argv: list[str]) -> int | None:
+    """Serve the command from the state record, or return None to let the full path run."""
     form = parse(argv)
     if form is None:
         return None
@@ -177,35 +111,27 @@ def _try_fast(argv: list[str]) -> int | None:
     verdicts = [r["verdict"] for r in results]
     if "drifted" in verdicts:
         return None  # drift reports carry details only the full path renders
-    code = int(exitcodes.code_for_verdicts(verdicts, interrupted=False))
+    code = exitcodes.code_for_verdicts(verdicts, interrupted=False)
     if form["command"] == "apply" and code != 0:
         return None  # something to do: the full path does it
-    exitcodes.decided.append(code)
     digest = formats.state_digest(tree.version, record.scan, results)
+    payload = formats.report_json(tree.info, digest, True, None, patches, results)
+    if form["command"] == "apply":
+        payload.update(formats.apply_fields())
+    every_site = form.get("sites", False)
     if form.get("json"):
-        payload = formats.report_json(tree.info, digest, True, None, patches, results)
-        if form["command"] == "apply":
-            payload.update(formats.apply_fields())
         out.write(formats.envelope(form["command"], code, payload))
     elif form.get("digest"):
         out.write(digest + "\n")
-    elif form["command"] == "apply" and form.get("quiet"):
-        out.write(apply_quiet_text([p["id"] for p in patches], results, []))
-    elif form.get("quiet"):
-        lines = [plaintext.line(formats.quiet_line(p["id"], results)) for p in patches]
-        out.write(plaintext.as_text(lines))
-    elif form["command"] == "apply":
-        every_site = form.get("sites", False)
-        out.write(
-            plaintext.as_text(
-                plaintext.apply_lines(tree.info, patches, results, every_site=every_site)
-            )
-        )
     else:
-        every_site = form.get("sites", False)
-        lines = plaintext.status_lines(
-            tree.info, patches, results, digest, True, every_site=every_site
-        )
+        if form["command"] == "apply" and form.get("quiet"):
+            lines = plaintext.apply_quiet_lines(payload)
+        elif form.get("quiet"):
+            lines = plaintext.quiet_lines(payload)
+        elif form["command"] == "apply":
+            lines = plaintext.apply_lines(payload, every_site=every_site)
+        else:
+            lines = plaintext.status_lines(payload, every_site=every_site)
         out.write(plaintext.as_text(lines))
     out.flush()
     return code
