@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-import os
+import sys
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -43,8 +43,6 @@ class _Group(_FlagsWithoutTypes, typer.core.TyperGroup):
         """Usage errors (an unknown option or patch id, a value that is not one) are one line
         on stderr with code 2, and with --json also the error envelope on stdout; SIGINT is one
         line and 130. Click would print a usage block, or for SIGINT nothing at all."""
-        import sys
-
         argv = list(sys.argv[1:] if args is None else args)
         try:
             code = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
@@ -153,8 +151,6 @@ def _command(name: str, help: str | None = None) -> Callable[[Callable[..., int]
     def decorate(body: Callable[..., int]) -> object:
         @functools.wraps(body)  # typer reads the options from the body's signature
         def command(**options: Any) -> None:
-            import sys
-
             from k3patch import exitcodes, render
 
             try:
@@ -164,14 +160,10 @@ def _command(name: str, help: str | None = None) -> Callable[[Callable[..., int]
                 raise
             except Exception as exc:
                 # Output never raises here (exitcodes.guarded): an OSError is the work's own.
-                if os.environ.get("K3PATCH_DEBUG") and exitcodes.is_internal(exc):
-                    import traceback
-
-                    traceback.print_exc()  # for whoever debugs k3patch; the code stays the same
-                code = exitcodes.for_exception(exc)
+                code, message = exitcodes.explain(exc)
                 if options.get("as_json"):
-                    render.emit_json(name, code, {"error": exitcodes.describe(exc)})
-                render.error_line(exitcodes.describe(exc))
+                    render.emit_json(name, code, {"error": message})
+                render.error_line(message)
             raise typer.Exit(code)
 
         return app.command(name, cls=_Command, help=help)(command)
@@ -226,7 +218,7 @@ def status(
         ),
     ] = False,
 ) -> int:
-    from k3patch import engine, exitcodes, render, scan
+    from k3patch import engine, exitcodes, plaintext, render, scan
     from k3patch.changes import recorded_diff
     from k3patch.registry import select
     from k3patch.tree import locate
@@ -237,8 +229,8 @@ def status(
     code = exitcodes.for_status(report)
     if report.state_problem:
         render.error_line(report.state_problem)
+    payload = report.to_json()  # the human report is made from it too
     if as_json:
-        payload = report.to_json()
         if diff:
             payload["diff"] = recorded_diff(tree) or ""
         render.emit_json("status", code, payload)
@@ -246,8 +238,10 @@ def status(
         render.print_recorded_diff(recorded_diff(tree))
     elif digest:
         print(report.digest)
+    elif quiet:
+        render.emit(plaintext.quiet_lines(payload))
     else:
-        render.print_status(report, quiet=quiet, every_site=sites)
+        render.emit(plaintext.status_lines(payload, every_site=sites))
     return code
 
 

@@ -30,17 +30,6 @@ class ExitCode:
     ENVIRONMENT = 3  # no vLLM found, not writable, disk full, lock timeout, bad --python
 
 
-# Errors k3patch expects and explains in their own words; anything else is an internal error.
-_EXPECTED = (
-    TreeError,
-    UnknownPatchError,
-    BadLockTimeout,
-    EnvironmentProblem,
-    ConcurrentChange,
-    VerifyError,
-)
-
-
 class Stream:
     """stdout or stderr as the commands see it: a write or flush that fails (a closed pipe, a
     full disk, a closed descriptor) never raises. The first failure is kept, later output is
@@ -114,13 +103,11 @@ def _open_standard_fds() -> None:
 
 
 def guarded(run: Callable[[], object]) -> NoReturn:
-    """Run the whole program so that its exit code never depends on what happens to its output.
-    Whatever is not written (closed, full or broken stdout; closed stderr) leaves the code as it
-    was and at most one line on stderr (none for a closed pipe: `| head -1` is normal); SIGINT
-    is one line and 130; an error outside any command is one line and its documented code (a
-    traceback too under K3PATCH_DEBUG when it is an internal error)."""
+    """Run the whole program so that its exit code never depends on what happens to its output:
+    what is not written leaves the code as it was and at most one line on stderr (none for a
+    closed pipe: `| head -1` is normal); SIGINT is one line and 130; an error outside any
+    command (start-up, the no-op path) is one line and its documented code."""
     import errno
-    import os
     import sys
 
     _open_standard_fds()
@@ -138,13 +125,9 @@ def guarded(run: Callable[[], object]) -> NoReturn:
     except KeyboardInterrupt:
         err.write("k3patch: interrupted\n")
         code = 130
-    except Exception as exc:  # raised outside a command's own guard (start-up, the no-op path)
-        if os.environ.get("K3PATCH_DEBUG") and is_internal(exc):
-            import traceback
-
-            traceback.print_exc()
-        code = for_exception(exc)
-        err.write(f"k3patch: error: {describe(exc)}\n")
+    except Exception as exc:
+        code, message = explain(exc)
+        err.write(f"k3patch: error: {message}\n")
     out.flush()
     if out.failed is not None and out.failed.errno != errno.EPIPE and not err.wrote:
         err.write(
@@ -198,9 +181,17 @@ def for_exception(exc: BaseException) -> int:
     return ExitCode.USAGE  # bad arguments (BadLockTimeout, UnknownPatchError) or a bug
 
 
-def is_internal(exc: BaseException) -> bool:
-    """Whether an error is k3patch's own (a bug), not one it expects and explains."""
-    return describe(exc).startswith("internal error")
+def explain(exc: Exception) -> tuple[int, str]:
+    """An error's documented code and one-line message. Under K3PATCH_DEBUG an internal error
+    (a k3patch bug) prints its traceback first, for whoever debugs k3patch; the code stays."""
+    import os
+
+    message = describe(exc)
+    if os.environ.get("K3PATCH_DEBUG") and message.startswith("internal error"):
+        import traceback
+
+        traceback.print_exc()
+    return for_exception(exc), message
 
 
 def describe(exc: BaseException) -> str:
@@ -210,6 +201,8 @@ def describe(exc: BaseException) -> str:
         return f"internal error (a k3patch bug, nothing was written): {exc}"
     if isinstance(exc, OSError):
         return f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": ")
-    if isinstance(exc, _EXPECTED):
+    if for_exception(exc) == ExitCode.ENVIRONMENT or isinstance(
+        exc, TreeError | UnknownPatchError | BadLockTimeout
+    ):
         return str(exc)
     return f"internal error: {type(exc).__name__}: {exc}"

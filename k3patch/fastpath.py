@@ -81,12 +81,10 @@ def try_fast(argv: list[str]) -> int | None:
         # Concurrent entrypoints: wait, asleep, for a run in progress, then look again. If
         # there is still work, keep the lock: the full path runs under it in this process.
         try:
-            if not lock.hold_or_wait(tree.package, form["lock_timeout"]):
-                record = state.fresh_record(tree.package)
-                if record is None:
-                    lock.hold(tree.package, form["lock_timeout"])  # it left work: ours to do
-            else:
-                record = state.fresh_record(tree.package)  # it may have finished meanwhile
+            holding = lock.hold_or_wait(tree.package, form["lock_timeout"])
+            record = state.fresh_record(tree.package)  # the other run may have finished
+            if record is None and not holding:
+                lock.hold(tree.package, form["lock_timeout"])  # it left work: ours to do
         except lock.Busy as exc:
             # The one timeout is spent: the full path must not wait a second time.
             if form.get("json"):

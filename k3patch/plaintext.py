@@ -154,12 +154,8 @@ def status_lines(report: Mapping[str, Any], *, every_site: bool = False) -> list
     """`status` from its JSON (`formats.report_json`)."""
     out = [header(report["vllm"]), *patches_block(report, every_site, {})]
     if report["interrupted"]:
-        out.append(
-            error(
-                f"an interrupted k3patch {report['interrupted']} left a journal",
-                "; the next apply or revert rolls it back first",
-            )
-        )
+        journal = f"an interrupted k3patch {report['interrupted']} left a journal"
+        out.append(error(journal, "; the next apply or revert rolls it back first"))
     digest = f"digest {report['digest']}"
     return [*out, line(digest + ("  (from the state record)" if report["from_record"] else ""))]
 

@@ -11,25 +11,16 @@ from typing import IO, TYPE_CHECKING, Any
 from k3patch import formats, plaintext
 from k3patch.engine import ApplyOutcome
 from k3patch.plaintext import line
-from k3patch.scan import Report
 from k3patch.verify import BLOCKED, BROKEN, IMPORT_OK, ModuleCheck, VerifyReport
 
 if TYPE_CHECKING:
     from k3patch.plaintext import Line
 
 _STYLE = {
-    "pending": "yellow",
-    "applied": "green",
-    "satisfied": "green",
-    "not applicable": "dim",
-    "drifted": "bold red",
-    "error": "bold red",
-    "ok": "green",
-    "failed": "bold red",
-    "not run": "dim",
-    IMPORT_OK: "green",
-    BROKEN: "bold red",
-    BLOCKED: "yellow",
+    **dict.fromkeys(("applied", "satisfied", "ok", IMPORT_OK), "green"),
+    **dict.fromkeys(("pending", BLOCKED), "yellow"),
+    **dict.fromkeys(("not applicable", "not run"), "dim"),
+    **dict.fromkeys(("drifted", "error", "failed", BROKEN), "bold red"),
 }
 
 
@@ -71,15 +62,6 @@ def error_line(message: str, *, prefix: str = "k3patch: error:") -> None:
     styled = Text(text)
     styled.stylize(_STYLE["error"], 0, len(prefix))
     Console(file=sys.stderr, highlight=False).print(styled, soft_wrap=True)
-
-
-def print_status(report: Report, *, quiet: bool, every_site: bool) -> None:
-    payload = report.to_json()
-    emit(
-        plaintext.quiet_lines(payload)
-        if quiet
-        else plaintext.status_lines(payload, every_site=every_site)
-    )
 
 
 def apply_payload(outcome: ApplyOutcome) -> dict[str, Any]:
