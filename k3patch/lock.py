@@ -1,16 +1,12 @@
-"""The tree's lock: an flock of the vLLM package directory.
-
-k3patch never creates or removes that directory, so there is no lock file to leave behind and no
-directory that could vanish while a run waits for it. Concurrent entrypoints wait here, asleep,
-instead of each classifying the tree. A process holds a tree's lock at most once (taking it again
-is a no-op), and has one `--lock-timeout` in all, however often the no-op path and the full path
-take the lock in turn.
+"""The tree's lock: an flock of the vLLM package directory, which k3patch never creates or
+removes (no lock file to leave behind). Concurrent runs wait here, asleep, instead of each
+classifying the tree; a process holds a tree's lock at most once and has one `--lock-timeout` in
+all, however often the no-op path and the full path take the lock in turn.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import math
 import os
@@ -19,97 +15,66 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from k3patch.errors import BadLockTimeout, EnvironmentProblem
-from k3patch.safefs import DIR_FLAGS, env_error, not_plain
-
-
-def check_timeout(timeout: float) -> float:
-    if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout < 0:
-        raise BadLockTimeout(f"--lock-timeout {timeout!r}: give a finite number of seconds >= 0")
-    return float(timeout)
+from k3patch.safefs import open_dir
 
 
 class Busy(EnvironmentProblem):
     """Another run held the lock for longer than the timeout."""
 
 
-# package dir -> (the fd whose flock this process holds, exclusive?)
-_held: dict[str, tuple[int, bool]] = {}
-# package dir -> the monotonic deadline of this process's first wait for it
-_deadlines: dict[str, float] = {}
-
-
-def _key(package_dir: Path | str) -> str:
-    return os.path.abspath(package_dir)
+_held: dict[str, tuple[int, bool]] = {}  # package dir -> (fd holding its flock, exclusive?)
+_deadlines: dict[str, float] = {}  # package dir -> the deadline of this process's first wait
 
 
 def _deadline(key: str, timeout: float) -> float:
-    check_timeout(timeout)
+    if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout < 0:
+        raise BadLockTimeout(f"--lock-timeout {timeout!r}: give a finite number of seconds >= 0")
     return _deadlines.setdefault(key, time.monotonic() + timeout)
 
 
-def _open(key: str) -> int:
-    try:
-        return os.open(key, DIR_FLAGS)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise not_plain(key, "directory") from None
-        raise env_error("lock", key, exc) from None
-
-
-def _flock(fd: int, mode: int, deadline: float, timeout: float, key: str) -> None:
+def _take(key: str, mode: int, deadline: float, timeout: float) -> int:
+    """An fd of the package dir `key` holding its flock in `mode`; Busy past `deadline`."""
+    fd = open_dir(key, "")
     # Back off from 1 ms to 10 ms: dozens of ranks waiting on one tree must not eat the CPU that
     # the run holding the lock needs (a poll costs microseconds), and must see it let go soon.
     pause = 0.001
-    while True:
-        try:
-            fcntl.flock(fd, mode | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
+    try:
+        while True:
+            with contextlib.suppress(BlockingIOError):
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                return fd
             if time.monotonic() >= deadline:
                 raise Busy(
                     f"another k3patch run holds the lock on {key} for over {timeout:g}s; "
                     "wait for it or raise --lock-timeout"
-                ) from None
+                )
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
-
-
-def _take(key: str, mode: int, deadline: float, timeout: float) -> int:
-    fd = _open(key)
-    try:
-        _flock(fd, mode, deadline, timeout, key)
     except BaseException:
         os.close(fd)
         raise
-    return fd
 
 
 def wait_if_busy(package_dir: Path | str, timeout: float) -> bool:
     """True when another live run holds the lock (we waited, shared, until it let go, at most
     `timeout`): its journal is work in progress, not an interrupted run's."""
-    key = _key(package_dir)
+    key = os.path.abspath(package_dir)
     if key in _held:
         return False
     try:
-        fd = os.open(key, DIR_FLAGS)
-    except OSError:
+        os.close(_take(key, fcntl.LOCK_SH, 0.0, timeout))
         return False
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
-            pass
-        with contextlib.suppress(Busy):
-            _flock(fd, fcntl.LOCK_SH, time.monotonic() + timeout, timeout, key)
+    except Busy:
+        with contextlib.suppress(EnvironmentProblem):
+            os.close(_take(key, fcntl.LOCK_SH, time.monotonic() + timeout, timeout))
         return True
-    finally:
-        os.close(fd)
+    except EnvironmentProblem:
+        return False
 
 
 def hold(package_dir: Path | str, timeout: float) -> None:
     """Take the tree's lock, exclusive, until `release` (or the process ends)."""
-    key = _key(package_dir)
+    key = os.path.abspath(package_dir)
     if _held.get(key, (0, False))[1]:
         return
     deadline = _deadline(key, timeout)
@@ -124,15 +89,13 @@ def hold_or_wait(package_dir: Path | str, timeout: float) -> bool:
     """True: this process now holds the lock (it is the one to do the work). False: another
     run holds it; we waited, asleep, until it let go, and now share the lock with every other
     waiter, so that all of them can read its result at once instead of one after another."""
-    key = _key(package_dir)
+    key = os.path.abspath(package_dir)
     if key in _held:
         return _held[key][1]
     deadline = _deadline(key, timeout)
-    try:
+    with contextlib.suppress(Busy):
         _held[key] = (_take(key, fcntl.LOCK_EX, 0.0, timeout), True)
         return True
-    except Busy:
-        pass
     try:
         _held[key] = (_take(key, fcntl.LOCK_SH, deadline, timeout), False)
     except BaseException:
@@ -142,7 +105,7 @@ def hold_or_wait(package_dir: Path | str, timeout: float) -> bool:
 
 
 def release(package_dir: Path | str) -> None:
-    key = _key(package_dir)
+    key = os.path.abspath(package_dir)
     held = _held.pop(key, None)
     _deadlines.pop(key, None)
     if held is not None:
@@ -152,7 +115,7 @@ def release(package_dir: Path | str) -> None:
 @contextlib.contextmanager
 def locked(package_dir: Path | str, timeout: float) -> Iterator[None]:
     """Hold the lock for a block; if this process already holds it, keep holding it after."""
-    key = _key(package_dir)
+    key = os.path.abspath(package_dir)
     already = _held.get(key, (0, False))[1]
     hold(key, timeout)
     try:

@@ -1,17 +1,15 @@
 """Brings `__pycache__` in line with an edited source file.
 
-pip writes timestamp pycs, which notice an edit; but images built with
-`compileall --invalidation-mode unchecked-hash` keep running the old code after the source
-changes. Each pyc of an edited file is recompiled in the invalidation mode it had, when it
-belongs to this interpreter; a pyc of another interpreter (another cache tag or magic number)
-cannot be rebuilt here and is removed, so that interpreter reads the new source.
-
-The source is read, and the pyc written, through safefs and replace.py (never `py_compile`,
-which opens the source blocking and writes the pyc through a link): a FIFO there is never opened.
+Images built with `compileall --invalidation-mode unchecked-hash` keep running the old code after
+the source changes (pip's timestamp pycs notice it). Each pyc of an edited file is recompiled in
+the mode it had when it is this interpreter's, and removed otherwise (another cache tag or magic
+number), so that interpreter reads the new source. Both go through safefs and replace.py, never
+`py_compile`, which opens the source blocking and writes the pyc through a link.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import marshal
 import os
@@ -23,7 +21,7 @@ from pathlib import Path
 
 from k3patch.errors import EnvironmentProblem
 from k3patch.replace import write_atomically
-from k3patch.safefs import NotRegular, open_regular, read_fd
+from k3patch.safefs import NotRegular, env_error, open_dir_if_there, read_file
 
 _PYC_NAME = re.compile(r"^(?P<stem>.+?)\.(?P<tag>[^.]+)(?:\.opt-(?P<opt>\d+))?\.pyc$")
 
@@ -38,22 +36,16 @@ def check_cache_dir(source: Path) -> None:
     """A `__pycache__` that is a symlink or not a directory would have k3patch write pycs
     outside the tree, and a pyc of `source` that is a FIFO, socket, device or link is no
     bytecode k3patch can read or rebuild: both refused before the first write."""
-    cache_dir = source.parent / "__pycache__"
-    if os.path.islink(cache_dir) or (os.path.lexists(cache_dir) and not cache_dir.is_dir()):
-        raise EnvironmentProblem(
-            f"{cache_dir} is a symlink or not a directory; k3patch writes bytecode only into a "
-            "real __pycache__ inside the tree. Remove it and run again"
-        )
+    dfd = open_dir_if_there(source.parent, "__pycache__")  # refuses a link or a non-directory
+    if dfd is not None:
+        os.close(dfd)
     for pyc in pycs_for(source):
-        try:
-            mode = os.lstat(pyc).st_mode
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISREG(mode):
-            raise EnvironmentProblem(
-                f"{pyc} is not a regular file (a symlink, FIFO, socket or device); k3patch "
-                "reads and rebuilds only real bytecode files. Remove it and run again"
-            )
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISREG(os.lstat(pyc).st_mode):
+                raise EnvironmentProblem(
+                    f"{pyc} is not a regular file (a symlink, FIFO, socket or device); k3patch "
+                    "reads and rebuilds only real bytecode files. Remove it and run again"
+                )
 
 
 def pycs_for(source: Path) -> list[Path]:
@@ -68,52 +60,28 @@ def pycs_for(source: Path) -> list[Path]:
     return sorted(found)
 
 
-def invalidation_mode(pyc: Path) -> py_compile.PycInvalidationMode | None:
-    """The mode a pyc was written in, or None when it is not this interpreter's pyc (or not a
-    regular file: read through safefs, a link or FIFO in `__pycache__` is never followed)."""
+def _read(path: Path) -> bytes | None:
+    """Through the one no-follow, non-blocking reader: None when absent or not a regular file (a
+    link or FIFO is never followed, a source that is one never compiled)."""
     try:
-        fd = open_regular(pyc)
+        return read_file(path)
     except (OSError, NotRegular):
         return None
-    if fd is None:
-        return None
-    try:
-        header = os.read(fd, 8)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if len(header) < 8 or header[:4] != importlib.util.MAGIC_NUMBER:
-        return None
-    return _MODE_BY_FLAGS.get(int.from_bytes(header[4:8], "little"))
 
 
-def _read_source(source: Path) -> tuple[bytes, os.stat_result] | None:
-    """The source's bytes and stat through the one no-follow, non-blocking reader; None when it
-    is absent or not a regular file (its pycs are then removed, never rebuilt from it)."""
-    try:
-        fd = open_regular(source)
-    except (OSError, NotRegular):
+def invalidation_mode(pyc: bytes) -> py_compile.PycInvalidationMode | None:
+    """The mode a pyc was written in, or None when it is not this interpreter's pyc."""
+    if len(pyc) < 8 or pyc[:4] != importlib.util.MAGIC_NUMBER:
         return None
-    if fd is None:
-        return None
-    try:
-        return read_fd(fd), os.fstat(fd)
-    finally:
-        os.close(fd)
+    return _MODE_BY_FLAGS.get(int.from_bytes(pyc[4:8], "little"))
 
 
-def pyc_bytes(
-    data: bytes,
-    st: os.stat_result,
-    dfile: str,
-    mode: py_compile.PycInvalidationMode,
-    optimize: int,
-) -> bytes:
-    """What `py_compile.compile` writes for this source (PEP 552's header, then the code)."""
-    code = compile(data, dfile, "exec", dont_inherit=True, optimize=optimize)
+def pyc_bytes(data: bytes, source: Path, mode: py_compile.PycInvalidationMode, opt: int) -> bytes:
+    """What `py_compile.compile` writes for `source` holding `data` (PEP 552's header, then the
+    code)."""
+    code = compile(data, str(source), "exec", dont_inherit=True, optimize=opt)
     if mode is py_compile.PycInvalidationMode.TIMESTAMP:
-        flags = 0
+        flags, st = 0, os.stat(source)
         key = (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
         key += (st.st_size & 0xFFFFFFFF).to_bytes(4, "little")
     else:
@@ -125,20 +93,26 @@ def pyc_bytes(
 
 def sync_pycache(source: Path) -> list[str]:
     """Recompile or remove every pyc of `source`; returns one line per action, for reports."""
+    try:
+        return [f"{source.name}: {action}" for action in _sync(source)]
+    except OSError as exc:
+        raise env_error("update the bytecode of", source, exc) from None
+
+
+def _sync(source: Path) -> list[str]:
     actions = []
-    for pyc in pycs_for(source):
+    pycs = pycs_for(source)
+    data = _read(source) if pycs else None
+    for pyc in pycs:
         match = _PYC_NAME.match(pyc.name)
         assert match is not None
-        mode = invalidation_mode(pyc)
-        ours = match.group("tag") == sys.implementation.cache_tag and mode is not None
-        read = _read_source(source) if ours else None
+        old = _read(pyc) if match["tag"] == sys.implementation.cache_tag else None
+        mode = None if old is None else invalidation_mode(old)
         new = None
-        if read is not None and mode is not None:
-            optimize = int(match.group("opt") or 0)
-            try:
-                new = pyc_bytes(read[0], read[1], str(source), mode, optimize)
-            except (SyntaxError, ValueError):
-                new = None  # a source that does not compile: its interpreter reads it anew
+        if data is not None and mode is not None:
+            # A source that does not compile: its interpreter reads it anew.
+            with contextlib.suppress(SyntaxError, ValueError):
+                new = pyc_bytes(data, source, mode, int(match["opt"] or 0))
         if new is not None and mode is not None:
             write_atomically(pyc, new, os.lstat(pyc), root=source.parent)
             actions.append(f"recompiled {pyc.name} ({mode.name.lower()})")

@@ -1,15 +1,12 @@
-"""Replacing one file inside the tree so that a reader sees the old file or the new, never a mix.
-
-The new bytes go to a temp file in the same directory (created O_CREAT|O_EXCL|O_NOFOLLOW under
-an unpredictable name, so a planted link is never written through), fsynced, with the owner,
-mode and xattrs of the file it replaces; then it is renamed over it and the directory fsynced.
-`replace_checked` also keeps another writer's edit: the file must hold the expected bytes when
-read and be the same file right before the rename, and the rename is an atomic exchange where
-the system has one, so a file renamed in after that last look is seen and put back.
+"""Replacing one file inside the tree so that a reader sees the old file or the new, never a mix:
+a temp file beside it (O_CREAT|O_EXCL|O_NOFOLLOW under an unpredictable name, so a planted link is
+never written through), fsynced, with the owner, mode and xattrs of the file it replaces, renamed
+over it. `replace_checked` also keeps another writer's edit (see there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -31,39 +28,30 @@ from k3patch.safefs import (
     shared_mode,
 )
 
-TMP_MARK = ".k3patch-tmp."
-# What `new_temp` names a temp file: only files named so are ever removed as litter.
+# What `_new_temp` names a temp file: only files named so are ever removed as litter.
 LITTER = re.compile(r"^\..+\.k3patch-tmp\.[0-9a-f]+$")
 
 
 def _copy_xattrs(src_fd: int, dst_fd: int) -> None:
     """Security labels and ACLs (system.posix_acl_access) travel with the file."""
-    try:
-        names = os.listxattr(src_fd)
-    except OSError:
-        return
-    for name in names:
-        try:
-            os.setxattr(dst_fd, name, os.getxattr(src_fd, name))
-        except OSError:
-            pass
+    with contextlib.suppress(OSError):
+        for name in os.listxattr(src_fd):
+            with contextlib.suppress(OSError):
+                os.setxattr(dst_fd, name, os.getxattr(src_fd, name))
 
 
 def _new_temp(dfd: int, name: str) -> tuple[str, int]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     for _ in range(16):
-        tmp = f".{name}{TMP_MARK}{secrets.token_hex(8)}"
-        try:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        tmp = f".{name}.k3patch-tmp.{secrets.token_hex(8)}"
+        with contextlib.suppress(FileExistsError):
             return tmp, os.open(tmp, flags, 0o600, dir_fd=dfd)
-        except FileExistsError:
-            continue
     raise FileExistsError(errno.EEXIST, "no free temp name", name)
 
 
 def _keep_owner(fd: int, like: os.stat_result, name: str) -> None:
-    """Give the temp file `fd` the owner and group of `like`, changing only what differs (the
-    owner of a file whose group they are not in, in a setgid directory, has nothing to change
-    and must not be refused a chown it does not need)."""
+    """Give the temp file `fd` the owner and group of `like`, changing only what differs (in a
+    setgid directory there may be nothing to change, and no chown to be refused)."""
     have = os.fstat(fd)
     uid = like.st_uid if like.st_uid != have.st_uid else -1
     gid = like.st_gid if like.st_gid != have.st_gid else -1
@@ -108,10 +96,19 @@ def write_temp(dfd: int, name: str, data: bytes, like_fd: int | None) -> str:
 
 
 def unlink_quietly(dfd: int, name: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(name, dir_fd=dfd)
-    except OSError:
-        pass
+
+
+def _put(dfd: int, name: str, data: bytes, like_fd: int | None) -> None:
+    """`data` renamed over `name` in `dfd` from a temp file (see write_temp), `dfd` fsynced."""
+    tmp = write_temp(dfd, name, data, like_fd)
+    try:
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        unlink_quietly(dfd, tmp)
+        raise
+    os.fsync(dfd)
 
 
 def _open_existing(dfd: int, name: str, path: Path | str) -> int | None:
@@ -119,17 +116,14 @@ def _open_existing(dfd: int, name: str, path: Path | str) -> int | None:
         return open_regular(name, dir_fd=dfd)
     except NotRegular:
         raise not_plain(path) from None
-    except IsADirectoryError:
-        raise not_plain(path) from None
 
 
 def write_atomically(
     path: Path, data: bytes, like: os.stat_result | None = None, *, root: Path | None = None
 ) -> None:
-    """Replace `path` with `data` (see the module). Every directory from `root` (default: the
-    file's own directory) down is opened without following a symlink; a missing state directory
-    on the way is created, and removed again when the write fails. With `like`, the file keeps
-    the owner, mode and xattrs of the one it replaces."""
+    """Replace `path` with `data`, every directory from `root` (default: its own) down opened
+    without following a symlink; a missing state directory on the way is made (and removed again
+    when the write fails). With `like`, the file keeps the owner, mode and xattrs it had."""
     root = root or path.parent
     rel = path.relative_to(root).as_posix()
     rel_dir, name = os.path.dirname(rel), os.path.basename(rel)
@@ -138,22 +132,14 @@ def write_atomically(
     try:
         like_fd = _open_existing(dfd, name, path) if like is not None else None
         try:
-            tmp = write_temp(dfd, name, data, like_fd)
+            _put(dfd, name, data, like_fd)
         finally:
             if like_fd is not None:
                 os.close(like_fd)
-        try:
-            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except BaseException:
-            unlink_quietly(dfd, tmp)
-            raise
-        os.fsync(dfd)
     except BaseException as exc:
-        if made:
-            try:
-                os.rmdir(root / rel_dir)  # only while still empty: a run that failed leaves none
-            except OSError:
-                pass
+        if made:  # only while still empty: a run that failed leaves no state directory
+            with contextlib.suppress(OSError):
+                os.rmdir(root / rel_dir)
         if isinstance(exc, OSError):
             raise env_error("write", path, exc) from None
         raise
@@ -162,8 +148,7 @@ def write_atomically(
 
 
 def unlink_in(root: Path, rel: str) -> None:
-    """Remove `root/rel` (absent, or a directory on the way absent, is fine), the directories
-    on the way opened without following a symlink."""
+    """Remove `root/rel` (absent is fine), the directories on the way not followed if links."""
     dfd = open_dir_if_there(root, os.path.dirname(rel))
     if dfd is None:
         return
@@ -178,10 +163,6 @@ def unlink_in(root: Path, rel: str) -> None:
         os.close(dfd)
 
 
-# ------------------------------------------------------------------------------------------
-# Replacing a file another process may be writing too.
-
-
 def _snapshot(st: os.stat_result) -> tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
@@ -191,9 +172,8 @@ _renameat2: list[Callable[..., int] | None] = []  # found on first use; [None]: 
 
 
 def exchange(dfd: int, a: str, b: str) -> bool:
-    """Swap the names `a` and `b` in `dfd` atomically (Linux renameat2 RENAME_EXCHANGE). False
-    where the system cannot (no such call, or a filesystem that refuses it): the caller then
-    renames plainly, with only its last look before the rename to protect another writer."""
+    """Swap the names `a` and `b` in `dfd` atomically (Linux renameat2 RENAME_EXCHANGE); False
+    where the system or filesystem cannot (the caller then renames plainly)."""
     if not _renameat2:
         try:
             found = ctypes.CDLL(None, use_errno=True).renameat2
@@ -214,11 +194,11 @@ def exchange(dfd: int, a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), b)
 
 
-def _is_same_file(dfd: int, name: str, seen: tuple[int, int, int, int] | None) -> bool:
+def _look(dfd: int, name: str) -> tuple[int, int, int, int] | None:
     try:
-        return _snapshot(os.stat(name, dir_fd=dfd, follow_symlinks=False)) == seen
+        return _snapshot(os.stat(name, dir_fd=dfd, follow_symlinks=False))
     except FileNotFoundError:
-        return False
+        return None
 
 
 def changed(path: Path) -> ConcurrentChange:
@@ -238,30 +218,26 @@ def replace_checked(
 ) -> None:
     """Replace `root/rel`, which must hold `before` (None: absent), with `after` (None: remove
     it). Raises ConcurrentChange, with the other writer's file in place, when the file is not
-    `before` or another process changes it before our rename lands. `about_to_rename` is called
-    right before the file is changed (the caller records that it may have been)."""
+    `before` when read, is not the same file right before the rename, or was renamed in after
+    that last look (seen through an atomic exchange, where the system has one).
+    `about_to_rename` is called right before the file is changed."""
     path = root / rel
     dfd = open_dir(root, os.path.dirname(rel))
     name = os.path.basename(rel)
     old_fd: int | None = None
     try:
         old_fd = _open_existing(dfd, name, path)
-        current = None if old_fd is None else read_fd(old_fd)
-        if current != before:
+        if (None if old_fd is None else read_fd(old_fd)) != before:
             raise changed(path)
-        seen = None if old_fd is None else _snapshot(os.fstat(old_fd))
-        if old_fd is not None and os.fstat(old_fd).st_nlink > 1:
+        old = None if old_fd is None else os.fstat(old_fd)
+        seen = None if old is None else _snapshot(old)
+        if old is not None and old.st_nlink > 1:
             notes.append(
-                f"note: vllm/{rel} had {os.fstat(old_fd).st_nlink} hard links; the "
-                "other names keep the old content"
+                f"note: vllm/{rel} had {old.st_nlink} hard links; the other names keep the old "
+                "content"
             )
         tmp = None if after is None else write_temp(dfd, name, after, old_fd)
-        # The last look before the rename: another writer's edit must not be overwritten.
-        try:
-            now = _snapshot(os.stat(name, dir_fd=dfd, follow_symlinks=False))
-        except FileNotFoundError:
-            now = None
-        if now != seen:
+        if _look(dfd, name) != seen:  # the last look: another writer's edit must be kept
             if tmp is not None:
                 unlink_quietly(dfd, tmp)
             raise changed(path)
@@ -273,7 +249,7 @@ def replace_checked(
         else:
             # Swapped: `tmp` now names what stood at `name`. Anything but the file we read
             # means another writer renamed its own file in after our last look.
-            if not _is_same_file(dfd, tmp, seen):
+            if _look(dfd, tmp) != seen:
                 exchange(dfd, tmp, name)  # theirs back in place, ours out again
                 unlink_quietly(dfd, tmp)
                 os.fsync(dfd)
@@ -285,10 +261,7 @@ def replace_checked(
         os.fsync(dfd)
         if old_fd is not None and _snapshot(os.fstat(old_fd)) != seen:
             # An edit landed on the old file in the last instant: put it back, report it.
-            theirs = os.pread(old_fd, os.fstat(old_fd).st_size + 1, 0)
-            tmp = write_temp(dfd, name, theirs, old_fd)
-            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            os.fsync(dfd)
+            _put(dfd, name, os.pread(old_fd, os.fstat(old_fd).st_size + 1, 0), old_fd)
             raise ConcurrentChange(
                 f"{path} was written by another process while k3patch replaced it; its "
                 "edit was put back and nothing of k3patch's was kept, run again"

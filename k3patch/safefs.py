@@ -1,17 +1,15 @@
-"""Opening and reading inside the tree without trusting it.
-
-Every directory from the package dir down is opened with O_NOFOLLOW, and a file is read (or
-hashed) only when it is a regular file: a symlink, FIFO or device is refused before any read,
-never followed or blocked on. This is the one reader of tree files: the targets (tree.py), the
-state record and journal (state.py), the saved originals (blobs.py), the writer (replace.py)
-and the no-op path's hashes all go through it. Each caller words its own refusal.
+"""Opening and reading inside the tree without trusting it: every directory is opened with
+O_NOFOLLOW and a file is read (or hashed) only when it is a regular file, so a symlink, FIFO or
+device is refused before any read, never followed or blocked on. The one reader of tree files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -44,8 +42,8 @@ def not_plain(path: Path | str, what: str = "") -> EnvironmentProblem:
 
 
 class NotRegular(Exception):
-    """The path is there but is no regular file: `kind` is "symlink", "directory" or
-    "special" (a FIFO, socket or device)."""
+    """The path is no regular file: `kind` is "symlink", "directory" or "special" (a FIFO,
+    socket or device)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__(kind)
@@ -53,8 +51,8 @@ class NotRegular(Exception):
 
 
 def open_regular(path: Path | str, *, dir_fd: int | None = None) -> int | None:
-    """A read-only fd of the regular file at `path`, None when it is absent. Raises NotRegular
-    for anything else there, before a byte is read; other failures are the OSError itself."""
+    """A read-only fd of the regular file at `path`, None when absent; NotRegular for anything
+    else there, before a byte is read; other failures are the OSError itself."""
     try:
         fd = os.open(path, READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -92,39 +90,10 @@ def read_file(path: Path | str, *, dir_fd: int | None = None) -> bytes | None:
         os.close(fd)
 
 
-def file_sha256(path: Path | str, *, dir_fd: int | None = None) -> str | None:
+def file_sha256(path: Path | str) -> str | None:
     """The sha256 of the regular file at `path`, None when absent (see open_regular)."""
-    fd = open_regular(path, dir_fd=dir_fd)
-    if fd is None:
-        return None
-    try:
-        digest = hashlib.sha256()
-        while chunk := os.read(fd, 1 << 20):
-            digest.update(chunk)
-        return digest.hexdigest()
-    finally:
-        os.close(fd)
-
-
-def read_regular(
-    path: Path | str,
-    *,
-    what: str = "file",
-    dir_fd: int | None = None,
-    shown: Path | str | None = None,
-) -> bytes | None:
-    """k3patch's own files (record, journal, saved copies): a regular file's bytes, None when
-    absent; anything else there, or a failed read, is an EnvironmentProblem that says which
-    (naming `shown`, by default `path`)."""
-    shown = path if shown is None else shown
-    try:
-        return read_file(path, dir_fd=dir_fd)
-    except NotRegular:
-        raise not_plain(shown, what) from None
-    except OSError as exc:
-        if exc.errno in (errno.ENOTDIR, errno.EISDIR):
-            raise not_plain(shown, what) from None
-        raise env_error(f"read the {what}", shown, exc) from None
+    data = read_file(path)
+    return None if data is None else hashlib.sha256(data).hexdigest()
 
 
 def shared_mode(dir_fd: int, most: int) -> int:
@@ -133,73 +102,89 @@ def shared_mode(dir_fd: int, most: int) -> int:
     return stat.S_IMODE(os.fstat(dir_fd).st_mode) & most | (most & 0o600)
 
 
-def _open_dir(root: Path | str, rel_dir: str, create: bool) -> int:
-    """`root/rel_dir`, every component opened without following a symlink; OSError as raised,
-    with the path it was raised for as `filename`."""
+def _walk(root: Path | str, rel_dir: str, create: bool) -> int:
+    """`root/rel_dir`, every component opened without following a symlink; the OSError raised
+    names the path it was raised for as `filename`."""
+    path = Path(root)
     try:
         fd = os.open(root, DIR_FLAGS)
+        for part in [p for p in rel_dir.split("/") if p]:
+            path = path / part
+            try:
+                made = False
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(part, 0o700, dir_fd=fd)
+                        made = True
+                nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
+                if made:
+                    # Whoever can read the tree reads k3patch's state too: a `umask 077` apply
+                    # must not hide the record from the users who run vLLM.
+                    os.fchmod(nxt, shared_mode(fd, 0o755))
+            finally:
+                os.close(fd)
+            fd = nxt
     except OSError as exc:
-        exc.filename = str(root)
+        exc.filename = str(path)
         raise
-    path = Path(root)
-    for part in [p for p in rel_dir.split("/") if p]:
-        path = path / part
-        try:
-            made = False
-            if create:
-                try:
-                    os.mkdir(part, 0o700, dir_fd=fd)
-                    made = True
-                except FileExistsError:
-                    pass
-            nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
-            if made:
-                # Whoever can read the tree reads k3patch's state too: the parent's read and
-                # search bits, never the umask of the run that made it (a `umask 077` apply
-                # must not hide the record from the users who run vLLM).
-                os.fchmod(nxt, shared_mode(fd, 0o755))
-        except OSError as exc:
-            exc.filename = str(path)
-            raise
-        finally:
-            os.close(fd)
-        fd = nxt
     return fd
 
 
+def _dir_problem(exc: OSError, action: str) -> EnvironmentProblem:
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+        return not_plain(exc.filename, "directory")
+    return env_error(action, exc.filename, exc)
+
+
 def open_dir(root: Path | str, rel_dir: str, *, create: bool = False) -> int:
-    """An fd of the directory `root/rel_dir` (see _open_dir); with `create`, the directories
+    """An fd of the directory `root/rel_dir` (see _walk); with `create`, the directories
     missing on the way (k3patch's state directories) are made."""
     try:
-        return _open_dir(root, rel_dir, create)
+        return _walk(root, rel_dir, create)
     except OSError as exc:
-        path = exc.filename or root
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise not_plain(path, "directory") from None
-        action = "create the state directory" if create else "open"
-        raise env_error(action, path, exc) from None
+        raise _dir_problem(exc, "create the state directory" if create else "open") from None
 
 
 def open_dir_if_there(root: Path | str, rel_dir: str) -> int | None:
     """As open_dir, but None when a directory on the way is absent."""
     try:
-        return _open_dir(root, rel_dir, False)
+        return _walk(root, rel_dir, False)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise not_plain(exc.filename or root, "directory") from None
-        raise env_error("open", exc.filename or root, exc) from None
+        raise _dir_problem(exc, "open") from None
 
 
 def read_in(root: Path | str, rel: str, *, what: str = "file") -> bytes | None:
-    """k3patch's own file `root/rel` (see read_regular), every directory on the way opened
-    without following a symlink; None when it or a directory on the way is absent."""
+    """k3patch's own file `root/rel` (record, journal, saved copy): its bytes, None when it or a
+    directory on the way is absent; anything but a regular file there, or a failed read, is an
+    EnvironmentProblem that says which."""
+    shown = Path(root) / rel
     dfd = open_dir_if_there(root, os.path.dirname(rel))
     if dfd is None:
         return None
     try:
-        name = os.path.basename(rel)
-        return read_regular(name, what=what, dir_fd=dfd, shown=Path(root) / rel)
+        return read_file(os.path.basename(rel), dir_fd=dfd)
+    except NotRegular:
+        raise not_plain(shown, what) from None
+    except OSError as exc:
+        if exc.errno in (errno.ENOTDIR, errno.EISDIR):
+            raise not_plain(shown, what) from None
+        raise env_error(f"read the {what}", shown, exc) from None
+    finally:
+        os.close(dfd)
+
+
+def regular_files(root: Path | str, rel_dir: str, pattern: re.Pattern[str]) -> list[str]:
+    """The names matching `pattern` of the regular files in `root/rel_dir` (none when absent)."""
+    dfd = open_dir_if_there(root, rel_dir)
+    if dfd is None:
+        return []
+    try:
+        return [
+            e.name
+            for e in os.scandir(dfd)
+            if pattern.match(e.name) and e.is_file(follow_symlinks=False)
+        ]
     finally:
         os.close(dfd)

@@ -1,18 +1,11 @@
 """The state record beside the tree (`vllm/.k3patch/state.json`), and the journal next to it.
 
-The record holds, per file k3patch changed, the hash of the original (whose bytes are kept as a
-blob, for an exact revert) and of what k3patch wrote; and the classification of the last run with
-the hashes of every target file it read, so that a later run whose hashes all match can reuse it
-without parsing anything (`fresh`: the entrypoint's no-op path and the engine ask the same
-question here). It is a cache plus revert data: verdicts never depend on it, only on the code.
-The journal names the files a commit in progress replaces, with their before and after hashes.
-
-Nothing in either is trusted: a record copied from another tree, truncated, written by another
-k3patch or edited by hand must never make k3patch write outside the tree, delete a saved original,
-or report a state the code is not in. So a record is "absent", "of another schema" or "damaged"
-(each its own error) until every field has been checked, and every path it or a journal names
-must be one of the registered targets (`k3patch.patches.TARGETS`, which the registry holds every
-patch's `files` to). This module imports no patch: the no-op path loads it.
+The record holds, per file k3patch changed, the hash of the original (kept as a blob, for an exact
+revert) and of what k3patch wrote; and the last classification with the hashes of every target it
+read, so that a run whose hashes all match reuses it without parsing (`fresh`: the no-op path and
+the engine ask the same question). Verdicts never depend on it. Nothing in the record or journal
+is trusted: each is "absent", "of another schema" or "damaged" until every field is checked, and
+every path it names must be a registered target. This module imports no patch (the no-op path).
 """
 
 from __future__ import annotations
@@ -41,11 +34,11 @@ class RecordProblem(EnvironmentProblem):
 
 
 class RecordDamaged(RecordProblem):
-    pass
+    kind = "damaged"
 
 
 class RecordOtherSchema(RecordProblem):
-    pass
+    kind = "other schema"
 
 
 def registered_targets() -> frozenset[str]:
@@ -64,8 +57,8 @@ def patch_set() -> str:
     return formats.patch_set_digest(os.path.dirname(k3patch.patches.__file__ or ""))
 
 
-def is_digest(value: object) -> bool:
-    return isinstance(value, str) and _DIGEST.match(value) is not None
+def _hash_or_none(value: object) -> bool:
+    return value is None or (isinstance(value, str) and _DIGEST.match(value) is not None)
 
 
 def confined(rel: object, package_dir: Path | str, allowed: frozenset[str]) -> bool:
@@ -112,99 +105,76 @@ class StateRecord:
         }
         return (json.dumps(data, indent=1, sort_keys=False) + "\n").encode()
 
-    @classmethod
-    def from_bytes(
-        cls, data: bytes, package_dir: Path | str, allowed: frozenset[str], where: str = ""
-    ) -> StateRecord:
-        """The record, checked field by field. Raises RecordOtherSchema or RecordDamaged."""
-        where = where or STATE_REL
-        try:
-            raw = json.loads(data)
-        except (ValueError, RecursionError):
-            raise damaged(where, "it is not valid JSON (truncated?)") from None
-        if not isinstance(raw, dict):
-            raise damaged(where, "it is not a JSON object")
-        schema = raw.get("schema_version")
-        if schema != SCHEMA:
-            raise RecordOtherSchema(
-                f"{where} has schema {schema!r}, this k3patch {__version__} reads schema "
-                f"{SCHEMA}; use the k3patch that wrote it (nothing was written, its saved "
-                "originals are kept)"
-            )
-        try:
-            return cls._checked(raw, package_dir, allowed)
-        except _Bad as exc:
-            raise damaged(where, str(exc)) from None
-
-    @classmethod
-    def _checked(
-        cls, raw: dict[str, Any], package_dir: Path | str, allowed: frozenset[str]
-    ) -> StateRecord:
-        def need(ok: bool, what: str) -> None:
-            if not ok:
-                raise _Bad(what)
-
-        for key in ("k3patch_version", "patch_set"):
-            need(isinstance(raw.get(key), str), f"{key} is missing or not a string")
-        need(
-            raw.get("vllm_version") is None or isinstance(raw["vllm_version"], str), "vllm_version"
-        )
-        patches: Any = raw.get("patches")
-        need(isinstance(patches, list), "patches is not a list")
-        for p in patches:
-            need(
-                isinstance(p, dict)
-                and all(isinstance(p.get(k), str) for k in ("id", "title", "caveat")),
-                "a patches entry lacks id, title or caveat",
-            )
-        files_raw: Any = raw.get("files")
-        need(isinstance(files_raw, dict), "files is not an object")
-        files = {}
-        for rel, v in files_raw.items():
-            need(confined(rel, package_dir, allowed), f"files names {rel!r}, not a k3patch target")
-            need(isinstance(v, dict), f"files[{rel!r}] is not an object")
-            for key in ("original", "applied"):
-                need(
-                    v.get(key) is None or is_digest(v.get(key)),
-                    f"files[{rel!r}].{key} is not a sha256",
-                )
-            names = v.get("patches")
-            need(
-                isinstance(names, list) and all(isinstance(n, str) for n in names),
-                f"files[{rel!r}].patches",
-            )
-            files[rel] = FileState(v["original"], v["applied"], tuple(names))
-        scan_raw: Any = raw.get("scan")
-        need(isinstance(scan_raw, dict), "scan is not an object")
-        for rel, digest in scan_raw.items():
-            need(confined(rel, package_dir, allowed), f"scan names {rel!r}, not a k3patch target")
-            need(digest is None or is_digest(digest), f"scan[{rel!r}] is not a sha256")
-        results_raw: Any = raw.get("results")
-        need(isinstance(results_raw, list), "results is not a list")
-        results = []
-        for r in results_raw:
-            try:
-                result = SiteResult.from_json(r)
-            except (KeyError, TypeError, ValueError, AttributeError):
-                raise _Bad("a results entry is malformed") from None
-            need(
-                all(isinstance(x, str) for x in (result.patch_id, result.site, result.file)),
-                "a results entry is malformed",
-            )
-            results.append(result)
-        return cls(
-            k3patch_version=raw["k3patch_version"],
-            patch_set=raw["patch_set"],
-            vllm_version=raw.get("vllm_version"),
-            patches=list(patches),
-            files=files,
-            scan=dict(scan_raw),
-            results=results,
-        )
-
 
 class _Bad(Exception):
     pass
+
+
+def _need(ok: object, what: str) -> None:
+    if not ok:
+        raise _Bad(what)
+
+
+def _checked(raw: dict[str, Any], package_dir: Path | str, allowed: frozenset[str]) -> StateRecord:
+    """The record in `raw`, every field checked; _Bad says the first one that is wrong."""
+    for key in ("k3patch_version", "patch_set"):
+        _need(isinstance(raw.get(key), str), f"{key} is missing or not a string")
+    _need(raw.get("vllm_version") is None or isinstance(raw["vllm_version"], str), "vllm_version")
+    patches: Any = raw.get("patches")
+    _need(isinstance(patches, list), "patches is not a list")
+    for p in patches:
+        keys = ("id", "title", "caveat")
+        ok = isinstance(p, dict) and all(isinstance(p.get(k), str) for k in keys)
+        _need(ok, "a patches entry lacks id, title or caveat")
+    files_raw: Any = raw.get("files")
+    _need(isinstance(files_raw, dict), "files is not an object")
+    files = {}
+    for rel, v in files_raw.items():
+        _need(confined(rel, package_dir, allowed), f"files names {rel!r}, not a k3patch target")
+        _need(isinstance(v, dict), f"files[{rel!r}] is not an object")
+        for key in ("original", "applied"):
+            _need(_hash_or_none(v.get(key)), f"files[{rel!r}].{key} is not a sha256")
+        names = v.get("patches")
+        _need(
+            isinstance(names, list) and all(isinstance(n, str) for n in names),
+            f"files[{rel!r}].patches",
+        )
+        files[rel] = FileState(v["original"], v["applied"], tuple(names))
+    scan_raw: Any = raw.get("scan")
+    _need(isinstance(scan_raw, dict), "scan is not an object")
+    for rel, digest in scan_raw.items():
+        _need(confined(rel, package_dir, allowed), f"scan names {rel!r}, not a k3patch target")
+        _need(_hash_or_none(digest), f"scan[{rel!r}] is not a sha256")
+    results_raw: Any = raw.get("results")
+    _need(isinstance(results_raw, list), "results is not a list")
+    results = []
+    for r in results_raw:
+        try:
+            result = SiteResult.from_json(r)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise _Bad("a results entry is malformed") from None
+        fields = (result.patch_id, result.site, result.file)
+        _need(all(isinstance(x, str) for x in fields), "a results entry is malformed")
+        results.append(result)
+    return StateRecord(
+        k3patch_version=raw["k3patch_version"],
+        patch_set=raw["patch_set"],
+        vllm_version=raw.get("vllm_version"),
+        patches=list(patches),
+        files=files,
+        scan=dict(scan_raw),
+        results=results,
+    )
+
+
+def _json_object(data: bytes, where: str) -> dict[str, Any]:
+    try:
+        raw = json.loads(data)
+    except (ValueError, RecursionError):
+        raise damaged(where, "it is not valid JSON (truncated?)") from None
+    if not isinstance(raw, dict):
+        raise damaged(where, "it is not a JSON object")
+    return raw
 
 
 def damaged(where: str, why: str) -> RecordDamaged:
@@ -224,16 +194,24 @@ def read_bytes(state_dir: Path) -> bytes | None:
 def load(
     state_dir: Path, allowed: frozenset[str] | None = None, package_dir: Path | None = None
 ) -> StateRecord | None:
-    """The record, or None when there is none. Raises RecordDamaged / RecordOtherSchema."""
+    """The record, checked field by field, or None when there is none. Raises RecordDamaged or
+    RecordOtherSchema."""
     data = read_bytes(state_dir)
     if data is None:
         return None
-    return StateRecord.from_bytes(
-        data,
-        package_dir or state_dir.parent,
-        registered_targets() if allowed is None else allowed,
-        str(state_dir / STATE_FILE),
-    )
+    where = str(state_dir / STATE_FILE)
+    raw = _json_object(data, where)
+    if raw.get("schema_version") != SCHEMA:
+        raise RecordOtherSchema(
+            f"{where} has schema {raw.get('schema_version')!r}, this k3patch {__version__} reads "
+            f"schema {SCHEMA}; use the k3patch that wrote it (nothing was written, its saved "
+            "originals are kept)"
+        )
+    allowed = registered_targets() if allowed is None else allowed
+    try:
+        return _checked(raw, package_dir or state_dir.parent, allowed)
+    except _Bad as exc:
+        raise damaged(where, str(exc)) from None
 
 
 def load_or_none(state_dir: Path) -> StateRecord | None:
@@ -257,8 +235,7 @@ def fresh(record: StateRecord | None, hashes: Mapping[str, str | None]) -> bool:
 
 def fresh_record(package_dir: str) -> StateRecord | None:
     """The no-op path's (and the plugin's) question: the record of the tree at `package_dir`
-    when it is fresh and no commit is in progress or interrupted; None on any doubt (the full
-    path then looks at the code itself). Every target is hashed with the one no-follow reader."""
+    when it is fresh and no commit is in progress or interrupted; None on any doubt."""
     return check_record(package_dir)[0]
 
 
@@ -270,19 +247,12 @@ def check_record(package_dir: str) -> tuple[StateRecord | None, str, str]:
     differs)."""
     state_dir = Path(package_dir) / ".k3patch"
     try:
-        journal = journal_bytes(Path(package_dir))
-    except EnvironmentProblem as exc:
-        return None, "unreadable", str(exc)
-    if journal is not None:
-        return None, "journal", f"a k3patch journal is in {state_dir} (a run in progress or killed)"
-    try:
+        if safefs.read_in(package_dir, JOURNAL_REL, what="journal") is not None:
+            why = f"a k3patch journal is in {state_dir} (a run in progress or killed)"
+            return None, "journal", why
         record = load(state_dir, registered_targets(), Path(package_dir))
-    except RecordOtherSchema as exc:
-        return None, "other schema", str(exc)
-    except RecordDamaged as exc:
-        return None, "damaged", str(exc)
-    except EnvironmentProblem as exc:
-        return None, "unreadable", str(exc)
+    except EnvironmentProblem as exc:  # RecordDamaged and RecordOtherSchema say their kind
+        return None, getattr(exc, "kind", "unreadable"), str(exc)
     if record is None:
         return None, "absent", f"no state record in {state_dir}"
     try:
@@ -299,42 +269,30 @@ def check_record(package_dir: str) -> tuple[StateRecord | None, str, str]:
     return record, "fresh", ""
 
 
-# ------------------------------------------------------------------------------------------
-# The journal of a commit in progress.
-
-JOURNAL = "journal.json"
-JOURNAL_REL = f".k3patch/{JOURNAL}"
+# The journal of a commit in progress: what to roll back when the run that wrote it died.
+JOURNAL_REL = ".k3patch/journal.json"
 
 
 def journal_data(op: str, files: list[dict[str, Any]], pid: int, when: float) -> bytes:
     """A journal: the op, who wrote it and when, and each file's path, before and after hash."""
-    journal = {"op": op, "pid": pid, "time": when, "files": files}
-    return json.dumps(journal, indent=1).encode()
-
-
-def journal_bytes(package_dir: Path) -> bytes | None:
-    return safefs.read_in(package_dir, JOURNAL_REL, what="journal")
+    return json.dumps({"op": op, "pid": pid, "time": when, "files": files}, indent=1).encode()
 
 
 def load_journal(package_dir: Path, allowed: frozenset[str]) -> dict[str, Any] | None:
     """The journal of an interrupted (or running) commit, checked entry by entry; None when there
     is none. A journal that names anything but a path in `allowed` is damaged (RecordDamaged)."""
-    data = journal_bytes(package_dir)
+    data = safefs.read_in(package_dir, JOURNAL_REL, what="journal")
     if data is None:
         return None
     where = str(package_dir / JOURNAL_REL)
-    try:
-        loaded = json.loads(data)
-    except (ValueError, RecursionError):
-        raise damaged(where, "it is not valid JSON (truncated?)") from None
-    files = loaded.get("files") if isinstance(loaded, dict) else None
+    loaded = _json_object(data, where)
+    files = loaded.get("files")
     if not isinstance(files, list) or not isinstance(loaded.get("op"), str):
         raise damaged(where, "it lacks op or files")
     for entry in files:
         if not isinstance(entry, dict) or not confined(entry.get("path"), package_dir, allowed):
             raise damaged(where, f"it names {entry!r}, not a k3patch target")
         for key in ("before", "after"):
-            value = entry.get(key)
-            if value is not None and not is_digest(value):
+            if not _hash_or_none(entry.get(key)):
                 raise damaged(where, f"{key} of {entry.get('path')!r} is not a sha256")
     return {"op": loaded["op"], "files": files}

@@ -1,25 +1,16 @@
 """The journalled commit: the only code that writes into a vLLM tree.
 
-A commit replaces a set of files as one transaction:
-1. a journal naming each file with its before and after hash is written atomically (state.py
-   keeps its format, next to the record's);
-2. every before- and after-image is stored as a content-addressed blob (blobs.py);
-3. each file is replaced atomically after checking, right before the rename, that it still holds
-   its before-image (replace.py);
-4. `__pycache__` is brought in line with each new source;
-5. the journal is removed.
-A run that dies anywhere in 2-5 leaves the journal; the next run, under the lock, rolls every
-journalled file back to its before-image (`recover`), then does its own work from a consistent
-tree. The state record is one of the journalled files, so it rolls back with the sources.
-Concurrent runs serialise on the tree's lock (lock.py).
-
-Nothing on disk is trusted: a journal naming anything but a registered target is damaged, never
-obeyed; directories are opened without following links (safefs.py); only blob-named regular files
-are ever pruned and only temp-named regular files removed as litter.
+A commit writes a journal (each file's before and after hash), stores every before- and
+after-image as a blob, replaces each file after checking that it still holds its before-image
+(replace.py), brings `__pycache__` in line, and removes the journal. A run that dies in between
+leaves the journal; the next run, under the tree's lock, rolls every journalled file (the state
+record among them) back to its before-image (`recover`) before its own work. Nothing on disk is
+trusted: a journal naming anything but a registered target is damaged, never obeyed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -33,13 +24,17 @@ from k3patch.blobs import BLOBS, Blobs
 from k3patch.errors import ConcurrentChange, EnvironmentProblem
 from k3patch.pycache import check_cache_dir, sync_pycache
 from k3patch.replace import LITTER, replace_checked, unlink_in, write_atomically
-from k3patch.safefs import env_error, open_dir, open_dir_if_there, read_regular
+from k3patch.safefs import open_dir, open_dir_if_there, read_in, regular_files
 
 FaultHook = Callable[[str], None]
 
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def _hash(data: bytes | None) -> str | None:
+    return None if data is None else sha256(data)
 
 
 @dataclass(frozen=True)
@@ -55,27 +50,16 @@ class FileEdit:
 class Transaction:
     """Commits and recovers edits of one tree. Use inside `lock.locked(package_dir)`."""
 
-    def __init__(
-        self,
-        package_dir: Path,
-        fault: FaultHook | None = None,
-        targets: frozenset[str] | None = None,
-    ) -> None:
+    def __init__(self, package_dir: Path, fault: FaultHook | None = None) -> None:
         self.package_dir = package_dir
         self.state_dir = package_dir / ".k3patch"
         self.fault = fault or _fault_from_environment
         self.blobs = Blobs(package_dir)
         # The paths a journal may name: the registered targets and k3patch's own record.
-        self.allowed = (targets or state.registered_targets()) | {state.STATE_REL}
+        self.allowed = state.registered_targets() | {state.STATE_REL}
         self.notes: list[str] = []
 
-    # -- blobs (kept as methods: verify and changes read originals through a Transaction) ----
-    def blob_path(self, digest: str) -> Path:
-        return self.blobs.path(digest)
-
-    def store_blob(self, data: bytes) -> str:
-        return self.blobs.store(data)
-
+    # -- blobs (verify and engine read originals through a Transaction) ---------------------
     def load_blob(self, digest: str) -> bytes:
         return self.blobs.load(digest)
 
@@ -99,12 +83,7 @@ class Transaction:
         # a journal whose recovery prunes them; saved copies with no journal and no record
         # can then only be originals whose record was lost, and revert keeps them.
         entries = [
-            {
-                "path": edit.rel,
-                "before": None if edit.before is None else sha256(edit.before),
-                "after": None if edit.after is None else sha256(edit.after),
-            }
-            for edit in edits
+            {"path": e.rel, "before": _hash(e.before), "after": _hash(e.after)} for e in edits
         ]
         journal = state.journal_data(op, entries, os.getpid(), time.time())
         write_atomically(self.package_dir / state.JOURNAL_REL, journal, root=self.package_dir)
@@ -122,14 +101,12 @@ class Transaction:
                 self.fault(f"replaced:{edit.rel}")
             for edit in edits:
                 if edit.rel.endswith(".py"):
-                    actions += self._sync_pycache(self.package_dir / edit.rel)
+                    actions += sync_pycache(self.package_dir / edit.rel)
             self.fault("pycache-synced")
         except BaseException:
             # Roll back what this run wrote; if that fails too the journal stays for the next run.
-            try:
+            with contextlib.suppress(Exception):
                 self.recover(only=written)
-            except Exception:
-                pass
             raise
         unlink_in(self.package_dir, state.JOURNAL_REL)
         self.fault("journal-removed")
@@ -154,30 +131,19 @@ class Transaction:
             raise
 
     def remove_state_dir(self) -> None:
-        """The record, an empty blobs/ and `.k3patch` itself; anything else is left where it is.
-        Called under the lock."""
+        """The record, an empty blobs/ and `.k3patch` itself; anything else is left where it is."""
         unlink_in(self.package_dir, state.STATE_REL)
         dfd = open_dir_if_there(self.package_dir, ".k3patch")
         if dfd is None:
             return
         try:
-            os.rmdir(BLOBS, dir_fd=dfd)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            return
-        finally:
-            os.close(dfd)
-        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(BLOBS, dir_fd=dfd)
             os.rmdir(self.state_dir)
         except OSError:
-            pass
-
-    def _sync_pycache(self, source: Path) -> list[str]:
-        try:
-            return [f"{source.name}: {a}" for a in sync_pycache(source)]
-        except OSError as exc:
-            raise env_error("update the bytecode of", source, exc) from None
+            pass  # not empty: what is left there is not k3patch's to remove
+        finally:
+            os.close(dfd)
 
     # -- recovery ------------------------------------------------------------------------
     def pending_journal(self) -> dict[str, Any] | None:
@@ -196,7 +162,7 @@ class Transaction:
                     done.append(f"rolled back {entry['path']}")
             for entry in files:
                 if entry["path"].endswith(".py"):
-                    self._sync_pycache(self.package_dir / entry["path"])
+                    sync_pycache(self.package_dir / entry["path"])
             unlink_in(self.package_dir, state.JOURNAL_REL)
             self._prune_to_record()
         done += self.remove_litter(journal)
@@ -206,12 +172,8 @@ class Transaction:
         """One journalled file back to its before-image; False when it already holds it."""
         rel = entry["path"]
         path = self.package_dir / rel
-        dfd = open_dir(self.package_dir, os.path.dirname(rel))
-        try:
-            current = read_regular(os.path.basename(rel), dir_fd=dfd, shown=path)
-        finally:
-            os.close(dfd)
-        current_hash = None if current is None else sha256(current)
+        current = read_in(self.package_dir, rel)
+        current_hash = _hash(current)
         if current_hash == entry["before"]:
             return False
         if current_hash != entry["after"]:
@@ -243,27 +205,17 @@ class Transaction:
         self.blobs.prune({digest for digest in keep if digest})
 
     def remove_litter(self, journal: dict[str, Any] | None) -> list[str]:
-        """Temp files left by a killed run, next to the state files and the journalled files:
-        only regular files named like k3patch's temp files, in directories reached without
-        following a symlink."""
+        """Temp files left by a killed run (regular files named so) next to the state files and
+        the journalled files; a directory that cannot be opened is passed over."""
         dirs = {".k3patch", f".k3patch/{BLOBS}"}
-        for entry in journal["files"] if journal is not None else []:
-            dirs.add(os.path.dirname(entry["path"]))
+        if journal is not None:
+            dirs.update(os.path.dirname(e["path"]) for e in journal["files"])
         removed = []
         for rel_dir in sorted(dirs):
-            try:
-                dfd = open_dir_if_there(self.package_dir, rel_dir)
-            except EnvironmentProblem:
-                continue
-            if dfd is None:
-                continue
-            try:
-                for entry in os.scandir(dfd):
-                    if LITTER.match(entry.name) and entry.is_file(follow_symlinks=False):
-                        os.unlink(entry.name, dir_fd=dfd)
-                        removed.append(f"removed {self.package_dir / rel_dir / entry.name}")
-            finally:
-                os.close(dfd)
+            with contextlib.suppress(EnvironmentProblem):
+                for name in regular_files(self.package_dir, rel_dir, LITTER):
+                    unlink_in(self.package_dir, f"{rel_dir}/{name}")
+                    removed.append(f"removed {self.package_dir / rel_dir / name}")
         return removed
 
 
