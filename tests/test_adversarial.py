@@ -662,6 +662,25 @@ def test_8_a_file_renamed_in_after_the_last_look_is_not_lost(make_tree, monkeypa
         assert target.read_bytes() != theirs  # overwritten: why the exchange is used
 
 
+def test_8_an_edit_in_place_after_the_last_look_is_put_back(make_tree, monkeypatch):
+    """Without an exchange, another writer's in-place edit that lands between k3patch's last
+    look and its rename is seen on the old file afterwards and put back (exit 3, run again)."""
+    site = make_tree("0.31.0")
+    target = site / "vllm" / AITER
+    theirs = target.read_bytes() + b"# theirs, written in place\n"
+    monkeypatch.setattr(replace, "exchange", lambda dfd, a, b: False)
+
+    def hook(step: str) -> None:
+        if step == f"renaming:{AITER}":
+            with open(target, "r+b") as f:  # the same inode k3patch read
+                f.write(theirs)
+
+    with pytest.raises(ConcurrentChange, match="edit was put back"):
+        engine.apply(locate(site), fault=hook)
+    assert target.read_bytes() == theirs
+    assert not (site / "vllm/.k3patch/journal.json").exists()
+
+
 # -- 13: one finite lock timeout; a live apply is not an interrupted one --------------------
 
 

@@ -14,6 +14,7 @@ import pytest
 from conftest import run_cli, tree_hashes
 
 from k3patch import engine, scan
+from k3patch.errors import EnvironmentProblem
 from k3patch.transaction import Transaction
 from k3patch.tree import locate
 
@@ -139,6 +140,19 @@ def test_revert_refuses_when_file_changed_since(make_tree):
     proc = run_cli("revert", "--vllm", str(site))
     assert proc.returncode == 1
     assert "changed since k3patch applied it" in proc.stdout
+    assert tree_hashes(site) == before
+
+
+def test_revert_refuses_a_tampered_saved_copy(make_tree):
+    """A saved original is checked against its name: a blob whose bytes changed is never
+    written back into the tree."""
+    site = make_tree("0.31.0")
+    engine.apply(locate(site))
+    for blob in (site / "vllm/.k3patch/blobs").iterdir():
+        blob.write_bytes(b"not the original\n")
+    before = tree_hashes(site)
+    with pytest.raises(EnvironmentProblem, match="missing or damaged"):
+        engine.revert(locate(site))
     assert tree_hashes(site) == before
 
 
