@@ -1,8 +1,5 @@
-"""The library API under the CLI: plan, apply and revert (the classification is `scan.py`).
-
-tree.locate -> scan (each patch classifies its sites) -> plan (edits in memory, compiled and
-re-classified) -> one transaction writes the files and the state record. Nothing here prints.
-"""
+"""The library API under the CLI: plan and apply (edits made in memory, compiled and classified
+again, then written with the state record in one transaction), and revert. Nothing here prints."""
 
 from __future__ import annotations
 
@@ -212,14 +209,12 @@ def apply(
         raise EnvironmentProblem(first.state_problem)  # the record it must keep is unreadable
     report = first.selected(patches)
     refused = _drifted_patches(report)
-    if refused and all_or_nothing:
-        return ApplyOutcome(report, refused_patches=refused, all_or_nothing=True, check=check)
+    if check or (refused and all_or_nothing):
+        return _planned(report, refused, all_or_nothing, check=check)
     if not report.pending_outside(refused) and report.interrupted is None:
-        if not report.from_record and not check:
+        if not report.from_record:
             _refresh_record(tree, lock_timeout)
-        return ApplyOutcome(report, refused_patches=refused, check=check)
-    if check:
-        return _planned(report, refused, all_or_nothing, check=True)
+        return ApplyOutcome(report, refused_patches=refused)
 
     txn = Transaction(tree.package_dir, fault)
     with locked(tree.package_dir, lock_timeout):

@@ -22,12 +22,9 @@ class ProbeOutcome:
 
 
 class Patch:
-    """Base class of every module in `patches/`: a module defines one subclass and `PATCH`.
-
-    A patch reads its sites from `Sources` with `ast` (classification never needs libcst), and
-    rewrites pending sites through the libcst codemods of `rewrite`. The engine knows no patch
-    by name.
-    """
+    """Base class of every module in `patches/` (each defines one subclass and `PATCH`): it
+    reads its sites with `ast` (classification never needs libcst) and rewrites pending ones
+    through libcst codemods. The engine knows no patch by name."""
 
     id: str = ""
     title: str = ""

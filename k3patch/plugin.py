@@ -56,24 +56,19 @@ def preflight_problem(package_dir: str) -> str | None:
 def _why_not(pkg: str, kind: str, why: str) -> str:
     """The one line for a tree whose record does not vouch for it (state.check_record's kind)."""
     see = "run `k3patch status` to see which"
-    if kind == "absent":
+    lines = {
         # apply records nothing when a site drifted, so "run apply" would send the operator in
         # a circle: status says which it is.
-        return (
-            f"no k3patch state record in {pkg}: the fixes were never applied here, or a site "
-            f"drifted; {see}"
-        )
-    if kind == "stale":
-        return (
-            f"the vLLM files in {pkg} differ from what k3patch recorded (or k3patch changed); {see}"
-        )
-    if kind == "damaged":  # never "the files differ": the files may be fine, the record is not
-        return f"record damaged: {why}"
-    if kind == "other schema":
-        return f"record of another schema: {why}"
-    if kind == "unreadable":
-        return f"the k3patch state in {pkg} cannot be read by this process: {why}"
-    return f"{why} in {pkg}; {see}"
+        "absent": f"no k3patch state record in {pkg}: the fixes were never applied here, or a "
+        f"site drifted; {see}",
+        "stale": f"the vLLM files in {pkg} differ from what k3patch recorded (or k3patch "
+        f"changed); {see}",
+        # Never "the files differ" for a bad record: the files may be fine, the record is not.
+        "damaged": f"record damaged: {why}",
+        "other schema": f"record of another schema: {why}",
+        "unreadable": f"the k3patch state in {pkg} cannot be read by this process: {why}",
+    }
+    return lines.get(kind, f"{why} in {pkg}; {see}")
 
 
 def preflight() -> None:

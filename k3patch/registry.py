@@ -29,12 +29,9 @@ class PatchSetError(PatchBug):
 @cache
 def all_patches() -> tuple[Patch, ...]:
     package = importlib.import_module("k3patch.patches")
-    found: list[Patch] = []
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
-        patch = getattr(module, "PATCH", None)
-        if isinstance(patch, Patch):
-            found.append(patch)
+    names = sorted(info.name for info in pkgutil.iter_modules(package.__path__))
+    modules = [importlib.import_module(f"{package.__name__}.{name}") for name in names]
+    found: list[Patch] = [m.PATCH for m in modules if isinstance(getattr(m, "PATCH", None), Patch)]
     check_targets(found, state.registered_targets())
     return ordered(found)
 

@@ -173,8 +173,7 @@ def scan(
     to wait for a live run whose journal is there (status), instead of reporting it interrupted."""
     patches = all_patches() if patches is None else patches
     sources = Sources(tree.read, tree.version)
-    files = target_files(all_patches())
-    hashes = file_hashes(sources, files)
+    hashes = file_hashes(sources, target_files(all_patches()))
     interrupted, problem = _interrupted(tree, wait_for_live)
     record = None
     try:
@@ -183,17 +182,9 @@ def scan(
         pass  # damaged or of another schema: a cache only; apply and revert say so
     except EnvironmentProblem as exc:
         problem = problem or str(exc)
-    if (
-        use_record
-        and interrupted is None
-        and problem is None
-        and not os.environ.get("K3PATCH_NO_FASTPATH")
-        and record is not None
-        and fresh(record, hashes)
-    ):
-        wanted = {p.id for p in patches}
-        results = [r for r in record.results if r.patch_id in wanted]
-        return Report(tree, patches, results, hashes, from_record=True)
+    cached = record if use_record and not os.environ.get("K3PATCH_NO_FASTPATH") else None
+    if cached is not None and interrupted is None and problem is None and fresh(cached, hashes):
+        return Report(tree, patches, cached.results, hashes, from_record=True).selected(patches)
     results = [r for patch in patches for r in classify(patch, sources)]
     return Report(
         tree,
