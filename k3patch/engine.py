@@ -26,9 +26,10 @@ DEFAULT_LOCK_TIMEOUT = 120.0
 
 def _carried_files(record: StateRecord | None, report: Report) -> dict[str, FileState]:
     """The record's files whose recorded original is still this install's. After an upgrade or
-    a reinstall k3patch's edit is gone and that original is another install's: dropped. A file
-    edited by hand over k3patch's edit (same version, a site still applied) is kept, so revert
-    refuses, naming both hashes, instead of silently forgetting the file."""
+    a reinstall (other bytes: the original is back, or no site of the file reads applied) the
+    edit is gone and that original would put an old version's file into the new install: it is
+    dropped. A file edited by hand over k3patch's edit (same version, a site still applied) is
+    kept, so revert refuses, naming both hashes, instead of silently forgetting it."""
     if record is None:
         return {}
     carried = {}
@@ -276,7 +277,7 @@ def _planned(
     stop = stop or (bool(bugs) and all_or_nothing)
     return ApplyOutcome(
         report,
-        None if stop else the_plan,
+        plan=None if stop else the_plan,
         refused_patches=refused,
         all_or_nothing=stop,
         bugs=bugs,
