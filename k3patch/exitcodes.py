@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import sys
 from typing import TYPE_CHECKING
 
 from k3patch.errors import (
@@ -75,31 +79,27 @@ class Stream:
         return True
 
     def _fail(self, exc: OSError | ValueError) -> None:
-        import os
-
         self.failed = exc if isinstance(exc, OSError) else OSError(9, str(exc))
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self._fd)
-            os.close(devnull)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            _to_devnull(self._fd)
+
+
+def _to_devnull(fd: int) -> None:
+    got = os.open(os.devnull, os.O_RDWR)
+    if got != fd:
+        os.dup2(got, fd)
+        os.close(got)
 
 
 def _open_standard_fds() -> None:
     """A descriptor 0, 1 or 2 closed at start (`>&-`) is opened on /dev/null: otherwise the next
     file k3patch opens (a target, the record) would be given that number, and anything written
     to "stdout" would land in it."""
-    import os
-
     for fd in (0, 1, 2):
         try:
             os.fstat(fd)
         except OSError:
-            got = os.open(os.devnull, os.O_RDWR)
-            if got != fd:
-                os.dup2(got, fd)
-                os.close(got)
+            _to_devnull(fd)
 
 
 def guarded(run: Callable[[], object]) -> NoReturn:
@@ -107,9 +107,6 @@ def guarded(run: Callable[[], object]) -> NoReturn:
     what is not written leaves the code as it was and at most one line on stderr (none for a
     closed pipe: `| head -1` is normal); SIGINT is one line and 130; an error outside any
     command (start-up, the no-op path) is one line and its documented code."""
-    import errno
-    import sys
-
     _open_standard_fds()
     out, err = Stream(sys.stdout, 1), Stream(sys.stderr, 2)
     sys.stdout, sys.stderr = out, err  # type: ignore[assignment]
@@ -184,8 +181,6 @@ def for_exception(exc: BaseException) -> int:
 def explain(exc: Exception) -> tuple[int, str]:
     """An error's documented code and one-line message. Under K3PATCH_DEBUG an internal error
     (a k3patch bug) prints its traceback first, for whoever debugs k3patch; the code stays."""
-    import os
-
     message = describe(exc)
     if os.environ.get("K3PATCH_DEBUG") and message.startswith("internal error"):
         import traceback

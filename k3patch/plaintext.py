@@ -87,11 +87,8 @@ def as_text(lines: Iterable[Line], width: int = LOG_WIDTH) -> str:
 
 def header(vllm: Mapping[str, Any]) -> Line:
     version = vllm["version"] or "unknown version"
-    return line(
-        f"vLLM {version} ({vllm['kind']}, version from {vllm['version_source']}) at "
-        f"{vllm['package_dir']}",
-        2,
-    )
+    where = f"({vllm['kind']}, version from {vllm['version_source']}) at {vllm['package_dir']}"
+    return line(f"vLLM {version} {where}", 2)
 
 
 def error(label: str, rest: str = "") -> Line:
@@ -165,26 +162,21 @@ def quiet_lines(report: Mapping[str, Any], prefix: str = "") -> list[Line]:
     return [line(prefix + quiet_line(p["id"], p["sites"])) for p in report["patches"]]
 
 
-def refused_text(refused: Sequence[str], all_or_nothing: bool) -> str:
-    """What follows "refused: " for the drifted patches an apply refused, and what it did."""
-    rest = (
-        "nothing was written (--all-or-nothing)"
-        if all_or_nothing
-        else "nothing of it was written (the other patches were not held back)"
-    )
-    return f"{', '.join(refused)} (drifted): {rest}"
-
-
 def _refusals(report: Mapping[str, Any]) -> list[str]:
     """What follows "refused: " for each patch an apply refused: drifted, or a k3patch bug."""
-    out = []
-    if report["refused_patches"]:
-        out.append(refused_text(report["refused_patches"], report["all_or_nothing"]))
-    return out + [
+    out = [
         f"{patch_id} (a k3patch bug: its rewrite failed its own checks; nothing of it was "
         f"written, report it): {why}"
         for patch_id, why in report.get("bugs", {}).items()
     ]
+    if report["refused_patches"]:
+        rest = (
+            "nothing was written (--all-or-nothing)"
+            if report["all_or_nothing"]
+            else "nothing of it was written (the other patches were not held back)"
+        )
+        out.insert(0, f"{', '.join(report['refused_patches'])} (drifted): {rest}")
+    return out
 
 
 def apply_quiet_lines(report: Mapping[str, Any]) -> list[Line]:
