@@ -277,32 +277,99 @@ def assert_untouched(patch_id: str, files: dict[str, str]) -> dict[str, object]:
     return found
 
 
+def cached_tree(spec: str) -> Path:
+    """The read-only tree `spec` names: "fork:a" (tests/forktree), "fixture:NAME" (fixtures/),
+    or a version ("0.31.0", a real wheel)."""
+    kind, _, name = spec.rpartition(":")
+    if kind == "fork":
+        return built_fork_tree(name)
+    if kind == "fixture":
+        return FIXTURES / name
+    return pristine_tree(name)
+
+
+def _once_per_run(tmp_path_factory, key: str, make: Callable[[], dict]) -> dict:
+    """make()'s result, computed once per pytest run: under pytest-xdist the first worker to ask
+    computes it and the others wait for it and read it (a verify child imports torch and vLLM:
+    seconds each, and many test modules read the same tree's probes)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return make()
+    path = tmp_path_factory.getbasetemp().parent / f"once-{key}.json"
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            path.write_text(json.dumps(make()))
+        return json.loads(path.read_text())
+
+
 @pytest.fixture(scope="session")
-def verified_fork(tmp_path_factory, verify_python) -> Callable[[str], dict]:
-    """verified_fork("a") -> what `apply` then `verify --json` (every patch) said on a full copy
-    of fork tree "a", run once per session and shared by the tests that read it (a verify child
-    imports torch and vLLM: seconds each). Keys: apply_rc, verify_rc, verify (the JSON's
-    `verify` object), patches (its patches by id)."""
+def verified(tmp_path_factory, verify_python) -> Callable[[str], dict]:
+    """verified("fork:a") -> what `apply` then `verify --json` (every patch) said on a full copy
+    of that tree (see cached_tree), run once per test run and shared by every test that reads it.
+    Keys: apply_rc, verify_rc, verify (the JSON's `verify` object), patches (its patches by id),
+    output (the tail of both commands' output, for assertion messages)."""
     done: dict[str, dict] = {}
 
-    def verified(name: str) -> dict:
-        if name not in done:
-            site = _copier(tmp_path_factory.mktemp(f"verified-{name}"), "fork", built_fork_tree)(
-                name, full=True
-            )
-            applied = run_cli("apply", "--vllm", str(site))
-            proc = run_cli("verify", "--vllm", str(site), "--python", verify_python, "--json")
-            data = json.loads(proc.stdout)["verify"] if proc.stdout else {}
-            done[name] = {
-                "apply_rc": applied.returncode,
-                "verify_rc": proc.returncode,
-                "verify": data,
-                "patches": {p["id"]: p for p in data.get("patches", [])},
-                "output": proc.stdout[-3000:] + proc.stderr[-2000:],
-            }
-        return done[name]
+    def make(spec: str) -> dict:
+        site = tmp_path_factory.mktemp("verified") / "site"
+        shutil.copytree(cached_tree(spec), site, ignore=shutil.ignore_patterns(".complete"))
+        applied = run_cli("apply", "--vllm", str(site))
+        proc = run_cli("verify", "--vllm", str(site), "--python", verify_python, "--json")
+        data = json.loads(proc.stdout)["verify"] if proc.stdout else {}
+        return {
+            "apply_rc": applied.returncode,
+            "verify_rc": proc.returncode,
+            "verify": data,
+            "patches": {p["id"]: p for p in data.get("patches", [])},
+            "output": applied.stdout[-2000:] + proc.stdout[-3000:] + proc.stderr[-2000:],
+        }
 
-    return verified
+    def get(spec: str) -> dict:
+        if spec not in done:
+            key = "verified-" + spec.replace(":", "-")
+            done[spec] = _once_per_run(tmp_path_factory, key, lambda: make(spec))
+        return done[spec]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def probed(tmp_path_factory, verify_python) -> Callable[[str, str], dict]:
+    """probed("fork:a", patch_id) -> that patch's probe result (ok, summary, checks) on the
+    UNPATCHED tree: verify runs probes only for applied patches, so this runs every patch's probe
+    in one verify child over the cached tree, whatever the verdicts, once per test run. Every
+    module the patch names must import."""
+    done: dict[str, dict] = {}
+
+    def make(spec: str) -> dict:
+        from probe_child import child_args
+
+        from k3patch import verify as verify_mod
+        from k3patch.registry import all_patches
+        from k3patch.tree import locate
+
+        return verify_mod._run_child(
+            verify_python, locate(cached_tree(spec)), child_args(*all_patches())
+        )
+
+    def get(spec: str, patch_id: str) -> dict:
+        if spec not in done:
+            key = "probed-" + spec.replace(":", "-")
+            done[spec] = _once_per_run(tmp_path_factory, key, lambda: make(spec))
+        result = done[spec]
+        from k3patch.registry import all_patches
+
+        (patch,) = [p for p in all_patches() if p.id == patch_id]
+        imports = {m: result["imports"][m] for m in patch.modules}
+        assert all(r["ok"] for r in imports.values()), imports
+        # The tree's own code ran, not an installed vLLM's.
+        root = str(cached_tree(spec))
+        assert all(r["file"].startswith(root) for r in imports.values()), imports
+        probe: dict = result["probes"][patch_id]
+        assert "error" not in probe, probe
+        return probe
+
+    return get
 
 
 def slow_except(values: list[str], *kept: str) -> list:

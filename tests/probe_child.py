@@ -14,20 +14,23 @@ from k3patch.registry import patches_dir
 from k3patch.tree import locate
 
 
-def child_args(patch: Patch, package_dir: Path | None = None, patches: Path | None = None) -> dict:
-    """The verify child's arguments for `patch`'s probe alone; k3patch's modules and the
-    patches from the given directories (default: this checkout's)."""
+def child_args(
+    *chosen: Patch, package_dir: Path | None = None, patches: Path | None = None
+) -> dict:
+    """The verify child's arguments for the `chosen` patches' probes alone (and the modules they
+    name); k3patch's modules and the patches from the given directories (default: this
+    checkout's)."""
     package_dir = package_dir or Path(verify_mod.__file__).parent
     patches = patches or patches_dir()
-    module = type(patch).__module__
-    file = Path(sys.modules[module].__file__ or "")
+    modules = {patch.id: type(patch).__module__ for patch in chosen}
+    files = {pid: Path(sys.modules[module].__file__ or "") for pid, module in modules.items()}
     return {
         "package_dir": str(package_dir),
         "patches_dir": str(patches),
-        "patch_modules": {patch.id: module},
-        "patches": {patch.id: str(patches / file.relative_to(patches_dir()))},
-        "modules": list(patch.modules),
-        "probes": [patch.id],
+        "patch_modules": modules,
+        "patches": {pid: str(patches / f.relative_to(patches_dir())) for pid, f in files.items()},
+        "modules": list(dict.fromkeys(m for patch in chosen for m in patch.modules)),
+        "probes": [patch.id for patch in chosen],
     }
 
 

@@ -3,15 +3,13 @@ formatting insensitivity, marker comments, semantic drift, and missing precondit
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import probe_child
 import pytest
-from conftest import built_fork_tree, pristine_tree, run_cli, sha, slow_except, tree_hashes
+from conftest import run_cli, sha, slow_except, tree_hashes
 from conftest import status_json as _status_json
 from k3patch.patches import aiter_mla_gfx942 as aiter
 from k3patch.patches.aiter_mla_gfx942 import probe as truth
@@ -236,18 +234,17 @@ PENDING = [*VERSIONS, "fork-a", "fork-b", "fork-c", "fork-d"]
 @pytest.mark.wheel
 @pytest.mark.verify
 @pytest.mark.parametrize("tree", slow_except(PENDING, "0.31.0", "fork-a"))
-def test_truth_table_fails_unpatched_and_holds_applied(make_tree, fork_tree, verify_python, tree):
-    fork = tree.removeprefix("fork-") if tree.startswith("fork-") else None
-    before = probe_child.run_probe(
-        aiter.PATCH, verify_python, built_fork_tree(fork) if fork else pristine_tree(tree)
-    )
+def test_truth_table_fails_unpatched_and_holds_applied(probed, verified, tree):
+    # Both results are shared with the other patches' tests of the same tree (conftest).
+    spec = tree.replace("fork-", "fork:")
+    before = probed(spec, aiter.PATCH.id)
     assert before["ok"] is False
     assert before["checks"] == [line(label, old, want) for label, want, old in table()]
 
-    site = fork_tree(fork, full=True) if fork else make_tree(tree, full=True)
-    assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
-    proc = run_cli("verify", "--vllm", str(site), "--python", verify_python, "--json", *ONLY)
-    check = json.loads(proc.stdout)["verify"]["patches"][0]
-    assert proc.returncode == 0, check
+    found = verified(spec)
+    assert found["apply_rc"] == 0, found["output"]
+    check = found["patches"][aiter.PATCH.id]
+    assert check["verdict"] == "applied", check
+    assert [m["status"] for m in check["modules"]] == ["ok"] * len(check["modules"]), check
     assert check["probe"]["ok"] is True, check["probe"]["summary"]
     assert check["probe"]["checks"] == [line(label, want, want) for label, want, _ in table()]

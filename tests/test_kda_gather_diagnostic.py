@@ -20,7 +20,6 @@ import pytest
 from conftest import (
     FIXTURES,
     assert_untouched,
-    built_fork_tree,
     classify_files,
     patch_named,
     run_cli,
@@ -610,10 +609,10 @@ def verify_json(tree: Path, python: str) -> dict:
 @pytest.mark.wheel
 @pytest.mark.verify
 @pytest.mark.parametrize("spec", ["fork:b", "fork:a", "fixture:kda-inlined-caller"])
-def test_verify_passes_once_applied(tree_of, verified_fork, verify_python, spec):
-    kind, name = spec.split(":")
-    if kind == "fork":  # every patch applied and verified once per session (conftest)
-        found = verified_fork(name)
+def test_verify_passes_once_applied(tree_of, verified, verify_python, spec):
+    kind = spec.split(":")[0]
+    if kind == "fork":  # every patch applied and verified once per test run (conftest)
+        found = verified(spec)
         assert found["apply_rc"] == 0, found["output"]
         check = found["patches"][PATCH]
     else:
@@ -636,17 +635,18 @@ def test_verify_passes_once_applied(tree_of, verified_fork, verify_python, spec)
 
 @pytest.mark.wheel
 @pytest.mark.verify
-def test_verify_passes_on_the_older_fix(verified_fork):
-    check = verified_fork("d")["patches"][PATCH]
+def test_verify_passes_on_the_older_fix(verified):
+    check = verified("fork:d")["patches"][PATCH]
     assert check["verdict"] == "satisfied" and check["probe"]["ok"] is True, check
 
 
 @pytest.mark.wheel
 @pytest.mark.verify
 @pytest.mark.parametrize("spec", ["fork:b", "fixture:kda-inlined-caller"])
-def test_probe_fails_on_the_fork_code(verify_python, spec):
+def test_probe_fails_on_the_fork_code(probed, verify_python, spec):
     kind, name = spec.split(":")
-    out = run_probe(verify_python, built_fork_tree(name) if kind == "fork" else FIXTURES / name)
+    # The fork's probe result is shared with the other patches' tests (one child per tree).
+    out = probed(spec, PATCH) if kind == "fork" else run_probe(verify_python, FIXTURES / name)
     assert out["ok"] is False
     assert "reachable with K3_KDA_GATHER_LOG unset" in out["summary"]
     assert "bool() of a tensor" in out["summary"]

@@ -9,16 +9,11 @@ that the tree's gate gets wrong, and only those; applied, and on upstream's fix,
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-from conftest import built_fork_tree, pristine_tree, run_cli, slow_except
+from conftest import built_fork_tree, slow_except
 from k3patch.patches.moriio_chunk_gate.probe import SCHEDULED, TABLE, Prefill
 
-from k3patch import engine
-from k3patch import verify as verify_mod
-from k3patch.registry import all_patches
+from k3patch import scan
 from k3patch.tree import locate
 from k3patch.verdicts import Verdict
 
@@ -28,26 +23,6 @@ MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
 K3_BUG = "[k3-2611]: save at chunk 1 of 2, expected chunk 2 only"
 K3_FIXED = "[k3-2611]: save at chunk 2 of 2, expected chunk 2 only"
 NOT_STALE = "(the count before this step's chunk, not stale)"
-
-
-def run_probe(python: str, root: Path) -> dict:
-    """The probe alone, in the verify child, on whatever code the tree holds."""
-    from probe_child import child_args
-
-    patch = next(p for p in all_patches() if p.id == PATCH_ID)
-    args = {**child_args(patch), "modules": [MODULE]}
-    result = verify_mod._run_child(python, locate(root), args)
-    assert result["imports"][MODULE]["ok"], result["imports"][MODULE]
-    assert result["imports"][MODULE]["file"].startswith(str(root))
-    probe: dict = result["probes"][PATCH_ID]
-    assert "error" not in probe, probe
-    return probe
-
-
-def verify_cli(site: Path, python: str) -> tuple[int, dict]:
-    proc = run_cli("verify", "--vllm", str(site), "--python", python, "--json", *ONLY)
-    assert proc.stdout, proc.stderr
-    return proc.returncode, json.loads(proc.stdout)["verify"]["patches"][0]
 
 
 def row_results(probe: dict) -> dict[str, bool]:
@@ -116,10 +91,11 @@ PENDING = [
 @pytest.mark.verify
 @pytest.mark.parametrize(("tree", "wrong"), PENDING)
 def test_pending_tree_fails_the_rows_its_gate_gets_wrong_and_passes_all_applied(
-    make_tree, fork_tree, verify_python, tree, wrong
+    probed, verified, tree, wrong
 ):
-    fork = tree.removeprefix("fork-") if tree.startswith("fork-") else None
-    before = run_probe(verify_python, built_fork_tree(fork) if fork else pristine_tree(tree))
+    # Both results are shared with the other patches' tests of the same tree (conftest).
+    spec = tree.replace("fork-", "fork:")
+    before = probed(spec, PATCH_ID)
     assert before["ok"] is False
     failed = {head for head, ok in row_results(before).items() if not ok}
     assert failed == rows_wrong(wrong), (failed ^ rows_wrong(wrong), before["summary"])
@@ -134,10 +110,10 @@ def test_pending_tree_fails_the_rows_its_gate_gets_wrong_and_passes_all_applied(
     if wrong is block_count_wrong:
         assert line.endswith(f"{RESUMED_K3}: save at chunk 1 of 2, expected chunk 2 only (G1)")
 
-    site = fork_tree(fork, full=True) if fork else make_tree(tree, full=True)
-    patch = tuple(p for p in all_patches() if p.id == PATCH_ID)
-    assert engine.apply(locate(site), patch).report.verdict(PATCH_ID) is Verdict.APPLIED
-    after = run_probe(verify_python, site)
+    found = verified(spec)
+    assert found["apply_rc"] == 0, found["output"]
+    assert found["patches"][PATCH_ID]["verdict"] == "applied"
+    after = found["patches"][PATCH_ID]["probe"]
     assert after["ok"] is True, after["summary"]
     assert all(row_results(after).values())
     assert any(K3_FIXED in c for c in after["checks"])
@@ -151,9 +127,10 @@ def test_pending_tree_fails_the_rows_its_gate_gets_wrong_and_passes_all_applied(
 @pytest.mark.wheel
 @pytest.mark.verify
 @pytest.mark.parametrize("version", slow_except(["0.32.0", "0.33.0"], "0.33.0"))
-def test_verify_passes_every_row_on_upstream_fix(make_tree, verify_python, version):
-    code, check = verify_cli(make_tree(version, full=True), verify_python)
-    assert code == 0, check
+def test_verify_passes_every_row_on_upstream_fix(verified, version):
+    found = verified(version)
+    check = found["patches"][PATCH_ID]
+    assert found["verify_rc"] == 0, found["output"]
     assert check["verdict"] == "satisfied"
     assert check["probe"]["ok"] is True, check["probe"]["summary"]
     assert all(row_results(check["probe"]).values())
@@ -163,11 +140,10 @@ def test_verify_passes_every_row_on_upstream_fix(make_tree, verify_python, versi
 
 @pytest.mark.wheel
 @pytest.mark.verify
-def test_verify_on_patched_real_tree(make_tree, verify_python):
-    site = make_tree("0.31.0", full=True)
-    assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
-    code, check = verify_cli(site, verify_python)
-    assert code == 0, check
+def test_verify_on_patched_real_tree(verified):
+    found = verified("0.31.0")
+    assert found["apply_rc"] == 0 and found["verify_rc"] == 0, found["output"]
+    check = found["patches"][PATCH_ID]
     assert check["verdict"] == "applied"
     assert check["modules"] == [{"module": MODULE, "status": "ok", "reason": "", "decided_by": ""}]
     assert check["probe"]["ok"] is True, check["probe"]["summary"]
@@ -178,22 +154,14 @@ def test_verify_on_patched_real_tree(make_tree, verify_python):
 
 @pytest.mark.wheel
 @pytest.mark.verify
-def test_with_group_routing_on_the_fork(fork_tree, verify_python):
+def test_with_group_routing_on_the_fork(verified):
     # Both MoRIIO patches edit moriio_connector.py: applied together they fold, both read
     # applied, and the chunk gate still sends once, at the final chunk.
-    if not any(p.id == "moriio-group-routing" for p in all_patches()):
-        pytest.skip("the moriio-group-routing patch is not in this checkout")
-    site = fork_tree("a", full=True)
-    both = ["--only", PATCH_ID, "--only", "moriio-group-routing"]
-    before = json.loads(run_cli("status", "--vllm", str(site), "--json", *both).stdout)
-    routing = {p["id"]: p["verdict"] for p in before["patches"]}["moriio-group-routing"]
-    if routing != "pending":
-        pytest.skip(f"moriio-group-routing reads {routing} on fork tree a (not this patch's)")
-    assert run_cli("apply", "--vllm", str(site), *both).returncode == 0
-    proc = run_cli("status", "--vllm", str(site), "--json", *both)
-    assert proc.returncode == 0, proc.stdout
-    verdicts = {p["id"]: p["verdict"] for p in json.loads(proc.stdout)["patches"]}
-    assert verdicts == {PATCH_ID: "applied", "moriio-group-routing": "applied"}
-    probe = run_probe(verify_python, site)
+    before = scan.scan(locate(built_fork_tree("a")), use_record=False)
+    assert before.verdict("moriio-group-routing") is Verdict.PENDING
+    found = verified("fork:a")
+    verdicts = {pid: found["patches"][pid]["verdict"] for pid in (PATCH_ID, "moriio-group-routing")}
+    assert verdicts == {PATCH_ID: "applied", "moriio-group-routing": "applied"}, found["output"]
+    probe = found["patches"][PATCH_ID]["probe"]
     assert probe["ok"] is True, probe["summary"]
     assert all(row_results(probe).values())

@@ -13,8 +13,8 @@ defect is pinned here by the blocks the probe names:
   group 0's offsets;
 - (d) with its chunked companion and the chunk-gate fix: the offsets cache defect alone.
 After `k3patch apply`, `verify` runs the probe and it passes on each; upstream 0.31.0 and 0.33.0
-route natively (satisfied) and pass too. One child per fork tree and state (`probed`), shared by
-the tests that read it.
+route natively (satisfied) and pass too. One child per fork tree and state (`routed`), shared with
+the other patches' tests.
 
 The cases issue 19 added: models without a Mamba group (one attention group; full attention and
 sliding window), decode without external tokens, and both schedulers holding nothing of a
@@ -35,14 +35,13 @@ be refused at the worker's layer maps with a ValueError (the fork trees build th
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import probe_child
 import pytest
-from conftest import built_fork_tree, run_cli, slow_except
+from conftest import run_cli, slow_except
 from k3patch.patches.moriio_group_routing import PATCH
 from k3patch.patches.moriio_group_routing.probe import (
     ATTENTION_LAYOUT,
@@ -70,26 +69,19 @@ def lines(probe: dict[str, Any], prefix: str) -> list[str]:
     return [c for c in probe["checks"] if c.startswith(prefix)]
 
 
-@pytest.fixture(scope="module")
-def probed(tmp_path_factory, verify_python) -> Callable[[str, bool], dict[str, Any]]:
-    """probed(name, applied): fork tree `name`'s probe result, unpatched (the probe alone, on
-    the cached tree) or applied (`verify --json` on a copy after `k3patch apply`: its patch
-    entry, with `rc`); one child each per module."""
-    found: dict[tuple[str, bool], dict[str, Any]] = {}
+@pytest.fixture(scope="session")
+def routed(probed, verified) -> Callable[[str, bool], dict[str, Any]]:
+    """routed(name, applied): fork tree `name`'s probe result, unpatched (every patch's probe in
+    one child on the cached tree) or applied (`verify --json` on a copy after `k3patch apply`:
+    this patch's entry, with verify's `rc`); both shared with the other patches' tests
+    (conftest's `probed` and `verified`)."""
 
     def get(name: str, applied: bool) -> dict[str, Any]:
-        if (name, applied) not in found:
-            if not applied:
-                found[name, applied] = run_probe(verify_python, built_fork_tree(name))
-            else:
-                site = tmp_path_factory.mktemp(f"fork-{name}") / "site"
-                ignore = shutil.ignore_patterns(".complete")
-                shutil.copytree(built_fork_tree(name), site, ignore=ignore)
-                proc = run_cli("apply", "--vllm", str(site))
-                assert proc.returncode == 0, proc.stdout + proc.stderr
-                rc, check = verify_json(verify_python, site)
-                found[name, applied] = {"rc": rc, **check}
-        return found[name, applied]
+        if not applied:
+            return probed(f"fork:{name}", PATCH.id)
+        found = verified(f"fork:{name}")
+        assert found["apply_rc"] == 0, found["output"]
+        return {"rc": found["verify_rc"], **found["patches"][PATCH.id]}
 
     return get
 
@@ -98,8 +90,8 @@ def probed(tmp_path_factory, verify_python) -> Callable[[str, bool], dict[str, A
 # The unpatched fork trees: the probe fails and names the misrouted layers and blocks.
 
 
-def test_the_fork_pre_image_writes_mla_into_a_kda_groups_blocks(probed):
-    probe = probed("a", False)
+def test_the_fork_pre_image_writes_mla_into_a_kda_groups_blocks(routed):
+    probe = routed("a", False)
     assert probe["ok"] is False
     summary = probe["summary"]
     # MLA (group 3) into group 0's blocks on both nodes; KDA group 0 into group 1's.
@@ -127,8 +119,8 @@ def test_the_fork_pre_image_writes_mla_into_a_kda_groups_blocks(probed):
     assert lines(probe, "two-group") and not lines(probe, "FAIL two-group")
 
 
-def test_the_older_fix_alone_never_sends_later_chunks(probed):
-    probe = probed("c", False)
+def test_the_older_fix_alone_never_sends_later_chunks(routed):
+    probe = routed("c", False)
     assert probe["ok"] is False
     # Captured at chunk 1, never grown: MLA's blocks of chunks 2 and 3 are left out.
     assert (
@@ -153,8 +145,8 @@ def test_the_older_fix_alone_never_sends_later_chunks(probed):
     ) in probe["summary"]
 
 
-def test_the_older_fix_with_its_companions_still_shares_kda_offsets(probed):
-    probe = probed("d", False)
+def test_the_older_fix_with_its_companions_still_shares_kda_offsets(routed):
+    probe = routed("d", False)
     assert probe["ok"] is False
     failed = [f for f in lines(probe, "FAIL K3") if "without the fix" not in f]
     # Only KDA groups 1 and 2 (every layer, every case), from group 0's cached offsets.
@@ -189,8 +181,8 @@ def test_the_older_fix_with_its_companions_still_shares_kda_offsets(probed):
 
 
 @pytest.mark.parametrize("name", ["a", "c", "d"])
-def test_verify_passes_the_probe_after_apply(probed, name):
-    check = probed(name, True)
+def test_verify_passes_the_probe_after_apply(routed, name):
+    check = routed(name, True)
     assert check["rc"] == 0, check
     assert check["verdict"] == "applied"
     assert [m["status"] for m in check["modules"]] == ["ok", "ok", "ok"]
@@ -222,9 +214,9 @@ def routes(probe: dict[str, Any], prefix: str) -> list[str]:
     return [c.split(" (offsets reused")[0] for c in lines(probe, prefix) if "@chunk" in c]
 
 
-def test_a_two_group_model_routes_as_before(probed):
-    before = routes(probed("a", False), "two-group")
-    after = routes(probed("a", True)["probe"], "two-group")
+def test_a_two_group_model_routes_as_before(routed):
+    before = routes(routed("a", False), "two-group")
+    after = routes(routed("a", True)["probe"], "two-group")
     assert len(before) == 8  # 4 layers x (1 chunk, 3 chunks)
     assert after == before
     assert (
@@ -276,8 +268,8 @@ def expected_lines(case: Any) -> list[str]:
 
 
 @pytest.mark.parametrize("name", slow_except(FORK_TREES, "a", "c", "d"))
-def test_issue_19_cases_fail_where_the_fork_misroutes_and_pass_applied(probed, name):
-    before = probed(name, False)
+def test_issue_19_cases_fail_where_the_fork_misroutes_and_pass_applied(routed, name):
+    before = routed(name, False)
     misrouted = {"two attention groups, 1 chunk", "two attention groups, 3 chunks"}
     misrouted |= {"attention only, 3 chunks"} if name == "c" else set()
     assert failed_cases(before) & {c.label for c in NEW_CASES} == misrouted, before["summary"]
@@ -291,7 +283,7 @@ def test_issue_19_cases_fail_where_the_fork_misroutes_and_pass_applied(probed, n
         "left by the older scripts (" in c and "mamba_blockids.py" in c for c in before["checks"]
     )
 
-    after = probed(name, True)
+    after = routed(name, True)
     assert after["rc"] == 0 and after["probe"]["ok"], after["probe"]["summary"]
     checks = after["probe"]["checks"]
     assert not lines(after["probe"], "FAIL")
@@ -306,9 +298,10 @@ def test_issue_19_cases_fail_where_the_fork_misroutes_and_pass_applied(probed, n
 
 
 @pytest.mark.parametrize("version", ["0.31.0", "0.33.0"])
-def test_verify_passes_on_upstream(make_tree, verify_python, version):
-    rc, check = verify_json(verify_python, make_tree(version, full=True))
-    assert rc == 0, check
+def test_verify_passes_on_upstream(verified, version):
+    found = verified(version)
+    check = found["patches"][PATCH.id]
+    assert found["verify_rc"] == 0, found["output"]
     assert check["verdict"] == "satisfied"
     assert check["probe"]["ok"] is True, check["probe"]
     assert (

@@ -9,9 +9,8 @@ import ast
 import json
 from pathlib import Path
 
-import probe_child
 import pytest
-from conftest import pristine_tree, run_cli, slow_except, tree_hashes
+from conftest import run_cli, slow_except, tree_hashes
 from k3patch.patches.moriio_group_routing import PATCH
 
 pytestmark = pytest.mark.wheel
@@ -128,22 +127,19 @@ def test_must_not_touch_cases_stay_byte_identical_after_apply(make_tree, version
 # The probe on upstream's own code (satisfied trees): K3's layout through its native routing.
 
 
-def run_probe(python: str, site: Path) -> dict:
-    return probe_child.run_probe(PATCH, python, site)
-
-
 @pytest.mark.verify
-def test_probe_exercises_upstream_031_group_split(verify_python):
-    # The verify child only imports (no bytecode is written), so the pristine cache serves.
-    probe = run_probe(verify_python, pristine_tree("0.31.0"))
+def test_probe_exercises_upstream_031_group_split(probed):
+    # The verify child only imports (no bytecode is written), so the pristine cache serves; one
+    # child runs every patch's probe on it, shared with their tests (conftest).
+    probe = probed("0.31.0", PATCH.id)
     assert probe["ok"] is True, probe
     assert "K3: _split_kv_cache_group_kinds -> attention [3], mamba [0, 1, 2]" in probe["checks"]
     assert any("refused by register_kv_caches" in c for c in probe["checks"])
 
 
 @pytest.mark.verify
-def test_probe_exercises_upstream_033_write_plan(verify_python):
-    probe = run_probe(verify_python, pristine_tree("0.33.0"))
+def test_probe_exercises_upstream_033_write_plan(probed):
+    probe = probed("0.33.0", PATCH.id)
     assert probe["ok"] is True, probe
     assert (
         "K3 upstream plan: model.layers.6.mla (group 3) -> local [31, 32] remote [131, 132]"

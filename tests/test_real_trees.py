@@ -129,8 +129,8 @@ def test_entrypoint_warn_mode_starts_vllm_with_the_safe_fixes(fork_tree, tmp_pat
 @pytest.mark.wheel
 @pytest.mark.verify
 @pytest.mark.parametrize("name", ["a", "b", "c", "d"])
-def test_verify_runs_every_probe_on_each_applied_real_tree(verified_fork, name):
-    found = verified_fork(name)
+def test_verify_runs_every_probe_on_each_applied_real_tree(verified, name):
+    found = verified(f"fork:{name}")
     assert found["apply_rc"] == 0 and found["verify_rc"] == 0, found["output"]
     checked = found["patches"]
     assert set(checked) == {AITER, KDA, GATE, ROUTING}

@@ -16,7 +16,7 @@ from conftest import run_cli
 
 from k3patch import scan
 from k3patch import verify as verify_mod
-from k3patch.registry import all_patches, patch_module_file, patches_dir
+from k3patch.registry import all_patches
 from k3patch.tree import locate
 
 pytestmark = [pytest.mark.wheel, pytest.mark.verify]
@@ -60,25 +60,10 @@ def test_verify_imports_and_runs_truth_table(applied_tree, verify_python):
     assert "original files fail too" in rocm["decided_by"]
 
 
-def test_probe_fails_on_unpatched_code(make_tree, verify_python):
-    # The probe is only worth something if it can fail: run it on the upstream function.
-    site = make_tree("0.31.0", full=True)
-    tree = locate(site)
-    patch = next(p for p in all_patches() if p.id == AITER)
-
-    result = verify_mod._run_child(
-        verify_python,
-        tree,
-        {
-            "package_dir": str(Path(verify_mod.__file__).parent),
-            "patches_dir": str(patches_dir()),
-            "patch_modules": {AITER: type(patch).__module__},
-            "patches": {AITER: str(patch_module_file(patch))},
-            "modules": ["vllm._aiter_ops"],
-            "probes": [AITER],
-        },
-    )
-    probe = result["probes"][AITER]
+def test_probe_fails_on_unpatched_code(probed):
+    # The probe is only worth something if it can fail: run it on the upstream function (one
+    # verify child for every patch's probe on this tree, shared with their tests: conftest).
+    probe = probed("0.31.0", AITER)
     assert probe["ok"] is False
     assert "VLLM_ROCM_USE_AITER_MLA=unset gfx942 aiter=1 mla=1 -> True" in probe["summary"]
 
