@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from k3patch.astkit import mentioned_names
 from k3patch.fingerprints import site_fingerprint
@@ -40,7 +40,17 @@ from .progress import (
 if TYPE_CHECKING:
     from k3patch.codemod import Codemod
 
-    from .gates import Context
+
+class Context(Protocol):
+    """What the chains read of the method's surroundings: gates.Context, which imports this
+    module (so naming it here would tie the two modules in a circle)."""
+
+    module: ast.Module
+    method: ast.FunctionDef
+    cls: ast.ClassDef
+
+    def loops(self, over: str) -> list[ast.For]: ...
+
 
 # A decision chain: `NAME = <the script's helper call or k3patch's repair>`, `if NAME is None:`
 # (its fallback), debug `if`s, then `if [not] NAME:`.
