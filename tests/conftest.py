@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 CACHE = Path(os.environ.get("K3PATCH_WHEEL_CACHE", Path.home() / ".cache" / "k3patch" / "wheels"))
 TREES = CACHE.parent / "trees"
+SLOW = pytest.mark.slow
 
 
 @contextmanager
@@ -376,3 +377,18 @@ def slow_except(values: list[str], *kept: str) -> list:
     """`values` as parameters, all but `kept` marked slow: a plain pytest runs the kept trees,
     .ci/run every tree (README: the tests marked slow)."""
     return [v if v in kept else pytest.param(v, marks=pytest.mark.slow) for v in values]
+
+
+def slow_after(values: Iterable, keep: int = 1, *, unpack: bool = False) -> list:
+    """`values` as parameters, the first `keep` as they are and the rest marked slow: a plain
+    pytest checks each behaviour on its first rows, .ci/run on every row (README: the tests
+    marked slow). `unpack`: each value is a tuple of the test's several arguments."""
+    out = []
+    for index, value in enumerate(values):
+        if index < keep:
+            out.append(value)
+        elif isinstance(value, type(pytest.param())):
+            out.append(pytest.param(*value.values, id=value.id, marks=[*value.marks, SLOW]))
+        else:
+            out.append(pytest.param(*(value if unpack else (value,)), marks=SLOW))
+    return out

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import crash_campaign
 import pytest
-from conftest import pristine_tree, run_cli, tree_hashes
+from conftest import pristine_tree, run_cli, slow_after, tree_hashes
 
 from k3patch import engine, lock, plugin, registry, replace, safefs, scan
 from k3patch.errors import ConcurrentChange, EnvironmentProblem
@@ -134,7 +134,9 @@ def test_1_orphan_state_dir_after_uninstall_is_exit_3(make_tree):
 # -- 2: paths in the record and the journal are confined ------------------------------------
 
 
-@pytest.mark.parametrize("bad", ["../../outside.py", "/ABS/outside.py", "envs.py", "a/../b.py"])
+@pytest.mark.parametrize(
+    "bad", slow_after(["../../outside.py", "/ABS/outside.py", "envs.py", "a/../b.py"])
+)
 def test_2_record_paths_outside_the_targets_are_damage(make_tree, tmp_path, bad):
     site = make_tree("0.31.0")
     engine.apply(locate(site))
@@ -208,17 +210,19 @@ def test_12_the_static_targets_are_the_patches_files_or_the_registry_refuses():
 
 @pytest.mark.parametrize(
     "damage",
-    [
-        lambda d: {**d, "schema_version": 99},
-        lambda d: "truncated",
-        lambda d: {**d, "files": {k: {**v, "original": 5} for k, v in d["files"].items()}},
-        lambda d: {k: v for k, v in d.items() if k != "results"},
-        lambda d: {**d, "results": [{"patch": 1}]},
-        lambda d: {
-            **d,
-            "files": {k: {**v, "original": "../../etc/passwd"} for k, v in d["files"].items()},
-        },
-    ],
+    slow_after(
+        [
+            lambda d: {**d, "schema_version": 99},
+            lambda d: "truncated",
+            lambda d: {**d, "files": {k: {**v, "original": 5} for k, v in d["files"].items()}},
+            lambda d: {k: v for k, v in d.items() if k != "results"},
+            lambda d: {**d, "results": [{"patch": 1}]},
+            lambda d: {
+                **d,
+                "files": {k: {**v, "original": "../../etc/passwd"} for k, v in d["files"].items()},
+            },
+        ]
+    ),
     ids=["future-schema", "truncated", "mistyped-hash", "missing-field", "bad-result", "blob-path"],
 )
 def test_5_a_bad_record_is_never_overwritten_or_pruned(make_tree, damage):
@@ -377,7 +381,7 @@ def shell(command: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "-c", command], capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("path", ["fast", "full"])
+@pytest.mark.parametrize("path", slow_after(["fast", "full"]))
 def test_15_closed_pipe_and_full_stdout_after_a_commit_keep_its_code(make_tree, path):
     k3 = f"{sys.executable} -m k3patch"
     if path == "full":
@@ -413,12 +417,14 @@ class FakeVllm:
 
 @pytest.mark.parametrize(
     "damage",
-    [
-        lambda d: {k: v for k, v in d.items() if k != "results"},
-        lambda d: {**d, "results": [{"patch": 3, "verdict": None}]},
-        lambda d: {**d, "patches": [None]},
-        lambda d: {**d, "scan": []},
-    ],
+    slow_after(
+        [
+            lambda d: {k: v for k, v in d.items() if k != "results"},
+            lambda d: {**d, "results": [{"patch": 3, "verdict": None}]},
+            lambda d: {**d, "patches": [None]},
+            lambda d: {**d, "scan": []},
+        ]
+    ),
     ids=["missing", "mistyped-result", "mistyped-patch", "mistyped-scan"],
 )
 def test_10_plugin_warns_never_raises_on_a_damaged_record(make_tree, monkeypatch, damage):
@@ -469,7 +475,9 @@ def test_11_a_fifo_target_is_refused_without_hanging(make_tree):
 
 
 @pytest.mark.parametrize("swap", ["target", "record"])
-@pytest.mark.parametrize("kind", ["symlink to an identical copy", "fifo", "fifo holding the bytes"])
+@pytest.mark.parametrize(
+    "kind", slow_after(["symlink to an identical copy", "fifo", "fifo holding the bytes"])
+)
 def test_11_the_no_op_path_never_vouches_through_a_link_or_a_fifo(make_tree, tmp_path, swap, kind):
     """A patched target (or the state record) replaced by a symlink to a byte-identical copy
     outside the tree, or by a FIFO (empty, or with the file's own bytes waiting in it): the
@@ -776,11 +784,13 @@ def test_pycache_symlink_is_refused_before_any_write(make_tree, tmp_path):
 
 @pytest.mark.parametrize(
     "damage",
-    [
-        lambda text: text[:200],
-        lambda text: json.dumps({**json.loads(text), "scan": []}),
-        lambda text: json.dumps({**json.loads(text), "files": {"../../etc/passwd": {}}}),
-    ],
+    slow_after(
+        [
+            lambda text: text[:200],
+            lambda text: json.dumps({**json.loads(text), "scan": []}),
+            lambda text: json.dumps({**json.loads(text), "files": {"../../etc/passwd": {}}}),
+        ]
+    ),
     ids=["truncated", "mistyped-scan", "path-out-of-the-tree"],
 )
 def test_21_the_plugin_says_record_damaged_not_that_the_files_differ(make_tree, damage):

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, sha, slow_except, tree_hashes
+from conftest import run_cli, sha, slow_after, slow_except, tree_hashes
 from conftest import status_json as _status_json
 from k3patch.patches import aiter_mla_gfx942 as aiter
 from k3patch.patches.aiter_mla_gfx942 import probe as truth
@@ -30,7 +30,7 @@ def verdict_of(site: Path) -> str:
 
 
 @pytest.mark.wheel
-@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("version", slow_after(VERSIONS))
 def test_full_cycle_on_real_wheel(make_tree, version):
     site = make_tree(version)
     target = site / "vllm" / "_aiter_ops.py"

@@ -11,8 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
-from conftest import run_cli, tree_hashes
+from conftest import run_cli, slow_after, tree_hashes
 
 pytestmark = pytest.mark.wheel
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount or switch user")
@@ -88,7 +87,7 @@ def test_read_only_filesystem(make_tree, tmp_path):
 
 
 @ROOT_ONLY
-@pytest.mark.parametrize("headroom_kb", [40, 200, 330])
+@pytest.mark.parametrize("headroom_kb", slow_after([40, 200, 330]))
 def test_full_disk(make_tree, tmp_path, headroom_kb):
     """A tmpfs just big enough for the tree plus a little: the commit runs out of space at
     different steps (blobs, journal, the new file), and every time nothing is left behind."""
@@ -149,8 +148,8 @@ def run_as_nobody(args: list[str]) -> tuple[int, str, str]:
         try:
             os.close(out_r)
             os.close(err_r)
-            sys.stdout = open(out_w, "w")  # noqa: SIM115
-            sys.stderr = open(err_w, "w")  # noqa: SIM115
+            sys.stdout = open(out_w, "w")
+            sys.stderr = open(err_w, "w")
             os.environ["NO_COLOR"] = "1"
             os.setgroups([])
             os.setgid(65534)
@@ -201,7 +200,7 @@ def test_permission_denied_as_another_user(make_tree):
 
 
 @ROOT_ONLY
-@pytest.mark.parametrize("hidden", ["state.json", ".k3patch"])
+@pytest.mark.parametrize("hidden", slow_after(["state.json", ".k3patch"]))
 def test_a_record_another_user_cannot_read_is_named_by_status(make_tree, hidden):
     """A record left 0600 (an apply under `umask 077` by an older k3patch): `status` as another
     user gives the verdicts from the code, names that it cannot read the record, and exits 3,

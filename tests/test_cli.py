@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli, tree_hashes
 from typer.testing import CliRunner
 
-from conftest import run_cli, tree_hashes
 from k3patch.cli import app
 from k3patch.registry import all_patches
 from k3patch.tree import TreeError, locate
@@ -163,7 +163,9 @@ def test_rewrite_bug_refuses_that_patch_alone(make_tree, monkeypatch):
     before = tree_hashes(site)
     result = CliRunner().invoke(app, ["apply", "--vllm", str(site), "--all-or-nothing"])
     assert result.exit_code == 2, result.output
-    assert "aiter-mla-gfx942 (a k3patch bug" in result.stdout and "does not compile" in result.stdout
+    assert (
+        "aiter-mla-gfx942 (a k3patch bug" in result.stdout and "does not compile" in result.stdout
+    )
     assert "nothing was written (--all-or-nothing)" in result.stdout
     assert tree_hashes(site) == before
 
@@ -205,6 +207,7 @@ def test_human_output_keeps_long_paths_whole(make_tree, tmp_path):
     assert "\x1b[" not in proc.stdout  # NO_COLOR (set by run_cli) is honoured
 
 
+@pytest.mark.slow  # a wheel build
 def test_installed_wheel_carries_patches(tmp_path, k3patch_source):
     """`pip install .` into a fresh venv, then `k3patch list` from another directory."""
     root = k3patch_source

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import run_cli, tree_hashes
+from conftest import run_cli, slow_after, tree_hashes
 
 from k3patch import scan
 from k3patch.tree import locate
@@ -66,7 +66,7 @@ COMMANDS = [
 ]
 
 
-@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("version", slow_after(VERSIONS))
 def test_fast_and_full_paths_agree_on_applied_trees(make_tree, version):
     site = make_tree(version)
     assert run_cli("apply", "--vllm", str(site)).returncode in (0, 1)
@@ -101,21 +101,23 @@ def test_fast_path_steps_aside_when_a_byte_changes(make_tree):
 
 @pytest.mark.parametrize(
     "args",
-    [
-        ["apply", "--diff"],
-        ["apply", "--check"],
-        ["apply", "--diff", "--quiet"],
-        ["status", "--only", "no-such-patch"],
-        ["verify"],
-        ["status", "--bogus"],
-        ["status", "--lock-timeout", "5"],  # not an option of status: the CLI says so
-        ["apply", "--lock-timeout", "nan"],
-        ["apply", "--lock-timeout=-1"],
-        ["apply", "--all-or-nothing"],
-        ["status", "--vllm"],
-        ["status", "--", "--json"],
-        ["apply", "--digest"],
-    ],
+    slow_after(
+        [
+            ["apply", "--diff"],
+            ["apply", "--check"],
+            ["apply", "--diff", "--quiet"],
+            ["status", "--only", "no-such-patch"],
+            ["verify"],
+            ["status", "--bogus"],
+            ["status", "--lock-timeout", "5"],  # not an option of status: the CLI says so
+            ["apply", "--lock-timeout", "nan"],
+            ["apply", "--lock-timeout=-1"],
+            ["apply", "--all-or-nothing"],
+            ["status", "--vllm"],
+            ["status", "--", "--json"],
+            ["apply", "--digest"],
+        ]
+    ),
 )
 def test_fast_path_declines_what_it_does_not_serve(make_tree, args):
     site = make_tree("0.31.0")
@@ -123,7 +125,7 @@ def test_fast_path_declines_what_it_does_not_serve(make_tree, args):
     assert fast(*args, "--vllm", str(site))[0] is None
 
 
-@pytest.mark.parametrize("mode", ["--quiet", "--json", "--sites", None])
+@pytest.mark.parametrize("mode", slow_after(["--quiet", "--json", "--sites", None]))
 def test_cold_apply_goes_to_the_full_path_and_writes_the_same(make_tree, mode):
     """The entrypoint's cold start: `apply` with work to do is not the no-op path's. It hands
     over without writing, and `k3patch apply` (no-op path first, then the CLI) prints and writes
@@ -166,21 +168,23 @@ def test_fast_path_declines_journals(make_tree):
 
 @pytest.mark.parametrize(
     "args",
-    [
-        ["apply", "--lock-timeout", "-1"],
-        ["apply", "--lock-timeout", "nan"],
-        ["apply", "--lock-timeout", "abc"],
-        ["apply", "--lock-timeout=inf"],
-        ["apply", "--lock-timeout", "1e999"],
-        ["apply", "--lock-timeout="],
-        ["apply", "--json", "--lock-timeout", "-0.5"],
-        ["status", "--lock-timeout", "5"],  # an option status does not have
-        ["status", "--check"],
-        ["status", "--all-or-nothing"],
-        ["apply", "--digest"],
-        ["apply", "--quiet", "--only"],
-        ["status", "--only", "no-such-patch"],
-    ],
+    slow_after(
+        [
+            ["apply", "--lock-timeout", "-1"],
+            ["apply", "--lock-timeout", "nan"],
+            ["apply", "--lock-timeout", "abc"],
+            ["apply", "--lock-timeout=inf"],
+            ["apply", "--lock-timeout", "1e999"],
+            ["apply", "--lock-timeout="],
+            ["apply", "--json", "--lock-timeout", "-0.5"],
+            ["status", "--lock-timeout", "5"],  # an option status does not have
+            ["status", "--check"],
+            ["status", "--all-or-nothing"],
+            ["apply", "--digest"],
+            ["apply", "--quiet", "--only"],
+            ["status", "--only", "no-such-patch"],
+        ]
+    ),
 )
 def test_options_mean_the_same_on_the_no_op_path(make_tree, args):
     """Issue 21 item 8: on a tree the no-op path could answer, every option is validated
@@ -196,7 +200,7 @@ def test_options_mean_the_same_on_the_no_op_path(make_tree, args):
 
 
 @pytest.mark.parametrize(
-    "value", ["0", "5", "7.5", " 5", "1_0", "0x10", "1e2"], ids=lambda v: repr(v)
+    "value", slow_after(["0", "5", "7.5", " 5", "1_0", "0x10", "1e2"]), ids=lambda v: repr(v)
 )
 def test_a_lock_timeout_is_read_as_click_reads_it(make_tree, value):
     """What click's FLOAT takes the no-op path takes (and the same code comes out); what it

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, slow_after
 
 PACKAGE = Path(__file__).resolve().parent.parent / "k3patch"
 
@@ -150,15 +150,17 @@ def assert_only_the_bottom(loaded: set[str]) -> None:
 @pytest.mark.wheel
 @pytest.mark.parametrize(
     "command",
-    [
-        ["status"],
-        ["status", "--quiet"],
-        ["status", "--json"],
-        ["status", "--digest"],
-        ["apply", "--quiet"],
-        ["apply", "--json"],
-        ["apply"],
-    ],
+    slow_after(
+        [
+            ["status"],
+            ["status", "--quiet"],
+            ["status", "--json"],
+            ["status", "--digest"],
+            ["apply", "--quiet"],
+            ["apply", "--json"],
+            ["apply"],
+        ]
+    ),
 )
 def test_the_no_op_path_loads_only_the_bottom(make_tree, command):
     site = make_tree("0.31.0")

@@ -24,6 +24,8 @@ from conftest import (
     patch_named,
     run_cli,
     sites_of,
+    slow_after,
+    slow_except,
     status_json,
     tree_hashes,
 )
@@ -434,7 +436,7 @@ CYCLE = {"fork:b": [OPS], "fork:a": [OPS], "fixture:kda-inlined-caller": [PREFIL
 
 
 @pytest.mark.wheel
-@pytest.mark.parametrize("spec", sorted(CYCLE))
+@pytest.mark.parametrize("spec", slow_after(sorted(CYCLE)))
 def test_full_cycle(tree_of, spec):
     tree = tree_of(spec)
     rels = ["vllm/" + rel for rel in CYCLE[spec]]
@@ -608,7 +610,12 @@ def verify_json(tree: Path, python: str) -> dict:
 
 @pytest.mark.wheel
 @pytest.mark.verify
-@pytest.mark.parametrize("spec", ["fork:b", "fork:a", "fixture:kda-inlined-caller"])
+@pytest.mark.parametrize(
+    "spec",
+    slow_except(
+        ["fork:a", "fixture:kda-inlined-caller", "fork:b"], "fork:a", "fixture:kda-inlined-caller"
+    ),
+)
 def test_verify_passes_once_applied(tree_of, verified, verify_python, spec):
     kind = spec.split(":")[0]
     if kind == "fork":  # every patch applied and verified once per test run (conftest)
@@ -642,7 +649,12 @@ def test_verify_passes_on_the_older_fix(verified):
 
 @pytest.mark.wheel
 @pytest.mark.verify
-@pytest.mark.parametrize("spec", ["fork:b", "fixture:kda-inlined-caller"])
+@pytest.mark.parametrize(
+    "spec",
+    slow_except(
+        ["fork:a", "fixture:kda-inlined-caller", "fork:b"], "fork:a", "fixture:kda-inlined-caller"
+    ),
+)
 def test_probe_fails_on_the_fork_code(probed, verify_python, spec):
     kind, name = spec.split(":")
     # The fork's probe result is shared with the other patches' tests (one child per tree).

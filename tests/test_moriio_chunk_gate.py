@@ -17,7 +17,7 @@ from pathlib import Path
 
 import forktree
 import pytest
-from conftest import built_fork_tree, pristine_tree, run_cli, sha, tree_hashes
+from conftest import built_fork_tree, pristine_tree, run_cli, sha, slow_after, tree_hashes
 from conftest import sites_of as _sites_of
 from conftest import status_json as _status_json
 from k3patch.patches import moriio_chunk_gate as gate
@@ -76,7 +76,7 @@ def rewritten(text: str) -> str:
 
 
 @pytest.mark.wheel
-@pytest.mark.parametrize("version", ["0.23.0", "0.27.1", "0.28.0", "0.29.0", "0.31.0"])
+@pytest.mark.parametrize("version", slow_after(["0.23.0", "0.27.1", "0.28.0", "0.29.0", "0.31.0"]))
 def test_full_cycle_on_real_wheel(make_tree, version):
     site = make_tree(version)
     target = site / REL
@@ -144,7 +144,7 @@ def _allowed_insertions() -> set[str]:
 
 
 @pytest.mark.wheel
-@pytest.mark.parametrize("version", ["0.23.0", "0.27.1", "0.29.0", "0.31.0"])
+@pytest.mark.parametrize("version", slow_after(["0.23.0", "0.27.1", "0.29.0", "0.31.0"]))
 def test_only_the_gate_headers_change(make_tree, version):
     site = make_tree(version)
     target = site / REL
@@ -387,7 +387,7 @@ def test_legacy_defects_read_as_issue_12_names_them():
 
 
 @pytest.mark.wheel
-@pytest.mark.parametrize("name", sorted(FORK_VERDICTS))
+@pytest.mark.parametrize("name", slow_after(sorted(FORK_VERDICTS)))
 def test_fork_tree_cycle(fork_tree, name):
     site = fork_tree(name)
     target = site / REL
@@ -513,7 +513,7 @@ LEGACY_DRIFT = [
 
 
 @pytest.mark.wheel
-@pytest.mark.parametrize(("old", "new", "expect"), LEGACY_DRIFT)
+@pytest.mark.parametrize(("old", "new", "expect"), slow_after(LEGACY_DRIFT, unpack=True))
 def test_legacy_edits_are_drift_and_nothing_is_written(fork_tree, old, new, expect):
     site = _edit_d(fork_tree, old, new)
     sites = sites_of(site)
@@ -530,12 +530,15 @@ def test_legacy_edits_are_drift_and_nothing_is_written(fork_tree, old, new, expe
 @pytest.mark.wheel
 @pytest.mark.parametrize(
     ("old", "new"),
-    [
-        (">= req.num_prompt_tokens\n", "> req.num_prompt_tokens\n"),
-        (">= req.num_prompt_tokens\n", "== req.num_prompt_tokens\n"),
-        (">= req.num_prompt_tokens\n", "<= req.num_prompt_tokens\n"),
-        (">= req.num_prompt_tokens\n", ">= req.num_prompt_tokens - 2\n"),
-    ],
+    slow_after(
+        [
+            (">= req.num_prompt_tokens\n", "> req.num_prompt_tokens\n"),
+            (">= req.num_prompt_tokens\n", "== req.num_prompt_tokens\n"),
+            (">= req.num_prompt_tokens\n", "<= req.num_prompt_tokens\n"),
+            (">= req.num_prompt_tokens\n", ">= req.num_prompt_tokens - 2\n"),
+        ],
+        unpack=True,
+    ),
 )
 def test_repaired_legacy_edited_wrongly_is_drift(fork_tree, old, new):
     site = fork_tree("d")

@@ -18,7 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, sites_of, status_json, tree_hashes
+from conftest import run_cli, sites_of, slow_after, status_json, tree_hashes
 from patch_table import Change, assert_rewrite, assert_sites, assert_untouched, changes
 
 from k3patch.registry import all_patches
@@ -400,7 +400,7 @@ def test_apply_writes_exactly_the_post_image(fork_tree):
     assert_rewrite(before, after, POST_IMAGE)
 
 
-@pytest.mark.parametrize("name", ["a", "b", "a-comments", "c", "d"])
+@pytest.mark.parametrize("name", slow_after(["a", "b", "a-comments", "c", "d"]))
 def test_every_tree_gains_the_same_lines(fork_tree, name):
     # Wherever the fork's statements sit, k3patch adds the same lines after them; only the
     # plan region's old text differs (the debug block, the older fix's choice).
@@ -410,7 +410,7 @@ def test_every_tree_gains_the_same_lines(fork_tree, name):
     assert [c.file for c in found if c.removed] == [ENGINE]
 
 
-@pytest.mark.parametrize("name", sorted(MUST_NOT_TOUCH))
+@pytest.mark.parametrize("name", slow_after(sorted(MUST_NOT_TOUCH)))
 def test_what_apply_must_not_touch(fork_tree, name):
     _tree, before, after = applied(fork_tree, name)
     assert_untouched(before, after, MUST_NOT_TOUCH[name])
@@ -431,7 +431,7 @@ def test_the_builder_trees_differ_where_the_verdicts_say(fork_tree):
 # The transaction: apply, idempotence, exact revert, from every state
 
 
-@pytest.mark.parametrize("name", sorted(VERDICTS))
+@pytest.mark.parametrize("name", slow_after(sorted(VERDICTS)))
 def test_apply_from_every_state_then_again_then_revert(fork_tree, name):
     tree = fork_tree(name)
     original = tree_hashes(tree)
@@ -460,7 +460,7 @@ def test_apply_from_every_state_then_again_then_revert(fork_tree, name):
     assert tree_hashes(tree) == original, "revert is not byte-identical"
 
 
-@pytest.mark.parametrize("name", ["a", "a-nodebug", "c", "d"])
+@pytest.mark.parametrize("name", slow_after(["a", "a-nodebug", "c", "d"]))
 def test_the_plan_becomes_k3patchs_form_with_offsets_cached_per_layer(fork_tree, name):
     _tree, before, after = applied(fork_tree, name)
     fn = plan_function(after[ENGINE])
@@ -488,7 +488,7 @@ def test_the_plan_becomes_k3patchs_form_with_offsets_cached_per_layer(fork_tree,
     assert removed and all(line in region for line in removed), removed
 
 
-@pytest.mark.parametrize("name", ["a", "c", "d"])
+@pytest.mark.parametrize("name", slow_after(["a", "c", "d"]))
 def test_the_connector_and_common_only_gain_lines(fork_tree, name):
     # Everything the trees have in these two files stays: the chunk gates (moriio-chunk-gate's
     # sites), the older fix's plumbing and its chunked companion, the probes and pod hosts.
@@ -654,7 +654,9 @@ def test_no_bare_name_makes_an_upstream_tree_the_fork(make_tree):
     assert {s["shape"] for s in patch["sites"]} == {"upstream 0.14.1-0.29.0 single-group connector"}
 
 
-@pytest.mark.parametrize("line_length,quote", [(60, "single"), (120, "double")])
+@pytest.mark.parametrize(
+    "line_length,quote", slow_after([(60, "single"), (120, "double")], unpack=True)
+)
 def test_formatting_never_changes_a_verdict(fork_tree, line_length, quote):
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     pending = fork_tree("c")
@@ -684,7 +686,7 @@ def test_formatting_never_changes_a_verdict(fork_tree, line_length, quote):
         ]
 
 
-@pytest.mark.parametrize("style", ["crlf", "tabs"])
+@pytest.mark.parametrize("style", slow_after(["crlf", "tabs"]))
 def test_apply_writes_in_the_files_own_newlines_and_indentation(fork_tree, style):
     # A CRLF file stays CRLF, the new function's docstring included; in a tab-indented file
     # every statement k3patch adds is indented by tabs, however deep it is nested.

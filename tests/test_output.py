@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, slow_after
 
 LOG_WIDTH = 100
 COMMANDS = ["list", "status", "apply", "revert", "verify"]
@@ -43,7 +43,7 @@ def reports(site: Path) -> dict[str, str]:
 
 
 @pytest.mark.wheel
-@pytest.mark.parametrize("version", ["0.29.0", "0.31.0", "0.33.0"])
+@pytest.mark.parametrize("version", slow_after(["0.29.0", "0.31.0", "0.33.0"]))
 def test_log_lines_fit_100_columns_on_real_trees(make_tree, version):
     site = make_tree(version)
     for name, text in reports(site).items():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli, sha, tree_hashes
+from conftest import run_cli, sha, slow_after, tree_hashes
 
 AITER = "_aiter_ops.py"
 CONNECTOR = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
@@ -92,7 +92,7 @@ def test_check_mode_names_the_refused_patch_and_what_would_apply(make_tree):
 
 @pytest.mark.wheel
 @pytest.mark.parametrize(
-    "select", [["--only", "moriio-chunk-gate"], ["--skip", "moriio-group-routing"]]
+    "select", slow_after([["--only", "moriio-chunk-gate"], ["--skip", "moriio-group-routing"]])
 )
 def test_a_partial_apply_records_what_the_full_path_reads(fork_tree, select):
     """After `apply --only X`, a left-out patch whose file X rewrote (on fork tree a,

@@ -77,6 +77,7 @@ def test_pending_tree_warns_by_default_and_fails_when_asked(
     assert off.returncode == 0 and "k3patch preflight" not in off.stderr
 
 
+@pytest.mark.slow
 def test_file_changed_after_apply_is_caught(make_tree, verify_python, k3patch_target):
     site = make_tree("0.31.0", full=True)
     assert run_cli("apply", "--vllm", str(site)).returncode == 0
@@ -92,6 +93,7 @@ def test_file_changed_after_apply_is_caught(make_tree, verify_python, k3patch_ta
     assert "differ from what k3patch recorded" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_damaged_record_is_named_so_and_a_fifo_record_never_blocks(
     make_tree, verify_python, k3patch_target
 ):

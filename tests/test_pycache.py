@@ -11,8 +11,7 @@ import sys
 import types
 
 import pytest
-
-from conftest import run_cli
+from conftest import run_cli, slow_after
 
 pytestmark = pytest.mark.wheel
 MODES = {
@@ -36,8 +35,8 @@ def pyc_code(path) -> tuple[int, types.CodeType]:
     return int.from_bytes(data[4:8], "little"), marshal.loads(data[16:])
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("optimize", [0, 1])
+@pytest.mark.parametrize("mode", slow_after(list(MODES)))
+@pytest.mark.parametrize("optimize", slow_after([0, 1]))
 def test_pycs_follow_apply_and_revert_in_their_mode(make_tree, mode, optimize):
     site = make_tree("0.31.0")
     source = site / "vllm" / "_aiter_ops.py"

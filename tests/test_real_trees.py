@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli, tree_hashes
+from conftest import run_cli, slow_after, slow_except, tree_hashes
 
 AITER, KDA, GATE, ROUTING = (
     "aiter-mla-gfx942",
@@ -50,7 +50,7 @@ def words_of(patch: dict) -> str:
 
 
 @pytest.mark.wheel
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("name", slow_after(sorted(EXPECTED)))
 def test_real_tree_verdicts_and_cycle(fork_tree, name):
     verdicts, words = EXPECTED[name]
     site = fork_tree(name)
@@ -128,7 +128,7 @@ def test_entrypoint_warn_mode_starts_vllm_with_the_safe_fixes(fork_tree, tmp_pat
 
 @pytest.mark.wheel
 @pytest.mark.verify
-@pytest.mark.parametrize("name", ["a", "b", "c", "d"])
+@pytest.mark.parametrize("name", slow_except(["a", "b", "c", "d"], "a", "d"))
 def test_verify_runs_every_probe_on_each_applied_real_tree(verified, name):
     found = verified(f"fork:{name}")
     assert found["apply_rc"] == 0 and found["verify_rc"] == 0, found["output"]

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, slow_after
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFLIGHT = ROOT / "examples" / "slurm" / "k3patch_preflight.py"
@@ -105,7 +105,7 @@ class Cluster:
         return [json.loads(line) for line in self.log.read_text().splitlines()]
 
 
-@pytest.fixture(params=[2, 4], ids=lambda n: f"{n}-nodes")
+@pytest.fixture(params=slow_after([2, 4]), ids=lambda n: f"{n}-nodes")
 def cluster(request, tmp_path, make_tree) -> Cluster:
     return Cluster(tmp_path, make_tree, request.param)
 
@@ -140,6 +140,7 @@ def test_one_node_differs(cluster):
         assert [ln for ln in plain.stderr.splitlines() if "FAILED" in ln] == failed
 
 
+@pytest.mark.slow
 def test_two_halves_without_expect_name_both(make_tree, tmp_path):
     cluster = Cluster(tmp_path, make_tree, 2)
     assert run_cli("revert", "--vllm", str(cluster.trees[cluster.nodes[1]])).returncode == 0
@@ -149,6 +150,7 @@ def test_two_halves_without_expect_name_both(make_tree, tmp_path):
         assert f"FAILED: {node} differs" in proc.stderr
 
 
+@pytest.mark.slow
 def test_one_node_unreachable(cluster):
     down = cluster.nodes[1]
     proc = cluster.preflight(down=down)
@@ -157,6 +159,7 @@ def test_one_node_unreachable(cluster):
     assert "Communication connection failure" in proc.stderr
 
 
+@pytest.mark.slow
 def test_k3patch_failing_on_a_node_is_named(cluster, tmp_path):
     broken = cluster.nodes[0]
     wrapper = cluster.root / "nodes" / broken / "k3patch"
@@ -167,6 +170,7 @@ def test_k3patch_failing_on_a_node_is_named(cluster, tmp_path):
     assert "not a vLLM tree" in proc.stderr
 
 
+@pytest.mark.slow
 def test_same_everywhere_but_pending_needs_attention(cluster):
     for node in cluster.nodes:
         assert run_cli("revert", "--vllm", str(cluster.trees[node])).returncode == 0

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import run_cli, tree_hashes
+from conftest import run_cli, slow_after, tree_hashes
 
 from k3patch import engine, scan
 from k3patch.errors import EnvironmentProblem
@@ -57,7 +57,7 @@ def sources_only(hashes: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in hashes.items() if "/.k3patch/" not in k}
 
 
-@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("step", slow_after(STEPS))
 def test_exception_at_each_step_rolls_back(make_tree, step):
     site = make_tree("0.31.0")
     tree = locate(site)
@@ -80,7 +80,7 @@ REVERT_STEPS = [
 ]
 
 
-@pytest.mark.parametrize("step", REVERT_STEPS)
+@pytest.mark.parametrize("step", slow_after(REVERT_STEPS))
 def test_exception_at_each_revert_step_rolls_back_to_patched(make_tree, step):
     site = make_tree("0.31.0")
     tree = locate(site)
@@ -97,7 +97,7 @@ def test_exception_at_each_revert_step_rolls_back_to_patched(make_tree, step):
 KILL_STEPS = [*STEPS, "journal-removed"]
 
 
-@pytest.mark.parametrize("step", KILL_STEPS)
+@pytest.mark.parametrize("step", slow_after(KILL_STEPS))
 def test_kill_at_each_step_then_apply_or_revert(make_tree, step):
     site = make_tree("0.31.0")
     original = tree_hashes(site)

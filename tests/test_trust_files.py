@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import pristine_tree, tree_hashes, vllm_wheel
+from conftest import pristine_tree, slow_after, tree_hashes, vllm_wheel
 
 from k3patch import engine, plugin, scan, state
 from k3patch.errors import EnvironmentProblem
@@ -140,7 +140,7 @@ def plant(site: Path, where: str) -> Path:
 WHERE = ["METADATA", "RECORD", "_version.py", "target", "pyc", "record", "journal"]
 
 
-@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("where", slow_after(WHERE))
 def test_1_a_fifo_anywhere_k3patch_reads_is_refused_never_blocked_on(make_tree, where):
     """In-process: locate, status (scan), apply, revert and the plugin's preflight each refuse
     (TreeError or EnvironmentProblem, or for status a named state problem), within the bound."""
@@ -184,7 +184,7 @@ def test_1_a_fifo_anywhere_k3patch_reads_is_refused_never_blocked_on(make_tree, 
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # refused, never replaced or removed
 
 
-@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("where", slow_after(WHERE))
 def test_1_the_cli_exits_3_on_a_fifo_with_one_line(make_tree, where):
     site = make_tree("0.31.0")
     plant(site, where)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from conftest import built_fork_tree, pristine_tree
+from conftest import built_fork_tree, pristine_tree, slow_after
 
 from k3patch import engine, scan
 from k3patch.registry import all_patches
@@ -178,11 +178,14 @@ def changes_nothing_it_should(original, self, sources, pending, files):
 
 @pytest.mark.parametrize(
     "how, says",
-    [
-        (raises_after_its_edits, "rewrite failed: RuntimeError('a bug in the rewrite')"),
-        (does_not_compile, "does not compile: 'return' outside function"),
-        (changes_nothing_it_should, "reads pending, expected applied"),
-    ],
+    slow_after(
+        [
+            (raises_after_its_edits, "rewrite failed: RuntimeError('a bug in the rewrite')"),
+            (does_not_compile, "does not compile: 'return' outside function"),
+            (changes_nothing_it_should, "reads pending, expected applied"),
+        ],
+        unpack=True,
+    ),
 )
 def test_a_failing_rewrite_is_left_out_and_poisons_nothing(
     monkeypatch, fork_report, clean_plan, without_chunk_gate, how, says

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, slow_after
 from typer.testing import CliRunner
 
 from k3patch import plaintext, render, scan
@@ -57,7 +57,7 @@ def applied_site(tmp_path_factory):
 
 
 @pytest.mark.wheel
-@pytest.mark.parametrize("output", OUTPUTS)
+@pytest.mark.parametrize("output", slow_after(OUTPUTS))
 def test_exit_codes_survive_any_output(applied_site, output):
     template, says = OUTPUTS[output]
     site = str(applied_site)

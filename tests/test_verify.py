@@ -110,6 +110,7 @@ def test_syntax_error_in_patched_file_is_broken_without_original(
     assert data["patches"][0]["verdict"] == "drifted"
 
 
+@pytest.mark.slow
 def test_unchecked_hash_pycs_are_rebuilt_so_patched_code_runs(make_tree, verify_python):
     site = make_tree("0.31.0", full=True)
     target = site / "vllm" / "_aiter_ops.py"
