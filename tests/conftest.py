@@ -342,11 +342,12 @@ def probed(tmp_path_factory, verify_python) -> Callable[[str, str], dict]:
     module the patch names must import."""
     done: dict[str, dict] = {}
 
+    from k3patch.registry import all_patches
+
     def make(spec: str) -> dict:
         from probe_child import child_args
 
         from k3patch import verify as verify_mod
-        from k3patch.registry import all_patches
         from k3patch.tree import locate
 
         return verify_mod._run_child(
@@ -358,8 +359,6 @@ def probed(tmp_path_factory, verify_python) -> Callable[[str, str], dict]:
             key = "probed-" + spec.replace(":", "-")
             done[spec] = _once_per_run(tmp_path_factory, key, lambda: make(spec))
         result = done[spec]
-        from k3patch.registry import all_patches
-
         (patch,) = [p for p in all_patches() if p.id == patch_id]
         imports = {m: result["imports"][m] for m in patch.modules}
         assert all(r["ok"] for r in imports.values()), imports

@@ -34,7 +34,6 @@ from k3patch.patches.kda_gather_diagnostic import syncs
 
 from k3patch import verify as verify_mod
 from k3patch.codemod import Codemods
-from k3patch.registry import patches_dir
 from k3patch.sources import Sources
 from k3patch.tree import locate
 from k3patch.verdicts import Verdict
@@ -585,18 +584,10 @@ def test_ungated_points_are_reported_with_lines():
 
 def run_probe(python: str, root: Path) -> dict:
     """The probe alone, as verify runs it, on whatever code the tree holds."""
-    result = verify_mod._run_child(
-        python,
-        locate(root),
-        {
-            "package_dir": str(Path(verify_mod.__file__).parent),
-            "patches_dir": str(patches_dir()),
-            "patch_modules": {PATCH: "k3patch.patches.kda_gather_diagnostic"},
-            "patches": {PATCH: str(Path(kda.__file__))},
-            "modules": [kda.OPS_MODULE],
-            "probes": [PATCH],
-        },
-    )
+    from probe_child import child_args
+
+    args = {**child_args(kda.PATCH), "modules": [kda.OPS_MODULE]}
+    result = verify_mod._run_child(python, locate(root), args)
     probe: dict = result["probes"][PATCH]
     return probe
 
