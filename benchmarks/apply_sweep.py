@@ -59,9 +59,21 @@ def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, env=env)
 
 
+def run_json(env: dict[str, str], *args: str) -> dict:
+    """A --json run's object; a run that printed none says what it wrote to stderr."""
+    proc = run(env, *args, "--json")
+    try:
+        return json.loads(proc.stdout)
+    except ValueError:
+        raise SystemExit(
+            f"k3patch {' '.join(args)} --json exited {proc.returncode} with no "
+            f"JSON; stderr: {proc.stderr[-2000:]}"
+        ) from None
+
+
 def sweep_tree(name: str, site: Path, env: dict[str, str]) -> dict[str, object]:
     pristine = snapshot(site)
-    status = json.loads(run(env, "status", "--vllm", str(site), "--json").stdout)
+    status = run_json(env, "status", "--vllm", str(site))
     verdicts = {
         p["id"]: {
             "verdict": p["verdict"],
@@ -75,7 +87,7 @@ def sweep_tree(name: str, site: Path, env: dict[str, str]) -> dict[str, object]:
     texts = {rel: (site / rel).read_text(errors="replace") for rel in written}
     second = run(env, "apply", "--vllm", str(site), "--json")
     second_same = snapshot(site) == applied
-    after_status = json.loads(run(env, "status", "--vllm", str(site), "--json").stdout)
+    after_status = run_json(env, "status", "--vllm", str(site))
     revert = run(env, "revert", "--vllm", str(site), "--json")
     row = {
         "verdicts": verdicts,
