@@ -7,6 +7,7 @@ when a block was allocated (a request can hang). Both gates decide on compute pr
 
 from __future__ import annotations
 
+import textwrap
 from typing import TYPE_CHECKING
 
 from k3patch.fingerprints import Shape
@@ -24,6 +25,41 @@ CLASS = "MoRIIOConnectorScheduler"
 METHOD = "build_connector_meta"
 G1 = f"{METHOD} G1 (cached requests)"
 G2 = f"{METHOD} G2 (_reqs_need_save)"
+
+# The post-image: new gate headers (`pass` stands for the gate's own body, which stays).
+G1_TEMPLATE = """
+# k3patch moriio-chunk-gate: the prompt is complete when this step's
+# chunk reaches its end (compute progress, no slack), checked for every
+# pending request, also when the chunk allocated no new block. A block
+# count fires after chunk 1 once a block outgrows a chunk (K3: ~5,760).
+if req_id in self._reqs_need_pending_save:
+    req = self._reqs_need_pending_save[req_id][0]
+    if (
+        req.num_computed_tokens
+        + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+        >= req.num_prompt_tokens
+    ):
+        pass
+"""
+G2_TEMPLATE = """
+# k3patch moriio-chunk-gate: not the final chunk until compute progress
+# reaches the prompt; a block count fires early once a block outgrows a
+# chunk (K3's ~5,760-token blocks).
+if (
+    req.num_computed_tokens
+    + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+    < req.num_prompt_tokens
+):
+    pass
+"""
+
+
+def applied(template: str, after: str, origin: str) -> Shape:
+    """k3patch's own shape of a site: the post-image itself (its `pass`: the gate's own body),
+    after what precedes it in the loop and before `after`."""
+    source = "...\n" + textwrap.dedent(template).replace("pass\n", "...\n") + after
+    return Shape("k3patch", Verdict.APPLIED, source, origin=origin)
+
 
 # Shapes over the gate loop's body (`...`: statements left alone). A-C and the fork share gates:
 # a FROM_SURROUNDINGS shape is named by the release its loop is in.
@@ -55,19 +91,7 @@ G1_BLOCK_COUNT_D = Shape(
     origin="block count of the full-attention group, evaluated only when a block was allocated",
     versions=VersionRange("0.30.0", "0.31.0"),
 )
-G1_APPLIED = Shape(
-    "k3patch",
-    Verdict.APPLIED,
-    """
-    ...
-    if req_id in self._reqs_need_pending_save:
-        req = self._reqs_need_pending_save[req_id][0]
-        if (req.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-                >= req.num_prompt_tokens):
-            ...
-    """,
-    origin="compute progress, for every pending request",
-)
+G1_APPLIED = applied(G1_TEMPLATE, "", "compute progress, for every pending request")
 G2_BLOCK_COUNT = Shape(
     FROM_SURROUNDINGS,
     Verdict.PENDING,
@@ -93,18 +117,7 @@ G2_BLOCK_COUNT_D = Shape(
     origin="block count of the full-attention group",
     versions=VersionRange("0.30.0", "0.31.0"),
 )
-G2_APPLIED = Shape(
-    "k3patch",
-    Verdict.APPLIED,
-    """
-    ...
-    if (req.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            < req.num_prompt_tokens):
-        ...
-    ...
-    """,
-    origin="compute progress",
-)
+G2_APPLIED = applied(G2_TEMPLATE, "...", "compute progress")
 SHAPES = {
     G1: (G1_BLOCK_COUNT, G1_BLOCK_COUNT_D, G1_APPLIED),
     G2: (G2_BLOCK_COUNT, G2_BLOCK_COUNT_D, G2_APPLIED),
@@ -130,33 +143,6 @@ LEGACY_DEFECTS = (
     "fires up to K3_CHUNK_GATE_SLACK (default 2) tokens early",
     "falls back to the block-count gate (the original bug) when its progress map lacks the request",
 )
-
-# The post-image: new gate headers (`pass` stands for the gate's own body, which stays).
-G1_TEMPLATE = """
-# k3patch moriio-chunk-gate: the prompt is complete when this step's
-# chunk reaches its end (compute progress, no slack), checked for every
-# pending request, also when the chunk allocated no new block. A block
-# count fires after chunk 1 once a block outgrows a chunk (K3: ~5,760).
-if req_id in self._reqs_need_pending_save:
-    req = self._reqs_need_pending_save[req_id][0]
-    if (
-        req.num_computed_tokens
-        + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-        >= req.num_prompt_tokens
-    ):
-        pass
-"""
-G2_TEMPLATE = """
-# k3patch moriio-chunk-gate: not the final chunk until compute progress
-# reaches the prompt; a block count fires early once a block outgrows a
-# chunk (K3's ~5,760-token blocks).
-if (
-    req.num_computed_tokens
-    + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-    < req.num_prompt_tokens
-):
-    pass
-"""
 
 # The forms told by meaning, not by a skeleton: upstream's, inline, and the older script's.
 SATISFIED_UPSTREAM = "upstream fix (_is_final_prefill_chunk, 0.32.0 and later)"

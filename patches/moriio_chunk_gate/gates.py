@@ -4,15 +4,13 @@ the one gate `if`, in a known shape or a fixed form told by its meaning. Private
 from __future__ import annotations
 
 import ast
-import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from k3patch import astkit
 from k3patch.astkit import mentioned_names
-from k3patch.fingerprints import normalised_dump
-from k3patch.shapes import blocks, search
+from k3patch.shapes import blocks, match, search
 from k3patch.sources import SourceFile
 from k3patch.verdicts import SiteResult, Verdict
 
@@ -34,7 +32,7 @@ from . import (
     site_result,
 )
 from .legacy import Chain, classify_chains, site_chains
-from .progress import FINAL, WRONG, flip, is_call_to, needed_meaning, progress_meaning, strip_nots
+from .names import Context
 
 if TYPE_CHECKING:
     from k3patch.codemod import Codemod
@@ -85,58 +83,43 @@ _SKIPS_NOT_PENDING = "if req_id not in self._reqs_need_pending_save:\n    contin
 _UNKNOWN = "block-count gates of A-C, in surroundings of no known release"
 
 
-@dataclass
-class Context:
-    module: ast.Module
-    method: ast.FunctionDef
-    cls: ast.ClassDef
-
-    @classmethod
-    def of(cls, module: ast.Module) -> Context:
-        method = astkit.find_def(module, f"{CLASS}.{METHOD}")
-        klass = astkit.find_class(module, CLASS)
-        if method is None or klass is None:
-            raise ValueError(f"{CLASS}.{METHOD} is gone")
-        return cls(module, method, klass)
-
-    def loops(self, over: str) -> list[ast.For]:
-        return loops_over(self.method, over.rsplit(".", 1)[-1])
-
-    @functools.cached_property
-    def release(self) -> str:
-        """Where block-count gates of A-C come from, by the G1 loop and its producer branch."""
-        g1, _ = locate(self, G1)
-        if g1 is None:
+def release(context: Context) -> str:
+    """Where block-count gates of A-C come from, by the G1 loop and its producer branch."""
+    g1, _ = locate(context, G1)
+    if g1 is None:
+        return _UNKNOWN
+    around = ancestors(g1.loop, parent_map(context.method))
+    tests = [n.test for n in around if isinstance(n, ast.If)]
+    write, producer = "self.mode == MoRIIOMode.WRITE", "get_role() == ROLE.PRODUCER"
+    both = f"{write} and {producer}"
+    held = {t for t in (write, producer, both) for n in tests if match(t, n) is not None}
+    nested, combined = {write, producer} <= held, both in held
+    if search(_SKIPS_NOT_PENDING, g1.loop):
+        if not combined:
             return _UNKNOWN
-        around = ancestors(g1.loop, parent_map(self.method))
-        tests = {normalised_dump(n.test) for n in around if isinstance(n, ast.If)}
-        write, producer = "self.mode == MoRIIOMode.WRITE", "get_role() == ROLE.PRODUCER"
-        nested = {expression_dump(write), expression_dump(producer)} <= tests
-        combined = expression_dump(f"{write} and {producer}") in tests
-        if search(_SKIPS_NOT_PENDING, g1.loop):
-            if not combined:
-                return _UNKNOWN
-            return "the fork (shape C gates)" if self._is_fork() else "C (0.28.0-0.29.0)"
-        return "A (0.14.1-0.23.0)" if nested else "B (0.24.0-0.27.1)" if combined else _UNKNOWN
+        return "the fork (shape C gates)" if is_fork(context.cls) else "C (0.28.0-0.29.0)"
+    return "A (0.14.1-0.23.0)" if nested else "B (0.24.0-0.27.1)" if combined else _UNKNOWN
 
-    def _is_fork(self) -> bool:
-        init = astkit.find_method(self.cls, "__init__")
-        alloc = astkit.find_method(self.cls, "update_state_after_alloc")
-        keys = [f["HOLE_key"] for *_, f in search(_FORK_FILES_BLOCKS, alloc)] if alloc else []
-        starts = init is not None and any(search(pattern, init) for pattern in _FORK_STARTS_EMPTY)
-        return starts and any("request_id" in mentioned_names(key) for key in keys)
 
-    def helper_is_progress(self) -> bool:
-        helper = astkit.find_method(self.cls, UPSTREAM_HELPER)
-        env = names.named_values(helper.body) if helper else {}
-        returns = [n.value for n in ast.walk(helper) if isinstance(n, ast.Return)] if helper else []
-        meanings = [progress_meaning(v, env) if v is not None else None for v in returns]
-        return bool(meanings) and set(meanings) == {FINAL}
+def is_fork(cls: ast.ClassDef) -> bool:
+    init = astkit.find_method(cls, "__init__")
+    alloc = astkit.find_method(cls, "update_state_after_alloc")
+    keys = [f["HOLE_key"] for *_, f in search(_FORK_FILES_BLOCKS, alloc)] if alloc else []
+    starts = init is not None and any(search(pattern, init) for pattern in _FORK_STARTS_EMPTY)
+    return starts and any("request_id" in mentioned_names(key) for key in keys)
+
+
+def helper_is_progress(cls: ast.ClassDef) -> bool:
+    helper = astkit.find_method(cls, UPSTREAM_HELPER)
+    env = names.named_values(helper.body) if helper else {}
+    returns = [n.value for n in ast.walk(helper) if isinstance(n, ast.Return)] if helper else []
+    meanings = [names.progress_meaning(v, env) if v is not None else None for v in returns]
+    return bool(meanings) and set(meanings) == {names.FINAL}
 
 
 def locate(context: Context, site: str) -> tuple[Gate | None, str]:
     found = []
-    for loop in context.loops(LOOPS[site]):
+    for loop in names.loops_over(context.method, LOOPS[site]):
         parents, gates = parent_map(loop), []
         for block in blocks(loop):
             for index, stmt in enumerate(block):
@@ -181,25 +164,29 @@ class Gate:
             return self.classify_fixed(context)
         problems = self.preconditions(context, shape.verdict is Verdict.PENDING)
         if not problems:
-            name = context.release if shape.name == FROM_SURROUNDINGS else shape.name
+            name = release(context) if shape.name == FROM_SURROUNDINGS else shape.name
             return self.result(shape.verdict, name, shape.origin)
         return self.result(Verdict.DRIFTED, "", f"{shape.name} gate, but " + "; ".join(problems))
 
     def classify_fixed(self, context: Context) -> SiteResult:
-        core, times = strip_nots(self.node.test)
-        upstream = is_call_to(core, UPSTREAM_HELPER)
+        core, times = names.strip_nots(self.node.test)
+        upstream = names.is_call_to(core, UPSTREAM_HELPER)
         env = names.named_values(self.temps)
-        meaning = flip(FINAL, times) if upstream else progress_meaning(self.node.test, env)
-        wanted = needed_meaning(self.node)
+        meaning = (
+            names.flip(names.FINAL, times)
+            if upstream
+            else names.progress_meaning(self.node.test, env)
+        )
+        wanted = names.needed_meaning(self.node)
         tests = [getattr(c, "test", c) for c in self.conditions]
         if meaning is None:
             problem = "the gate is in no shape k3patch knows; nothing will be written"
-        elif upstream and not context.helper_is_progress():
+        elif upstream and not helper_is_progress(context.cls):
             problem = (
                 f"the gate calls self.{UPSTREAM_HELPER}, whose body is no progress comparison "
                 "(num_computed_tokens + num_scheduled_tokens >= num_prompt_tokens)"
             )
-        elif meaning == WRONG:
+        elif meaning == names.WRONG:
             problem = (
                 "a comparison of progress with the prompt, but not `progress >= "
                 "num_prompt_tokens` (final) or `progress < num_prompt_tokens` (not yet): an "
@@ -215,7 +202,7 @@ class Gate:
                 "a progress gate, but still only evaluated when the step allocated a new "
                 "block: a final chunk without a new block would never send"
             )
-        elif expression_dump(f"req_id in {SWEEP}") in map(normalised_dump, tests):
+        elif any(match(f"req_id in {SWEEP}", test) is not None for test in tests):
             problem = "k3patch's gate, edited since k3patch wrote it"
         elif self.conditions:  # upstream's gates sit directly in their loops
             problem = "a progress gate nested under a condition k3patch does not know"
@@ -295,15 +282,6 @@ def ancestors(
         found.append(parent)
         parent = parents.get(id(parent))
     return found
-
-
-def loops_over(node: ast.AST, name: str) -> list[ast.For]:
-    """The `for` loops under `node` (itself included) whose iterable mentions `name`."""
-    return [n for n in ast.walk(node) if isinstance(n, ast.For) and name in mentioned_names(n.iter)]
-
-
-def expression_dump(source: str) -> str:
-    return normalised_dump(ast.parse(source, mode="eval").body)
 
 
 def outline(outer: Sequence[ast.stmt], inner: Sequence[str], unit: str = "    ") -> str:

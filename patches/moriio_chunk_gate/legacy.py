@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from k3patch.astkit import mentioned_names
 from k3patch.fingerprints import site_fingerprint
@@ -27,29 +27,10 @@ from . import (
     names,
     site_result,
 )
-from .progress import (
-    FINAL,
-    NOT_FINAL,
-    flip,
-    is_call_to,
-    needed_meaning,
-    progress_meaning,
-    strip_nots,
-)
+from .names import Context
 
 if TYPE_CHECKING:
     from k3patch.codemod import Codemod
-
-
-class Context(Protocol):
-    """What the chains read of the method's surroundings: gates.Context, which imports this
-    module (so naming it here would tie the two modules in a circle)."""
-
-    module: ast.Module
-    method: ast.FunctionDef
-    cls: ast.ClassDef
-
-    def loops(self, over: str) -> list[ast.For]: ...
 
 
 # A decision chain: `NAME = <the script's helper call or k3patch's repair>`, `if NAME is None:`
@@ -88,7 +69,7 @@ class Chain:
         decision, name = block[index], names.assigned_name(block[index])
         if not isinstance(decision, ast.Assign) or name is None:
             return None
-        helper_call = is_call_to(decision.value, LEGACY_HELPER)
+        helper_call = names.is_call_to(decision.value, LEGACY_HELPER)
         if not (helper_call or "num_prompt_tokens" in mentioned_names(decision.value)):
             return None
         after = block[index + 1 :]
@@ -97,7 +78,7 @@ class Chain:
         fallback = ifs.pop(0) if ifs and match(f"{name} is None", ifs[0].test) is not None else None
         while ifs and "K3_CHUNK_GATE_DEBUG" in mentioned_names(ifs[0].test, everything=True):
             ifs.pop(0)
-        if not ifs or match(name, strip_nots(ifs[0].test)[0]) is None:
+        if not ifs or match(name, names.strip_nots(ifs[0].test)[0]) is None:
             return None
         return cls(part, block, name, decision, fallback, ifs[0])
 
@@ -105,22 +86,31 @@ class Chain:
     def statements(self) -> list[ast.stmt]:
         return self.block[self.block.index(self.decision) : self.block.index(self.gate) + 1]
 
+    @property
+    def request(self) -> tuple[str, str] | None:
+        """The request id and request named in the script's `_k3_prefill_done(self, id, req)`."""
+        value = self.decision.value
+        args = value.args if names.is_call_to(value, LEGACY_HELPER) else []
+        ids = [a.id for a in args if isinstance(a, ast.Name)]
+        return (ids[1], ids[2]) if len(args) == len(ids) == 3 else None
+
     def kind(self) -> str:
         """ "legacy" (the script's helper call), "progress" (k3patch's repair) or "other"."""
-        value = self.decision.value
-        if isinstance(value, ast.Call) and is_call_to(value, LEGACY_HELPER):
-            names = len(value.args) == 3 and all(isinstance(a, ast.Name) for a in value.args)
-            return "legacy" if names else "other"
-        return "progress" if progress_meaning(value, {}) == FINAL else "other"
+        if self.request is not None:
+            return "legacy"
+        return (
+            "progress"
+            if names.progress_meaning(self.decision.value, {}) == names.FINAL
+            else "other"
+        )
 
     def rewrite(self, codemod: Codemod) -> None:
         """The decision replaced in place by compute progress; an `is None` fallback goes.
         Helper, map and debug lines stay: nothing reads them to decide any more."""
-        value = self.decision.value  # `_k3_prefill_done(self, <request id>, <request>)`
-        args = value.args if isinstance(value, ast.Call) and len(value.args) == 3 else []
-        if not (args and isinstance(args[1], ast.Name) and isinstance(args[2], ast.Name)):
+        if self.request is None:
             raise ValueError(f"{self.name}: a decision chain without its request names")
-        source = LEGACY_TEMPLATE.format(name=self.name, req=args[2].id, req_id=args[1].id)
+        req_id, req = self.request
+        source = LEGACY_TEMPLATE.format(name=self.name, req=req, req_id=req_id)
         stmts = [self.decision] if self.fallback is None else [self.decision, self.fallback]
         codemod.replace(stmts, source)
 
@@ -132,11 +122,12 @@ def site_chains(context: Context, site: str) -> list[Chain] | None:
         found = (Chain.at(b, i, part) for r in roots for b in blocks(r) for i in range(len(b)))
         return [chain for chain in found if chain is not None]
 
-    own = context.loops(LOOPS[site])
+    own = names.loops_over(context.method, LOOPS[site])
     gates = chains_in(own, "gate")
     if not gates or site == G2:
         return gates or None
-    return [*gates, *chains_in([loop for loop in context.loops(SWEEP) if loop not in own], "sweep")]
+    sweeps = [loop for loop in names.loops_over(context.method, SWEEP) if loop not in own]
+    return [*gates, *chains_in(sweeps, "sweep")]
 
 
 def classify_chains(context: Context, site: str, chains: list[Chain]) -> SiteResult:
@@ -173,8 +164,8 @@ def _chain_problems(context: Context, site: str, chains: list[Chain]) -> list[st
     problems = []
     legacy = kinds == {"legacy"}
     for chain in chains:
-        wanted = NOT_FINAL if chain.part == "sweep" else needed_meaning(chain.gate)
-        if flip(FINAL, strip_nots(chain.gate.test)[1]) != wanted:
+        wanted = names.NOT_FINAL if chain.part == "sweep" else names.needed_meaning(chain.gate)
+        if names.flip(names.FINAL, names.strip_nots(chain.gate.test)[1]) != wanted:
             problems.append(f"`{ast.unparse(chain.gate.test)}` is inverted for what its body does")
         if chain.part == "sweep" and [type(s) for s in chain.gate.body] != [ast.Continue]:
             problems.append("the sweep's gate does not skip the request")
@@ -209,7 +200,11 @@ def _chain_problems(context: Context, site: str, chains: list[Chain]) -> list[st
             "it reads " + ", ".join(sorted(free)) + ", which moriio_connector.py never binds"
         )
     decisions = [c.decision for c in chains if c.part == "sweep"]
-    loops = [loop for loop in context.loops(SWEEP) if any(d in ast.walk(loop) for d in decisions)]
+    loops = [
+        loop
+        for loop in names.loops_over(context.method, SWEEP)
+        if any(d in ast.walk(loop) for d in decisions)
+    ]
     unset = names.unset_attributes(loops, context.cls) if loops else set()  # G2 has no sweep
     if unset:
         problems.append(
