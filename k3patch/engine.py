@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Iterable
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,17 +49,17 @@ class Plan:
     before: Report
     after_results: list[SiteResult]
     new_texts: dict[str, str]  # rel -> new text
-    old_texts: dict[str, str]
+    sources: Sources  # the files as read, before the edits
     # Patches left out because their rewrite failed its own checks (a k3patch bug, never the
     # tree's): patch id -> one line saying how. Nothing of them is in `new_texts`.
-    bugs: dict[str, str] = field(default_factory=dict)
+    bugs: dict[str, str]
 
     def diff(self) -> str:
         chunks: list[str] = []
         for rel, new in self.new_texts.items():
             chunks.extend(
                 difflib.unified_diff(
-                    self.old_texts[rel].splitlines(keepends=True),
+                    self.sources[rel].text.splitlines(keepends=True),
                     new.splitlines(keepends=True),
                     fromfile=f"a/vllm/{rel}",
                     tofile=f"b/vllm/{rel}",
@@ -68,37 +68,32 @@ class Plan:
         return "".join(chunks)
 
 
-def plan(report: Report, refused: Iterable[str] = ()) -> Plan:
+def plan(report: Report, refused: Collection[str] = ()) -> Plan:
     """Rewrite every pending site in memory, patch by patch over the files as the patches before
     it left them, and check each at once: the files compile, its pending sites now read applied
     and no other verdict changed (so the `refused`, drifted, patches are untouched). A patch that
     fails this (a k3patch bug) is left out and named in `Plan.bugs`, its edits dropped so they
     cannot poison another patch's edit of a shared file, and the others go on."""
     sources = report.sources or Sources(report.tree.read, report.tree.version)
-    skip = frozenset(refused)
     changes: dict[str, str] = {}
     current = sources
     results = {p.id: report.for_patch(p.id) for p in report.patches}
-    rewritten: set[str] = set()
     bugs: dict[str, str] = {}
     for patch in report.patches:
         pending = [r for r in results[patch.id] if r.verdict is Verdict.PENDING]
-        if patch.id in skip or not pending:
+        if patch.id in refused or not pending:
             continue
         try:
             mine = _rewrite(patch, current, pending)
             after = current.with_changes(mine)
-            checked = _check(report, after, set(mine), rewritten | {patch.id}, skip)
+            results.update(_check(report.patches, results, after, set(mine), patch.id))
         except PatchBug as exc:
             bugs[patch.id] = str(exc)
             continue
         changes.update(mine)
         current = after
-        results.update(checked)
-        rewritten.add(patch.id)
-    old_texts = {rel: sources[rel].text for rel in changes}
     after_results = [r for p in report.patches for r in results[p.id]]
-    return Plan(report, after_results, changes, old_texts, bugs)
+    return Plan(report, after_results, changes, sources, bugs)
 
 
 def _rewrite(patch: Patch, sources: Sources, pending: list[SiteResult]) -> dict[str, str]:
@@ -119,11 +114,16 @@ def _rewrite(patch: Patch, sources: Sources, pending: list[SiteResult]) -> dict[
 
 
 def _check(
-    report: Report, after: Sources, changed: set[str], rewritten: set[str], refused: frozenset[str]
+    patches: tuple[Patch, ...],
+    results: dict[str, list[SiteResult]],
+    after: Sources,
+    changed: set[str],
+    rewritten: str,
 ) -> dict[str, list[SiteResult]]:
-    """The new results of every patch that reads a `changed` file, checked: each changed file
-    compiles, every pending site of the `rewritten` patches reads applied, every other site keeps
-    its verdict. A patch none of whose files changed keeps its results (the same bytes)."""
+    """The new results of every patch that reads a `changed` file, checked against `results`
+    (as the patches before left them): each changed file compiles, every pending site of the
+    `rewritten` patch reads applied, every other site keeps its verdict. A patch none of whose
+    files changed keeps its results (the same bytes)."""
     for rel in changed:
         # Parsed once: the tree feeds both the compile check and the re-classification.
         try:
@@ -131,27 +131,23 @@ def _check(
         except (SyntaxError, SourceError, ValueError) as exc:
             why = str(exc).removesuffix("; restore it from the wheel")  # the tree's remedy
             raise PatchBug(f"rewritten vllm/{rel} does not compile: {why}") from exc
-    before = {(r.patch_id, r.site, r.file): r for r in report.results}
     out: dict[str, list[SiteResult]] = {}
-    for patch in report.patches:
+    for patch in patches:
         if not set(patch.files) & changed:
             continue
+        before = {(r.site, r.file): r.verdict for r in results[patch.id]}
         now = classify(patch, after)
         for result in now:
-            old = before.get((result.patch_id, result.site, result.file))
-            want = (
-                Verdict.APPLIED
-                if old and old.patch_id in rewritten and old.verdict is Verdict.PENDING
-                else (old and old.verdict)
-            )
+            old = before.get((result.site, result.file))
+            mine = patch.id == rewritten and old is Verdict.PENDING
+            want = Verdict.APPLIED if mine else old
             if want != result.verdict:
                 raise PatchBug(
                     f"after the rewrite {result.site} of {result.patch_id} in vllm/"
                     f"{result.file} reads {result.verdict.value}, expected "
                     f"{want.value if want else 'no such site'}"
                 )
-        keys = {(r.site, r.file) for r in now}
-        if keys != {(r.site, r.file) for r in report.for_patch(patch.id)}:
+        if {(r.site, r.file) for r in now} != before.keys():
             raise PatchBug(f"the rewrite changed which sites of {patch.id} exist")
         out[patch.id] = now
     return out
@@ -209,10 +205,10 @@ def apply(
     if first.state_problem:
         raise EnvironmentProblem(first.state_problem)  # the record it must keep is unreadable
     report = first.selected(patches)
-    refused = _drifted_patches(report)
+    refused = report.drifted
     if check or (refused and all_or_nothing):
-        return _planned(report, refused, all_or_nothing, check=check)
-    if not report.pending_outside(refused) and report.interrupted is None:
+        return _planned(report, all_or_nothing, check=check)
+    if not report.pending(refused) and report.interrupted is None:
         if not report.from_record:
             _refresh_record(tree, lock_timeout)
         return ApplyOutcome(report, refused_patches=refused)
@@ -225,54 +221,43 @@ def apply(
         now = file_hashes(Sources(tree.read), target_files(all_patches()))
         full = first if now == first.hashes and not recovered else scan(tree, all_patches())
         full.interrupted = None  # recovered above, under the lock: no journal is left
-        report = full.selected(patches)
-        refused = _drifted_patches(report)
-        outcome = _planned(report, refused, all_or_nothing, recovered=recovered)
+        outcome = _planned(full.selected(patches), all_or_nothing, recovered=recovered)
         the_plan = outcome.plan
         if the_plan is None or not the_plan.new_texts:
             outcome.plan = None  # nothing is written: there is no plan to show
             return outcome
-        sources = report.sources or Sources(tree.read, tree.version)
+        sources = the_plan.sources
         # Damaged or of another schema: stop (exit 3) before its saved originals are pruned.
         old = load(tree.state_dir)
         files = _carried_files(old, full)
         after_hashes = dict(full.hashes)
         edits = []
+        rewritten = the_plan.before.pending([*outcome.refused_patches, *the_plan.bugs])
         for rel, text in the_plan.new_texts.items():
             before, after = sources[rel].data, sources[rel].encode(text)
             edits.append(FileEdit(rel, before, after))
             after_hashes[rel] = sha256(after)
-            prior = files.get(rel)
-            touched = {
-                r.patch_id
-                for r in the_plan.before.pending
-                if r.file == rel and r.patch_id not in refused and r.patch_id not in the_plan.bugs
-            }
-            files[rel] = FileState(
-                original=prior.original if prior else (None if before is None else sha256(before)),
-                applied=after_hashes[rel],
-                patches=tuple(sorted(touched | set(prior.patches if prior else ()))),
+            prior = files.get(rel) or FileState(
+                None if before is None else sha256(before), None, ()
             )
-        results = _recorded_results(full, the_plan, sources)
+            touched = {r.patch_id for r in rewritten if r.file == rel} | set(prior.patches)
+            files[rel] = FileState(prior.original, after_hashes[rel], tuple(sorted(touched)))
+        results = _recorded_results(full, the_plan)
         record = _record(Report(tree, all_patches(), results, after_hashes), files)
         edits.append(FileEdit(STATE_REL, read_bytes(tree.state_dir), record.to_bytes()))
-        try:
-            pycache = txn.commit(edits, "apply")
-        except BaseException:
-            _forget_failed_commit(tree, txn, old)
-            raise
+        pycache = _commit(txn, edits, "apply", old)
         txn.prune_blobs({fs.original for fs in files.values() if fs.original})
         final = Report(tree, patches, the_plan.after_results, after_hashes)
         return replace(outcome, report=final, written=list(the_plan.new_texts), pycache=pycache)
 
 
-def _planned(
-    report: Report, refused: list[str], all_or_nothing: bool, **fields: Any
-) -> ApplyOutcome:
-    """The outcome before anything is written: its plan, if there is anything to rewrite and
-    `all_or_nothing` does not stop the run (a drifted patch, or a patch bug in the plan)."""
+def _planned(report: Report, all_or_nothing: bool, **fields: Any) -> ApplyOutcome:
+    """The outcome before anything is written: the drifted patches refused, and its plan, if
+    there is anything to rewrite and `all_or_nothing` does not stop the run (a drifted patch, or
+    a patch bug in the plan)."""
+    refused = report.drifted
     stop = bool(refused) and all_or_nothing
-    the_plan = None if stop or not report.pending_outside(refused) else plan(report, refused)
+    the_plan = None if stop or not report.pending(refused) else plan(report, refused)
     bugs = the_plan.bugs if the_plan else {}
     stop = stop or (bool(bugs) and all_or_nothing)
     return ApplyOutcome(
@@ -285,13 +270,13 @@ def _planned(
     )
 
 
-def _recorded_results(full: Report, the_plan: Plan, sources: Sources) -> list[SiteResult]:
+def _recorded_results(full: Report, the_plan: Plan) -> list[SiteResult]:
     """Every patch's results for the record, as the written files now read, so the no-op path
     answers what the full path would: the selected patches' from the plan; a patch left out
     (`--only`/`--skip`) keeps its results unless one of its files changed (a rewrite of a shared
     file moves its sites' lines, may change its verdict): then it is classified again."""
-    planned = {r.patch_id for r in the_plan.after_results} | {p.id for p in the_plan.before.patches}
-    after = sources.with_changes(the_plan.new_texts)
+    planned = {p.id for p in the_plan.before.patches}
+    after = the_plan.sources.with_changes(the_plan.new_texts)
     out: list[SiteResult] = []
     for patch in all_patches():
         if patch.id in planned:
@@ -301,12 +286,6 @@ def _recorded_results(full: Report, the_plan: Plan, sources: Sources) -> list[Si
         else:
             out += full.for_patch(patch.id)
     return out
-
-
-def _drifted_patches(report: Report) -> list[str]:
-    """The selected patches with a drifted site, in report order."""
-    drifted = {r.patch_id for r in report.drifted}
-    return [p.id for p in report.patches if p.id in drifted]
 
 
 @dataclass
@@ -339,14 +318,13 @@ def revert(
             )
         changed = {rel: fs for rel, fs in (record.files.items() if record else []) if fs.applied}
         if record is None or not changed:
-            _remove_state_dir(tree, txn)
+            _remove_state_dir(txn)
             return RevertOutcome(nothing_recorded=True, recovered=recovered)
         conflicts = []
         edits = []
         already = []  # put back by a reinstall: original now, nothing to write
-        sources = Sources(tree.read)
         for rel, fs in sorted(changed.items()):
-            data = sources[rel].data
+            data = tree.read(rel)
             current = None if data is None else sha256(data)
             if current == fs.original:
                 already.append(rel)
@@ -362,20 +340,13 @@ def revert(
                 edits.append(FileEdit(rel, data, original))
         if conflicts:
             return RevertOutcome(conflicts=conflicts, recovered=recovered)
-        try:
-            pycache = txn.commit(edits, "revert")
-        except BaseException:
-            _forget_failed_commit(tree, txn, record)
-            raise
+        pycache = _commit(txn, edits, "revert", record)
         # The record goes last, after the blobs: a run stopped in between leaves a record whose
         # files are all original again (the next revert just cleans up), never saved originals
         # without a record (which revert must refuse: it cannot tell whose they are).
-        _remove_state_dir(tree, txn)
-        return RevertOutcome(
-            restored=sorted([e.rel for e in edits] + already),
-            recovered=recovered,
-            pycache=pycache,
-        )
+        _remove_state_dir(txn)
+        restored = sorted([e.rel for e in edits] + already)
+        return RevertOutcome(restored, recovered=recovered, pycache=pycache)
 
 
 def _refresh_record(tree: VllmTree, lock_timeout: float) -> None:
@@ -387,10 +358,9 @@ def _refresh_record(tree: VllmTree, lock_timeout: float) -> None:
     try:
         with locked(tree.package_dir, lock_timeout):
             full = scan(tree, all_patches())
-            if full.from_record or full.pending or full.drifted or full.interrupted:
+            if full.from_record or full.pending() or full.drifted or full.interrupted:
                 return
-            old = load(tree.state_dir)
-            record = _record(full, _carried_files(old, full))
+            record = _record(full, _carried_files(load(tree.state_dir), full))
             # One file replaced atomically: no journal needed.
             write_atomically(tree.state_dir / STATE_FILE, record.to_bytes(), root=tree.package_dir)
     except EnvironmentProblem:
@@ -399,19 +369,23 @@ def _refresh_record(tree: VllmTree, lock_timeout: float) -> None:
         pass
 
 
-def _forget_failed_commit(tree: VllmTree, txn: Transaction, old: StateRecord | None) -> None:
-    """A commit that failed and rolled back leaves no trace: blobs it stored are dropped, and a
-    state dir it created is removed. With a journal still there (rollback failed too), keep
-    everything: the next run needs it."""
-    if txn.pending_journal() is not None:
-        return
-    if old is None:
-        _remove_state_dir(tree, txn)
-    else:
-        txn.prune_blobs({fs.original for fs in old.files.values() if fs.original})
+def _commit(txn: Transaction, edits: list[FileEdit], op: str, old: StateRecord | None) -> list[str]:
+    """`txn.commit`. One that failed and rolled back leaves no trace: blobs it stored are
+    dropped, and a state dir it created is removed. With a journal still there (rollback failed
+    too), keep everything: the next run needs it."""
+    try:
+        return txn.commit(edits, op)
+    except BaseException:
+        if txn.pending_journal() is not None:
+            raise
+        if old is None:
+            _remove_state_dir(txn)
+        else:
+            txn.prune_blobs({fs.original for fs in old.files.values() if fs.original})
+        raise
 
 
-def _remove_state_dir(tree: VllmTree, txn: Transaction) -> None:
+def _remove_state_dir(txn: Transaction) -> None:
     """A reverted tree carries nothing of k3patch's."""
     txn.prune_blobs(set())
     txn.remove_state_dir()

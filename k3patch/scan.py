@@ -47,24 +47,19 @@ class Report:
     def for_patch(self, patch_id: str) -> list[SiteResult]:
         return [r for r in self.results if r.patch_id == patch_id]
 
-    def verdict(self, patch_id: str) -> Verdict:
-        return summarise(r.verdict for r in self.for_patch(patch_id))
-
     def verdicts(self) -> dict[str, Verdict]:
-        return {p.id: self.verdict(p.id) for p in self.patches}
+        return {p.id: summarise(r.verdict for r in self.for_patch(p.id)) for p in self.patches}
 
-    @property
-    def pending(self) -> list[SiteResult]:
-        return [r for r in self.results if r.verdict is Verdict.PENDING]
-
-    def pending_outside(self, refused: Iterable[str]) -> list[SiteResult]:
+    def pending(self, refused: Iterable[str] = ()) -> list[SiteResult]:
         """The pending sites of every patch not in `refused` (what an apply will rewrite)."""
         skip = set(refused)
-        return [r for r in self.pending if r.patch_id not in skip]
+        return [r for r in self.results if r.verdict is Verdict.PENDING and r.patch_id not in skip]
 
     @property
-    def drifted(self) -> list[SiteResult]:
-        return [r for r in self.results if r.verdict is Verdict.DRIFTED]
+    def drifted(self) -> list[str]:
+        """The patches with a drifted site, in report order."""
+        ids = {r.patch_id for r in self.results if r.verdict is Verdict.DRIFTED}
+        return [p.id for p in self.patches if p.id in ids]
 
     @property
     def digest(self) -> str:

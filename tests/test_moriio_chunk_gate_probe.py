@@ -158,7 +158,7 @@ def test_with_group_routing_on_the_fork(verified):
     # Both MoRIIO patches edit moriio_connector.py: applied together they fold, both read
     # applied, and the chunk gate still sends once, at the final chunk.
     before = scan.scan(locate(built_fork_tree("a")), use_record=False)
-    assert before.verdict("moriio-group-routing") is Verdict.PENDING
+    assert before.verdicts()["moriio-group-routing"] is Verdict.PENDING
     found = verified("fork:a")
     verdicts = {pid: found["patches"][pid]["verdict"] for pid in (PATCH_ID, "moriio-group-routing")}
     assert verdicts == {PATCH_ID: "applied", "moriio-group-routing": "applied"}, found["output"]

@@ -69,7 +69,7 @@ def test_exception_at_each_step_rolls_back(make_tree, step):
     assert not [p for p in site.rglob("*") if ".k3patch-tmp." in p.name]
     # And the next apply completes normally.
     assert engine.apply(tree).written == planned_files()
-    assert scan.scan(tree).verdict("aiter-mla-gfx942").value == "applied"
+    assert scan.scan(tree).verdicts()["aiter-mla-gfx942"].value == "applied"
 
 
 REVERT_STEPS = [

@@ -404,7 +404,7 @@ def test_6_no_chown_when_the_owner_and_group_are_already_the_files(make_tree, mo
     monkeypatch.setattr(os, "fchown", refuse)
     engine.apply(locate(site))
     assert os.stat(target).st_gid == 1
-    assert scan.scan(locate(site)).verdict("aiter-mla-gfx942").value == "applied"
+    assert scan.scan(locate(site)).verdicts()["aiter-mla-gfx942"].value == "applied"
 
 
 @ROOT_ONLY
@@ -468,7 +468,7 @@ def test_11_status_gives_the_code_verdicts_names_the_problem_and_exits_3(
     report = scan.scan(locate(site))
     assert report.state_problem is not None and str(state_dir) in report.state_problem
     want = "applied" if odd == "unreadable" else "pending"
-    assert report.verdict("aiter-mla-gfx942").value == want  # from the code
+    assert report.verdicts()["aiter-mla-gfx942"].value == want  # from the code
     from k3patch import exitcodes
 
     assert exitcodes.for_status(report) == 3

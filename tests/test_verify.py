@@ -147,7 +147,7 @@ def test_unchecked_hash_pycs_are_rebuilt_so_patched_code_runs(make_tree, verify_
     # k3patch's own edit, planned in memory and written as a plain file write (no pyc care).
     aiter = tuple(p for p in all_patches() if p.id == AITER)
     the_plan = engine.plan(scan.scan(locate(plain), aiter, use_record=False))
-    assert original.decode() == the_plan.old_texts["_aiter_ops.py"]
+    assert original.decode() == the_plan.sources["_aiter_ops.py"].text
     (plain / "vllm" / "_aiter_ops.py").write_text(the_plan.new_texts["_aiter_ops.py"])
     env = {**os.environ, "PYTHONPATH": str(plain)}
     env.pop("PYTHONDONTWRITEBYTECODE", None)
