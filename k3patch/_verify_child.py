@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
-import importlib.util
 import json
 import os
 import sys
@@ -22,8 +21,9 @@ MARKER = "K3PATCH-VERIFY-RESULT "
 
 
 class _OverlayLoader(importlib.abc.SourceLoader):
-    def __init__(self, fullname: str, path: str, text_path: str) -> None:
-        self.fullname = fullname
+    """`path` imported from the text at `text_path`, never from a pyc (no path_stats)."""
+
+    def __init__(self, path: str, text_path: str) -> None:
         self.path = path
         self.text_path = text_path
 
@@ -31,10 +31,7 @@ class _OverlayLoader(importlib.abc.SourceLoader):
         return self.path
 
     def get_data(self, path: str) -> bytes:
-        if path == self.path:
-            with open(self.text_path, "rb") as handle:
-                return handle.read()
-        with open(path, "rb") as handle:
+        with open(self.text_path if path == self.path else path, "rb") as handle:
             return handle.read()
 
 
@@ -44,27 +41,11 @@ class _OverlayFinder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.origin is None:
-            return spec
-        real = os.path.realpath(spec.origin)
-        if real not in self.overlay:
-            return spec
-        loader = _OverlayLoader(fullname, spec.origin, self.overlay[real])
-        return importlib.util.spec_from_file_location(
-            fullname,
-            spec.origin,
-            loader=loader,
-            submodule_search_locations=spec.submodule_search_locations,
-        )
-
-
-def _load_file(name: str, path: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+        if spec is not None and spec.origin is not None:
+            text_path = self.overlay.get(os.path.realpath(spec.origin))
+            if text_path is not None:
+                spec.loader = _OverlayLoader(spec.origin, text_path)
+        return spec
 
 
 def _failure(exc: BaseException) -> dict[str, Any]:
@@ -105,13 +86,7 @@ def main() -> int:
             if not all(out["imports"][m]["ok"] for m in needs.get(patch_id, [])):
                 continue  # the parent reports "not run: its module did not import"
             try:
-                dotted = args.get("patch_modules", {}).get(patch_id)
-                if dotted:
-                    module = importlib.import_module(dotted)
-                else:
-                    module = _load_file(
-                        f"k3patch.patches._probe_{len(out['probes'])}", args["patches"][patch_id]
-                    )
+                module = importlib.import_module(args["patch_modules"][patch_id])
                 outcome = module.PATCH.probe()
                 if outcome is None:
                     continue

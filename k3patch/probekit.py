@@ -138,20 +138,6 @@ def package_dir(name: str) -> Path | None:
     return Path(next(iter(locations))) if locations else None
 
 
-def with_globals(func: Callable[..., T], **names: Any) -> Callable[..., T]:
-    """A copy of the plain function `func` that sees `names` over its module's globals."""
-    code: Any = func
-    copy = types.FunctionType(
-        code.__code__,
-        {**code.__globals__, **names},
-        code.__name__,
-        code.__defaults__,
-        code.__closure__,
-    )
-    copy.__kwdefaults__ = code.__kwdefaults__
-    return copy
-
-
 class TorchTrace:
     """Records, restarted on each entry, the name and positional arguments of every torch
     function or tensor method run inside it (`calls`) and every aten op below them (`aten`);

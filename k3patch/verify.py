@@ -22,7 +22,7 @@ from typing import Any
 from k3patch import _verify_child
 from k3patch.errors import VerifyError
 from k3patch.patch import Patch
-from k3patch.registry import all_patches, patch_module_file, patches_dir
+from k3patch.registry import all_patches, patches_dir
 from k3patch.scan import Report, scan
 from k3patch.state import load_or_none
 from k3patch.transaction import Transaction
@@ -41,9 +41,6 @@ class ModuleCheck:
     reason: str = ""
     decided_by: str = ""
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
 class PatchCheck:
@@ -56,18 +53,15 @@ class PatchCheck:
 
     @property
     def ok(self) -> bool:
-        if self.verdict in (Verdict.PENDING, Verdict.DRIFTED):
-            return False
-        if any(m.status == BROKEN for m in self.modules):
-            return False
-        return self.probe_ok is not False
+        broken = any(m.status == BROKEN for m in self.modules)
+        return self.verdict.is_good and not broken and self.probe_ok is not False
 
     def to_json(self) -> dict[str, Any]:
         return {
             "id": self.patch_id,
             "verdict": self.verdict.value,
             "ok": self.ok,
-            "modules": [m.to_json() for m in self.modules],
+            "modules": [asdict(m) for m in self.modules],
             "probe": {
                 "ran": self.probe_ok is not None,
                 "ok": self.probe_ok,
@@ -95,7 +89,7 @@ class VerifyReport:
             "python_version": self.python_version,
             "ok": self.ok,
             "patches": [p.to_json() for p in self.patches],
-            "modules": [m.to_json() for m in self.extra],
+            "modules": [asdict(m) for m in self.extra],
         }
 
 
@@ -217,7 +211,6 @@ def verify(
         "package_dir": os.path.dirname(os.path.abspath(__file__)),
         "patches_dir": str(patches_dir()),
         "patch_modules": {p.id: type(p).__module__ for p in patches},
-        "patches": {p.id: str(patch_module_file(p)) for p in patches},
         "modules": modules,
         "probes": [p.id for p in live],
         "probe_modules": {p.id: list(p.modules) for p in live},

@@ -4,7 +4,6 @@ verdict: verify itself runs probes only for applied or satisfied patches."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +21,10 @@ def child_args(
     checkout's)."""
     package_dir = package_dir or Path(verify_mod.__file__).parent
     patches = patches or patches_dir()
-    modules = {patch.id: type(patch).__module__ for patch in chosen}
-    files = {pid: Path(sys.modules[module].__file__ or "") for pid, module in modules.items()}
     return {
         "package_dir": str(package_dir),
         "patches_dir": str(patches),
-        "patch_modules": modules,
-        "patches": {pid: str(patches / f.relative_to(patches_dir())) for pid, f in files.items()},
+        "patch_modules": {patch.id: type(patch).__module__ for patch in chosen},
         "modules": list(dict.fromkeys(m for patch in chosen for m in patch.modules)),
         "probes": [patch.id for patch in chosen],
     }

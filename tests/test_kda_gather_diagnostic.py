@@ -402,6 +402,16 @@ def test_must_not_touch(case):
         assert drift.found and drift.expected, "a drift report shows what it found and wanted"
 
 
+def test_a_drift_shows_what_was_found_at_its_first_line_and_what_was_expected():
+    text = prefill(pad(CALLER_DIAG.replace("[:8]", "")) + "    X = 1\n")
+    (result,) = [r for r in classify_files(PATCH, {PREFILL: text}).values() if r.line]
+    assert (result.patch_id, result.site, result.file) == (PATCH, "chunk_kda_prefill", PREFILL)
+    assert result.verdict is Verdict.DRIFTED and result.line == 5
+    assert result.detail == "the diagnostic is in no known shape; nothing will be written"
+    assert result.found == textwrap.dedent(CALLER_DIAG.replace("[:8]", "")).rstrip("\n")
+    assert result.expected == tuple(f"{s.name} ({s.verdict.value})" for s in kda.DIAGNOSTIC_SHAPES)
+
+
 def test_guard_names_are_fixed_inside_gather_initial_states():
     # A caller may name the indices anything; inside the guard they are the guard's own names.
     caller = ast.parse(CALLER_DIAG).body[0]

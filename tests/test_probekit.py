@@ -188,19 +188,6 @@ def test_package_dir_finds_a_package_without_importing_it(tmp_path, monkeypatch)
     assert probekit.package_dir("k3_no_such_package") is None
 
 
-def _greet(name: str, *, punct: str = "!") -> str:
-    return f"{GREETING} {name}{punct}"  # type: ignore[name-defined]  # noqa: F821
-
-
-def test_with_globals_runs_a_copy_against_other_globals():
-    copy = probekit.with_globals(_greet, GREETING="hello")
-    assert copy("you") == "hello you!", "defaults and keyword-only defaults are kept"
-    assert copy("you", punct="?") == "hello you?"
-    assert "GREETING" not in globals(), "the module is left as it is"
-    with pytest.raises(NameError):
-        _greet("you")
-
-
 @pytest.mark.verify
 def test_torch_trace_records_calls_and_aten_ops_except_while_paused(verify_python):
     script = textwrap.dedent(

@@ -17,7 +17,7 @@ import itertools
 from typing import Any
 
 from k3patch.patch import ProbeOutcome
-from k3patch.probekit import Checks, Stub, Swap, package_dir
+from k3patch.probekit import Checks, Stub, Swap, attempt, package_dir
 
 VARIABLE = "VLLM_ROCM_USE_AITER_MLA"
 AITER_VARIABLE = "VLLM_ROCM_USE_AITER"
@@ -91,10 +91,8 @@ def probe_truth_table() -> ProbeOutcome:
 
 def _answer(func: Any, ops: Any) -> bool | str:
     """The method's answer, or what it raised (a failed row, not a failed probe)."""
-    try:
-        return bool(func(ops))
-    except Exception as exc:
-        return f"raised {type(exc).__name__}: {exc}"
+    answer, error = attempt(func, ops)
+    return bool(answer) if error is None else f"raised {error}"
 
 
 def _gpu_helpers() -> dict[str, dict[str, Any]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ast
 import textwrap
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -234,9 +234,15 @@ class KdaGatherDiagnostic(Patch):
         return replace(result, line=units[0].lineno), pending
 
     def _drift(self, src: SourceFile, site: Site, nodes: list[ast.stmt], why: str) -> Located:
+        """Drifted: `why`, the source of `nodes` as found (at the first one's line), and the
+        shapes expected."""
         guards = [f"{g.name} + " for g in GUARD_SHAPES] if site.file == OPS_FILE else [""]
         expected = [f"{g}{d.name} ({d.verdict.value})" for g in guards for d in DIAGNOSTIC_SHAPES]
-        return drifted(self.id, site.name, src, nodes, why, expected), []
+        result = self.result(
+            site.name, site.file, Verdict.DRIFTED, f"{why}; nothing will be written"
+        )
+        found = "\n".join(src.segment(node) for node in nodes)
+        return replace(result, line=nodes[0].lineno, found=found, expected=tuple(expected)), []
 
     def rewrite(self, sources: Sources, pending: list[SiteResult], files: Codemods) -> None:
         """Each diagnostic moves in under the gate, GATE_COMMENT above it; a module without
@@ -293,28 +299,6 @@ def imported_module(body: Iterable[ast.stmt], name: str) -> str | None:
     }
     plain = len(modules) == 1 and all(isinstance(stmt, ast.Import) for stmt in found)
     return modules.pop() if plain else ""
-
-
-def drifted(
-    patch_id: str,
-    site: str,
-    source: SourceFile,
-    nodes: Sequence[ast.AST],
-    why: str,
-    expected: Iterable[str] = (),
-) -> SiteResult:
-    """A drifted site: `why`, the source of `nodes` as found (at the first one's line), and what
-    was expected."""
-    return SiteResult(
-        patch_id=patch_id,
-        site=site,
-        file=source.rel,
-        verdict=Verdict.DRIFTED,
-        detail=f"{why}; nothing will be written",
-        line=getattr(nodes[0], "lineno", None),
-        found="\n".join(source.segment(node) for node in nodes),
-        expected=tuple(expected),
-    )
 
 
 PATCH = KdaGatherDiagnostic()

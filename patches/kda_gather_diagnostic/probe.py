@@ -7,6 +7,7 @@ import ast
 import importlib
 import inspect
 import logging
+import sys
 import textwrap
 from collections.abc import Callable
 from typing import Any
@@ -83,8 +84,7 @@ def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Che
         masked = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
         return "boolean-mask indexing" if masked and name in ("__getitem__", "index") else None
 
-    scope = func.__globals__  # type: ignore[attr-defined]
-    runnable = probekit.with_globals(func, **probekit.triton_on_host(func_ast, scope, launch))
+    module = sys.modules[func.__module__]
     pool = 6
     state = torch.arange(pool * 2 * 3, dtype=torch.float32).reshape(pool, 2, 3)
     has = torch.tensor([True, True, False, True])
@@ -93,14 +93,16 @@ def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Che
         # Only the fork's guard clamps; upstream's kernel must never see a bad index.
         cases += [("index 9 of a pool of 6", [0, 9, 3, 2], env) for env in (None, "1")]
     with Swap() as swap:
+        for name, value in probekit.triton_on_host(func_ast, vars(module), launch).items():
+            swap.attr(module, name, value)
         # verify runs with VLLM_LOGGING_LEVEL=ERROR; the diagnostic logs at WARNING.
-        logged = swap.log(str(scope.get("__name__", "")), logging.WARNING)
+        logged = swap.log(module.__name__, logging.WARNING)
         for label, slots, env in cases:
             swap.env(ENV, env)
             del reached[:], logged[:]
             indices = torch.tensor(slots, dtype=torch.int32)
             with trace:  # gather_initial_states asserts device tensors
-                out = runnable(*probekit.cuda_looking(state, indices, has))
+                out = func(*probekit.cuda_looking(state, indices, has))
             rows = torch.tensor(slots).clamp(0, pool - 1)
             expected = torch.where(has[:, None, None], state[rows], torch.zeros(2, 3))
             right = torch.equal(out.as_subclass(torch.Tensor), expected)
