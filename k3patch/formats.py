@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from k3patch import __version__
@@ -19,16 +19,11 @@ STATE_SCHEMA_VERSION = 1
 def patch_set_digest(patches_dir: str) -> str:
     """A hash of every .py file of the patch set (a patch is a module or a folder), by relative
     path and content: a state record made by other patch code is stale."""
-    found = []
-    for folder, dirs, files in os.walk(patches_dir):
-        dirs[:] = [d for d in dirs if d != "__pycache__"]
-        rel = os.path.relpath(folder, patches_dir)
-        found += [n if rel == "." else f"{rel}/{n}" for n in files if n.endswith(".py")]
+    root = Path(patches_dir)
+    names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py"))
     digest = hashlib.sha256()
-    for name in sorted(found):
-        digest.update(name.encode() + b"\0")
-        with open(os.path.join(patches_dir, name), "rb") as handle:
-            digest.update(handle.read())
+    for name in [n for n in names if "__pycache__" not in n.split("/")]:
+        digest.update(name.encode() + b"\0" + (root / name).read_bytes())
     return digest.hexdigest()[:16]
 
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from k3patch.verdicts import SiteResult, Verdict
 
@@ -12,8 +11,7 @@ if TYPE_CHECKING:
     from k3patch.sources import Sources
 
 
-@dataclass(frozen=True)
-class ProbeOutcome:
+class ProbeOutcome(NamedTuple):
     """What a behaviour probe found on the real (patched) code."""
 
     ok: bool
@@ -54,6 +52,4 @@ class Patch:
     def result(
         self, site: str, file: str, verdict: Verdict, detail: str = "", shape: str = ""
     ) -> SiteResult:
-        return SiteResult(
-            patch_id=self.id, site=site, file=file, verdict=verdict, detail=detail, shape=shape
-        )
+        return SiteResult(self.id, site, file, verdict, detail=detail, shape=shape)

@@ -33,8 +33,21 @@ def preflight_problem(package_dir: str) -> str | None:
         return str(exc)
     pkg = tree.package
     record, kind, why = state.check_record(pkg)
-    if record is None:
-        return _why_not(pkg, kind, why)
+    if record is None:  # state.check_record's kind says why the record does not vouch
+        see = "run `k3patch status` to see which"
+        lines = {
+            # apply records nothing when a site drifted, so "run apply" would send the operator in
+            # a circle: status says which it is.
+            "absent": f"no k3patch state record in {pkg}: the fixes were never applied here, or a "
+            f"site drifted; {see}",
+            "stale": f"the vLLM files in {pkg} differ from what k3patch recorded (or k3patch "
+            f"changed); {see}",
+            # Never "the files differ" for a bad record: the files may be fine, the record is not.
+            "damaged": f"record damaged: {why}",
+            "other schema": f"record of another schema: {why}",
+            "unreadable": f"the k3patch state in {pkg} cannot be read by this process: {why}",
+        }
+        return lines.get(kind, f"{why} in {pkg}; {see}")
     results = [r.to_json() for r in record.results]
     bad = [
         formats.quiet_line(p["id"], results)
@@ -51,24 +64,6 @@ def preflight_problem(package_dir: str) -> str | None:
         if loaded and os.path.realpath(loaded) != os.path.realpath(os.path.join(pkg, rel)):
             return f"{name} was imported from {loaded}, not from the checked tree {pkg}"
     return None
-
-
-def _why_not(pkg: str, kind: str, why: str) -> str:
-    """The one line for a tree whose record does not vouch for it (state.check_record's kind)."""
-    see = "run `k3patch status` to see which"
-    lines = {
-        # apply records nothing when a site drifted, so "run apply" would send the operator in
-        # a circle: status says which it is.
-        "absent": f"no k3patch state record in {pkg}: the fixes were never applied here, or a "
-        f"site drifted; {see}",
-        "stale": f"the vLLM files in {pkg} differ from what k3patch recorded (or k3patch "
-        f"changed); {see}",
-        # Never "the files differ" for a bad record: the files may be fine, the record is not.
-        "damaged": f"record damaged: {why}",
-        "other schema": f"record of another schema: {why}",
-        "unreadable": f"the k3patch state in {pkg} cannot be read by this process: {why}",
-    }
-    return lines.get(kind, f"{why} in {pkg}; {see}")
 
 
 def preflight() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import graphlib
 import importlib
-import os
 import pkgutil
 import sys
 from collections.abc import Iterable
@@ -82,14 +81,12 @@ def select(only: list[str] | None = None, skip: list[str] | None = None) -> tupl
             raise UnknownPatchError(
                 f"unknown patch {patch_id!r}; known: {', '.join(sorted(known))}"
             )
-    chosen = [p for p in patches if not only or p.id in only]
-    return tuple(p for p in chosen if not skip or p.id not in skip)
+    return tuple(p for p in patches if (not only or p.id in only) and p.id not in (skip or []))
 
 
 def patches_dir() -> Path:
     """The directory the patches are loaded from (`patches/`, installed as `k3patch/patches/`)."""
-    package = importlib.import_module("k3patch.patches")
-    return Path(os.path.dirname(package.__file__ or ""))
+    return Path(importlib.import_module("k3patch.patches").__file__ or "").parent
 
 
 def patch_module_file(patch: Patch) -> Path:
