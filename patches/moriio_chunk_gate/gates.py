@@ -32,7 +32,7 @@ from . import (
     site_result,
 )
 from .legacy import Chain, classify_chains, site_chains
-from .names import Context
+from .names import FINAL, WRONG, Context, flip
 
 if TYPE_CHECKING:
     from k3patch.codemod import Codemod
@@ -114,7 +114,7 @@ def helper_is_progress(cls: ast.ClassDef) -> bool:
     env = names.named_values(helper.body) if helper else {}
     returns = [n.value for n in ast.walk(helper) if isinstance(n, ast.Return)] if helper else []
     meanings = [names.progress_meaning(v, env) if v is not None else None for v in returns]
-    return bool(meanings) and set(meanings) == {names.FINAL}
+    return bool(meanings) and set(meanings) == {FINAL}
 
 
 def locate(context: Context, site: str) -> tuple[Gate | None, str]:
@@ -172,11 +172,7 @@ class Gate:
         core, times = names.strip_nots(self.node.test)
         upstream = names.is_call_to(core, UPSTREAM_HELPER)
         env = names.named_values(self.temps)
-        meaning = (
-            names.flip(names.FINAL, times)
-            if upstream
-            else names.progress_meaning(self.node.test, env)
-        )
+        meaning = flip(FINAL, times) if upstream else names.progress_meaning(self.node.test, env)
         wanted = names.needed_meaning(self.node)
         tests = [getattr(c, "test", c) for c in self.conditions]
         if meaning is None:
@@ -186,7 +182,7 @@ class Gate:
                 f"the gate calls self.{UPSTREAM_HELPER}, whose body is no progress comparison "
                 "(num_computed_tokens + num_scheduled_tokens >= num_prompt_tokens)"
             )
-        elif meaning == names.WRONG:
+        elif meaning == WRONG:
             problem = (
                 "a comparison of progress with the prompt, but not `progress >= "
                 "num_prompt_tokens` (final) or `progress < num_prompt_tokens` (not yet): an "

@@ -58,6 +58,7 @@ LEGACY_FALLBACK = {
 @dataclass
 class Chain:
     part: str  # "gate" or "sweep"
+    loop: ast.For
     block: list[ast.stmt]
     name: str
     decision: ast.Assign
@@ -65,7 +66,7 @@ class Chain:
     gate: ast.If
 
     @classmethod
-    def at(cls, block: list[ast.stmt], index: int, part: str) -> Chain | None:
+    def at(cls, loop: ast.For, block: list[ast.stmt], index: int, part: str) -> Chain | None:
         decision, name = block[index], names.assigned_name(block[index])
         if not isinstance(decision, ast.Assign) or name is None:
             return None
@@ -80,7 +81,7 @@ class Chain:
             ifs.pop(0)
         if not ifs or match(name, names.strip_nots(ifs[0].test)[0]) is None:
             return None
-        return cls(part, block, name, decision, fallback, ifs[0])
+        return cls(part, loop, block, name, decision, fallback, ifs[0])
 
     @property
     def statements(self) -> list[ast.stmt]:
@@ -119,7 +120,7 @@ def site_chains(context: Context, site: str) -> list[Chain] | None:
     """The site's decision chains (G1: its gate and its sweep; G2: its gate), or None."""
 
     def chains_in(roots: list[ast.For], part: str) -> list[Chain]:
-        found = (Chain.at(b, i, part) for r in roots for b in blocks(r) for i in range(len(b)))
+        found = (Chain.at(r, b, i, part) for r in roots for b in blocks(r) for i in range(len(b)))
         return [chain for chain in found if chain is not None]
 
     own = names.loops_over(context.method, LOOPS[site])
@@ -199,13 +200,7 @@ def _chain_problems(context: Context, site: str, chains: list[Chain]) -> list[st
         problems.append(
             "it reads " + ", ".join(sorted(free)) + ", which moriio_connector.py never binds"
         )
-    decisions = [c.decision for c in chains if c.part == "sweep"]
-    loops = [
-        loop
-        for loop in names.loops_over(context.method, SWEEP)
-        if any(d in ast.walk(loop) for d in decisions)
-    ]
-    unset = names.unset_attributes(loops, context.cls) if loops else set()  # G2 has no sweep
+    unset = names.unset_attributes([c.loop for c in sweeps], context.cls)  # G2 has no sweep
     if unset:
         problems.append(
             "its sweep reads self." + ", self.".join(sorted(unset)) + f", which {CLASS} never sets "

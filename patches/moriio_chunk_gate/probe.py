@@ -8,9 +8,9 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
-import os
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from k3patch.patch import ProbeOutcome
@@ -123,20 +123,14 @@ def router_id(name: str) -> str:
     return f"{name}___prefill_addr_{_PEER}___decode_addr_{_PEER}_{'0' * 32}"
 
 
-# The request maps build_connector_meta reads in some release (`_reqs_save_mamba`: the fork's,
-# SITES.md 1); a fork's or patch's own (`_reqs_save_groups`) are what __init__ sets to {}.
-REQUEST_MAPS = (
-    "_reqs_need_recv _reqs_need_save _reqs_need_pending_save _reqs_need_send _req_kv_params "
-    "_reqs_save_mamba transfer_id_to_request_id request_id_to_transfer_id"
-).split()
-
-
 def _scheduler(mc: Any, block_size: int) -> Any:
-    """A MoRIIO scheduler holding what build_connector_meta and update_state_after_alloc read."""
+    """A MoRIIO scheduler holding what build_connector_meta and update_state_after_alloc read:
+    the request maps its own __init__ sets to {} (a release's, a fork's, a patch's), and the
+    block sizes, group and mode its gates and block lists read."""
     init = source_of(mc.MoRIIOConnectorScheduler.__init__)
     assigned = attribute_assignments([init] if init else [], "self")
     empty = [a for a, v in assigned if any(match(e, v) is not None for e in ("{}", "dict()"))]
-    state: dict[str, Any] = {name: {} for name in [*REQUEST_MAPS, *empty]}
+    state: dict[str, Any] = {name: {} for name in empty}
     state.update(
         mode=mc.MoRIIOMode.WRITE,
         block_size=block_size,  # 0.14.1-0.29.0 gate
@@ -227,15 +221,6 @@ def _direct_case(scheduler: Any, title: str, requests: tuple[Request, ...], chec
         chunks = want if want and steps[want:] == ((1, 0),) else len(steps)
         planned.append((stub, steps, want, chunks))
     _direct(scheduler, planned, checks, [f"{title} [{req_id}]" for req_id, *_ in requests])
-
-
-def _direct_row(scheduler: Any, row: Prefill, checks: Checks) -> None:
-    """One row alone, truncated before the scheduler first sees it."""
-    request = stub_request(router_id(f"row-{row.tokens}"), row.tokens, kv_params("decode"))
-    if row.truncated:
-        truncate(request)
-    chunks = len(row.chunks)
-    _direct(scheduler, [(request, row.steps, chunks, chunks)], checks, [row.label])
 
 
 # The second probe: vLLM's own Scheduler on CPU, built as vLLM's unit tests build one (a MoRIIO
@@ -330,7 +315,7 @@ def drive_scheduler(scheduler: Any, name: str, row: Prefill, checks: Checks) -> 
     fields = dict(request_id=req_id, prompt_token_ids=[1] * row.tokens, pooling_params=None)
     request = call_accepted(Request, sampling_params=SamplingParams(max_tokens=2), **fields)
     request.kv_transfer_params = {**kv_params("decode", f"t-{name}"), "do_remote_prefill": False}
-    steps, saves = 0, []
+    saves: list[int] = []
     seen: list[tuple[int, int | None, int]] = []  # computed: live, in the output; scheduled
     prompts: list[int] = []  # the prompt the connector compares with
     connector = scheduler.connector.connector_scheduler
@@ -356,13 +341,12 @@ def drive_scheduler(scheduler: Any, name: str, row: Prefill, checks: Checks) -> 
         if row.truncated:
             swap.attr(connector, "get_num_new_matched_tokens", truncating)
         scheduler.add_request(request)
-        for _ in range(len(row.chunks) + 3):
+        for step in range(1, len(row.chunks) + 4):
             output = scheduler.schedule()
             if req_id not in output.num_scheduled_tokens:
                 break
-            steps += 1
             if req_id in getattr(output.kv_connector_metadata, "reqs_to_save", {}):
-                saves.append(steps)
+                saves.append(step)
             ids = list(output.num_scheduled_tokens)
             done = [scheduler.requests[r] for r in ids]
             sampled = [[7] if r.num_computed_tokens >= r.num_prompt_tokens else [] for r in done]
@@ -398,8 +382,12 @@ def probe_chunk_gate() -> ProbeOutcome:
         swap.attr(mc, "get_role", lambda: mc.ROLE.PRODUCER)
         for title, block_size, requests in DIRECT_CASES:
             _direct_case(_scheduler(mc, block_size), title, requests, checks)
-        for row in TABLE:
-            _direct_row(_scheduler(mc, row.block), row, checks)
+        for row in TABLE:  # each alone, truncated before the scheduler first sees it
+            request = stub_request(router_id(f"row-{row.tokens}"), row.tokens, kv_params("decode"))
+            if row.truncated:
+                truncate(request)
+            plan = (request, row.steps, len(row.chunks), len(row.chunks))
+            _direct(_scheduler(mc, row.block), [plan], checks, [row.label])
     with Swap() as swap, tempfile.TemporaryDirectory(prefix="k3patch-probe-model-") as model:
         # The scheduler side sets the process-wide MoRIIO role: later probes get theirs back.
         swap.on_exit(mc.set_role, mc.get_role())
@@ -415,8 +403,7 @@ def probe_chunk_gate() -> ProbeOutcome:
         swap.env("VLLM_CACHE_ROOT", model)
         registry = importlib.import_module("vllm.model_executor.models.registry")
         swap.attr(registry, "_run_in_subprocess", lambda fn: fn())
-        with open(os.path.join(model, "config.json"), "w") as handle:
-            handle.write(_PROBE_MODEL_CONFIG)
+        Path(model, "config.json").write_text(_PROBE_MODEL_CONFIG)
         scheduler = _vllm_scheduler(model)
         for name, row in SCHEDULED:
             drive_scheduler(scheduler, name, row, checks)

@@ -12,15 +12,13 @@ from k3patch.codemod import Change, CodemodError, Statement, statements
 
 def _template(source: str) -> cst.If:
     node = statements(source)[0]
-    if not isinstance(node, cst.If):
-        raise CodemodError(f"the post-image is no `if`: {source!r}")
+    assert isinstance(node, cst.If)  # G1_TEMPLATE and G2_TEMPLATE are `if`s
     return node
 
 
 def _with_test(gate: cst.CSTNode, post: cst.If) -> cst.If:
     """`gate` with `post`'s test: from `if` to the `:` the post-image's, the rest the gate's."""
-    if not isinstance(gate, cst.If):
-        raise CodemodError("the gate is no `if`")
+    assert isinstance(gate, cst.If)  # the libcst node of an ast.If
     return gate.with_changes(
         test=post.test,
         whitespace_before_test=post.whitespace_before_test,
@@ -44,11 +42,8 @@ def under_guard(template: str) -> Change:
     (the gate and its body keep their columns)."""
     guard = _template(template)
     guard_block = guard.body
-    if not isinstance(guard_block, cst.IndentedBlock):
-        raise CodemodError("the post-image's guard has no indented body")
     *guard_lines, post = guard_block.body
-    if not isinstance(post, cst.If):
-        raise CodemodError("the post-image's guard does not end in the gate")
+    assert isinstance(guard_block, cst.IndentedBlock) and isinstance(post, cst.If)
 
     def change(node: Statement) -> Sequence[Statement]:
         block = getattr(node, "body", None)
