@@ -49,16 +49,15 @@ class _OverlayFinder(importlib.abc.MetaPathFinder):
 
 
 def _failure(exc: BaseException) -> dict[str, Any]:
-    frames = [
-        {"file": os.path.realpath(f.filename), "line": f.lineno}
-        for f in traceback.extract_tb(exc.__traceback__)
-    ]
+    """What verify judges a failure by; `raised_in`: the real path of the file it was raised in
+    (for a syntax error, the file that does not parse), "" when there is none."""
+    files = [frame.filename for frame in traceback.extract_tb(exc.__traceback__)]
     if isinstance(exc, SyntaxError) and exc.filename:
-        frames.append({"file": os.path.realpath(exc.filename), "line": exc.lineno or 0})
+        files.append(exc.filename)
     return {
         "type": type(exc).__name__,
         "message": str(exc).splitlines()[0][:500] if str(exc) else "",
-        "frames": frames,
+        "raised_in": os.path.realpath(files[-1]) if files else "",
     }
 
 

@@ -138,16 +138,16 @@ def package_dir(name: str) -> Path | None:
     return Path(next(iter(locations))) if locations else None
 
 
-class TorchTrace:
+class TorchTrace(contextlib.ExitStack):
     """Records, restarted on each entry, the name and positional arguments of every torch
     function or tensor method run inside it (`calls`) and every aten op below them (`aten`);
     nothing inside `paused()` (a stand-in's own work). Imports torch only when entered."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self.aten: list[str] = []
         self._paused = False
-        self._modes = contextlib.ExitStack()
 
     def __enter__(self) -> TorchTrace:
         from torch.overrides import TorchFunctionMode
@@ -173,12 +173,9 @@ class TorchTrace:
 
         self.calls.clear()
         self.aten.clear()
-        self._modes.enter_context(Functions())
-        self._modes.enter_context(Aten())
+        self.enter_context(Functions())
+        self.enter_context(Aten())
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._modes.close()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -98,11 +98,10 @@ def tree_python(tree: VllmTree) -> str:
     else the running one."""
     root = tree.root
     if tree.kind == "site-packages" and root.parent.name.startswith("python"):
-        prefix = root.parent.parent.parent  # <prefix>/lib/pythonX.Y/site-packages
+        bin_dir = str(root.parent.parent.parent / "bin")  # <prefix>/lib/pythonX.Y/site-packages
         for name in (root.parent.name, "python3", "python"):
-            candidate = prefix / "bin" / name
-            if candidate.is_file() and os.access(candidate, os.X_OK):
-                return str(candidate)
+            if found := shutil.which(name, path=bin_dir):
+                return found
     return sys.executable
 
 
@@ -160,12 +159,8 @@ def _checked(result: object, python: str, args: dict[str, Any]) -> dict[str, Any
         got = imports.get(name)
         if not isinstance(got, dict) or not isinstance(got.get("ok"), bool):
             raise _not_a_result(python, f"no import result for {name}")
-        frames = got.get("frames", [])
-        failure = isinstance(got.get("type"), str) and isinstance(got.get("message"), str)
-        framed = isinstance(frames, list) and all(
-            isinstance(f, dict) and isinstance(f.get("file"), str) for f in frames
-        )
-        if not got["ok"] and not (failure and framed):
+        texts = (got.get("type"), got.get("message"), got.get("raised_in", ""))
+        if not got["ok"] and not all(isinstance(text, str) for text in texts):
             raise _not_a_result(python, f"a malformed import failure for {name}")
     for patch_id, probe in probes.items():
         checks = probe.get("checks", []) if isinstance(probe, dict) else None
@@ -327,8 +322,7 @@ def _judge(
     if got["ok"]:
         return ModuleCheck(name, IMPORT_OK)
     reason = f"{got['type']}: {got['message']}"
-    frames = got.get("frames", [])
-    in_patched = (frames[-1]["file"] if frames else "") in patched_files
+    in_patched = got.get("raised_in", "") in patched_files
     original = (original_imports or {}).get(name)
     if got["type"] in ("SyntaxError", "IndentationError", "TabError") and in_patched:
         return ModuleCheck(name, BROKEN, reason, "the error is a syntax error in a patched file")
