@@ -26,7 +26,6 @@ from k3patch.verdicts import SiteResult, Verdict
 from . import forms
 from .forms import FIELD_NAME, FORK_FIELDS
 from .sites import (
-    PENDING,
     Function,
     Insert,
     Item,
@@ -204,10 +203,9 @@ class MoriioGroupRouting(Patch):
         return [self.result(UPSTREAM_SITES[rel], rel, verdict, detail, shape) for rel in FILES]
 
     def rewrite(self, sources: Sources, pending: list[SiteResult], files: Codemods) -> None:
-        for site in FORK_SITES:
-            src = sources[site.file]
-            if site.look(src)[0].verdict is PENDING:
-                site.rewrite(src, files[site.file])
+        wanted = {r.site for r in pending}
+        for site in (s for s in FORK_SITES if s.name in wanted):
+            site.rewrite(sources[site.file], files[site.file])
 
     def probe(self) -> ProbeOutcome | None:
         from . import probe

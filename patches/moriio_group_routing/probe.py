@@ -85,7 +85,7 @@ class Case:
     label: str
     layout: Layout
     chunks: tuple[int, ...]
-    growing: frozenset[str] = frozenset()
+    growing: tuple[str, ...] = ()
     gate_may_hold: bool = False
     one_sided: str | None = None
     external: bool = True
@@ -103,39 +103,31 @@ class Case:
         return [[DECODE_OFFSET + b for b in g] for g in self.prefill_blocks()]
 
 
-THREE = (16, 16, 8)
+ONE, THREE = (12,), (16, 16, 8)
 UNFIXED_DECODE, UNFIXED_PREFILL = "the decode node", "the prefill scheduler"
 CASES = (
-    Case("K3, 1 chunk", K3_LAYOUT, (12,)),
+    Case("K3, 1 chunk", K3_LAYOUT, ONE),
     # Without prefix caching a KDA group holds one state block per request; only MLA grows.
-    Case("K3, 3 chunks", K3_LAYOUT, THREE, frozenset({"mla"}), gate_may_hold=True),
+    Case("K3, 3 chunks", K3_LAYOUT, THREE, ("mla",), gate_may_hold=True),
     # Every group grows (Mamba prefix caching): even a group-0 block-count gate sends at the end.
-    Case("K3, 3 chunks, every group grows", K3_LAYOUT, THREE, frozenset({"mamba", "mla"})),
-    Case("two-group, 1 chunk", TWO_GROUP_LAYOUT, (12,)),
-    Case("two-group, 3 chunks", TWO_GROUP_LAYOUT, THREE, frozenset({"attention"})),
-    Case("K3, 1 chunk, decode node without the fix", K3_LAYOUT, (12,), one_sided=UNFIXED_DECODE),
+    Case("K3, 3 chunks, every group grows", K3_LAYOUT, THREE, ("mamba", "mla")),
+    Case("two-group, 1 chunk", TWO_GROUP_LAYOUT, ONE),
+    Case("two-group, 3 chunks", TWO_GROUP_LAYOUT, THREE, ("attention",)),
+    Case("K3, 1 chunk, decode node without the fix", K3_LAYOUT, ONE, one_sided=UNFIXED_DECODE),
     Case(
-        "K3, 1 chunk, prefill scheduler without the fix",
-        K3_LAYOUT,
-        (12,),
-        one_sided=UNFIXED_PREFILL,
+        "K3, 1 chunk, prefill scheduler without the fix", K3_LAYOUT, ONE, one_sided=UNFIXED_PREFILL
     ),
     # One attention group: the fork's [0] is right (the older fix alone drops later chunks).
-    Case("attention only, 1 chunk", ATTENTION_LAYOUT, (12,)),
-    Case("attention only, 3 chunks", ATTENTION_LAYOUT, THREE, frozenset({"attention"})),
-    Case("two attention groups, 1 chunk", TWO_ATTENTION_LAYOUT, (12,)),
-    Case(
-        "two attention groups, 3 chunks",
-        TWO_ATTENTION_LAYOUT,
-        THREE,
-        frozenset({"attention", "sliding"}),
-    ),
+    Case("attention only, 1 chunk", ATTENTION_LAYOUT, ONE),
+    Case("attention only, 3 chunks", ATTENTION_LAYOUT, THREE, ("attention",)),
+    Case("two attention groups, 1 chunk", TWO_ATTENTION_LAYOUT, ONE),
+    Case("two attention groups, 3 chunks", TWO_ATTENTION_LAYOUT, THREE, ("attention", "sliding")),
     # Decode names no block: a fix that sends its lists regardless overwrites cached KV.
-    Case("K3, 1 chunk, decode without external tokens", K3_LAYOUT, (12,), external=False),
+    Case("K3, 1 chunk, decode without external tokens", K3_LAYOUT, ONE, external=False),
     Case(
         "attention only, 1 chunk, decode without external tokens",
         ATTENTION_LAYOUT,
-        (12,),
+        ONE,
         external=False,
     ),
 )
@@ -307,9 +299,7 @@ def drive_write(case: Case) -> Stub:
     the request once it finished (`leaks`), why the prefill node took no remote allocation
     (`refused`), and per layer of the first save its route and the layer whose offsets call made
     it, None: not recorded (`routes`), or its error (`errors`)."""
-    common = importlib.import_module(COMMON)
-    connector = importlib.import_module(CONNECTOR)
-    engine = importlib.import_module(ENGINE)
+    common, connector, engine = map(importlib.import_module, (COMMON, CONNECTOR, ENGINE))
     drive = Stub(saves=[], messages=0, notify=None, leaks=[], refused=None, routes={}, errors={})
     prompt = sum(case.chunks)
     with Swap() as swap:

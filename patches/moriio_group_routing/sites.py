@@ -145,13 +145,9 @@ class Item(Part):
     def _holders(self, node: Any) -> list[Any]:
         if self.kind in ("field", "param"):
             return [node]
-        if self.kind == "keyword":
-            calls = [n for n in ast.walk(node) if isinstance(n, ast.Call)]
-            found: list[Any] = [c for c in calls if astkit.callee_name(c) == self.callee]
-        else:
-            found = [n for n in ast.walk(node) if isinstance(n, ast.Dict)]
-        name = self._parse(self.fork)[0]
-        return [n for n in found if name in named_items(n)]
+        kind, name = ast.Call if self.kind == "keyword" else ast.Dict, self._parse(self.fork)[0]
+        found = [n for n in ast.walk(node) if isinstance(n, kind) and name in named_items(n)]
+        return [n for n in found if isinstance(n, ast.Dict) or astkit.callee_name(n) == self.callee]
 
     def look(self, src: SourceFile, node: Any, scope: str) -> Look:
         if self.kind == "param" and (node.args.vararg or node.args.kwarg or node.args.kwonlyargs):
@@ -189,18 +185,10 @@ class Item(Part):
             added = f"{FIELD_COMMENT}\n{self.added}" if self.kind == "field" else self.added
             file.append_to(holder, added)
             return
-        # The codemod edits the innermost statement whose text holds the call or dict literal.
-        start = (holder.lineno, holder.col_offset)
-        end = (holder.end_lineno or 0, holder.end_col_offset or 0)
-        holding = [
-            s
-            for s in ast.walk(node)
-            if isinstance(s, ast.stmt)
-            and (s.lineno, s.col_offset) <= start
-            and end <= (s.end_lineno or 0, s.end_col_offset or 0)
-        ]
-        within = max(holding, key=lambda s: (s.lineno, s.col_offset))  # the one that starts last
-        file.append_to(holder, self.added, within=within)
+        # The codemod edits the innermost statement that holds the call or dict literal: the
+        # statements holding it form one chain, which ast.walk visits outermost first.
+        holding = [s for s in ast.walk(node) if isinstance(s, ast.stmt) and holder in ast.walk(s)]
+        file.append_to(holder, self.added, within=holding[-1])
 
 
 def keyword(callee: str, added: str) -> Item:
