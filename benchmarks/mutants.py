@@ -61,7 +61,7 @@ AITER, CHUNK, ROUTING, KDA = (
 # The declaration files, relative to patches/.
 AITER_DECL = "aiter_mla_gfx942/__init__.py"
 CHUNK_DECL = "moriio_chunk_gate/__init__.py"
-CHUNK_LEGACY = "moriio_chunk_gate/legacy.py"
+CHUNK_LEGACY = "moriio_chunk_gate/gates.py"
 ROUTING_FORMS = "moriio_group_routing/forms.py"
 ROUTING_DECL = "moriio_group_routing/__init__.py"
 KDA_DECL = "kda_gather_diagnostic/__init__.py"
@@ -288,7 +288,7 @@ VARIANTS: tuple[Variant, ...] = (
         ),
         CHUNK_TREES,
     ),
-    # The older script's decisions on tree d, repaired in place by LEGACY_TEMPLATE (legacy.py),
+    # The older script's decisions on tree d, repaired in place by LEGACY_TEMPLATE (gates.py),
     # which k3patch reads back by its meaning, not by a stored shape.
     Variant(
         "chunk-legacy-gt",

@@ -42,6 +42,29 @@ class Context:
         return cls(module, method, klass)
 
 
+def parent_map(root: ast.AST) -> dict[int, ast.AST]:
+    """id(node) -> its parent, for every node under `root`."""
+    return {id(child): node for node in ast.walk(root) for child in ast.iter_child_nodes(node)}
+
+
+def ancestors(
+    node: ast.AST, parents: Mapping[int, ast.AST], stop: ast.AST | None = None
+) -> list[ast.AST]:
+    """The nodes enclosing `node`, innermost first, up to the root or to (not including) `stop`."""
+    found = []
+    parent = parents.get(id(node))
+    while parent is not None and parent is not stop:
+        found.append(parent)
+        parent = parents.get(id(parent))
+    return found
+
+
+def outline(outer: Sequence[ast.stmt], inner: Sequence[str], unit: str = "    ") -> str:
+    """The first line of each of `outer` (outermost first), a `unit` deeper each, then `inner`."""
+    heads = [unit * depth + ast.unparse(stmt).splitlines()[0] for depth, stmt in enumerate(outer)]
+    return "\n".join([*heads, *(unit * len(outer) + line for line in inner)])
+
+
 def loaded_names(nodes: Iterable[ast.AST], skip: Iterable[ast.AST] = ()) -> set[str]:
     """The bare names read under `nodes`, not counting the subtrees in `skip` (by identity)."""
     skipped = {id(node) for node in skip}
