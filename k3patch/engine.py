@@ -3,6 +3,7 @@ again, then written with the state record in one transaction), and revert. Nothi
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 from collections.abc import Collection
@@ -355,18 +356,15 @@ def _refresh_record(tree: VllmTree, lock_timeout: float) -> None:
     Best effort: a tree that cannot be written keeps no record."""
     if not os.access(tree.package_dir, os.W_OK):
         return
-    try:
-        with locked(tree.package_dir, lock_timeout):
-            full = scan(tree, all_patches())
-            if full.from_record or full.pending() or full.drifted or full.interrupted:
-                return
-            record = _record(full, _carried_files(load(tree.state_dir), full))
-            # One file replaced atomically: no journal needed.
-            write_atomically(tree.state_dir / STATE_FILE, record.to_bytes(), root=tree.package_dir)
-    except EnvironmentProblem:
-        # A damaged record is never overwritten; an empty state dir this run created is
-        # removed by the lock's release, which knows whether another run holds it.
-        pass
+    # A damaged record is never overwritten; an empty state dir this run created is removed by
+    # the lock's release, which knows whether another run holds it.
+    with contextlib.suppress(EnvironmentProblem), locked(tree.package_dir, lock_timeout):
+        full = scan(tree, all_patches())
+        if full.from_record or full.pending() or full.drifted or full.interrupted:
+            return
+        record = _record(full, _carried_files(load(tree.state_dir), full))
+        # One file replaced atomically: no journal needed.
+        write_atomically(tree.state_dir / STATE_FILE, record.to_bytes(), root=tree.package_dir)
 
 
 def _commit(txn: Transaction, edits: list[FileEdit], op: str, old: StateRecord | None) -> list[str]:

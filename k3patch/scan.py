@@ -149,11 +149,8 @@ def classify(patch: Patch, sources: Sources) -> list[SiteResult]:
 
 
 def file_hashes(sources: Sources, files: Iterable[str]) -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
-    for rel in files:
-        data = sources[rel].data
-        out[rel] = None if data is None else sha256(data)
-    return out
+    read = {rel: sources[rel].data for rel in files}
+    return {rel: None if data is None else sha256(data) for rel, data in read.items()}
 
 
 def scan(
