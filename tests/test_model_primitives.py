@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 
 from k3patch.patches.kda_gather_diagnostic import (
-    drifted,
     imported_module,
     string_constants,
     walk_scope,
@@ -41,7 +40,6 @@ from k3patch.astkit import (
 )
 from k3patch.fingerprints import Shape
 from k3patch.shapes import VersionRange, match
-from k3patch.sources import SourceFile
 from k3patch.verdicts import Verdict
 
 
@@ -328,18 +326,6 @@ def test_unset_attributes_of_self_in_a_class():
     method = cls.body[1]
     assert unset_attributes([method], cls) == {"b", "c"}
     assert unset_attributes([cls.body[2]], cls) == set()  # `self.e += 1` stores e
-
-
-def test_drifted_reports_the_nodes_as_found_and_what_was_expected():
-    text = "import os\n\nif a:\n    b()\nc = 1\n"
-    source = SourceFile("pkg/mod.py", text.encode())
-    first, second = source.tree.body[1:]
-    result = drifted("p", "mod.site", source, [first, second], "in no known shape", ["x (pending)"])
-    assert (result.patch_id, result.site, result.file) == ("p", "mod.site", "pkg/mod.py")
-    assert result.verdict is Verdict.DRIFTED and result.line == 3
-    assert result.detail == "in no known shape; nothing will be written"
-    assert result.found == "if a:\n    b()\nc = 1" and result.expected == ("x (pending)",)
-    assert drifted("p", "s", source, [second], "why").expected == ()
 
 
 def test_combined_verdict_any_drift_wins_agreement_gives_its_verdict_a_mixture_none():
