@@ -1,6 +1,6 @@
-"""The saved copies in `vllm/.k3patch/blobs/`: every before- and after-image of a commit, named
-by its sha256, so that a revert (or the rollback of an interrupted commit) puts back the exact
-bytes. Only blob-named regular files are ever read or pruned; anything else there is left alone.
+"""The saved copies in `vllm/.k3patch/blobs/`: every before-image of a commit, named by its
+sha256, so that a revert (or the rollback of an interrupted commit) puts back the exact bytes.
+Only blob-named regular files are ever read or pruned; anything else there is left alone.
 """
 
 from __future__ import annotations
@@ -28,12 +28,11 @@ class Blobs:
     def _read(self, digest: str) -> bytes | None:
         return read_in(self.package_dir, f"{self.rel_dir}/{digest}", what="saved copy")
 
-    def store(self, data: bytes) -> str:
-        """Save `data` (once: a copy already there is kept) and return its name."""
+    def store(self, data: bytes) -> None:
+        """Save `data` (once: a copy already there is kept)."""
         digest = hashlib.sha256(data).hexdigest()
         if self._read(digest) != data:
             write_atomically(self.dir / digest, data, root=self.package_dir)
-        return digest
 
     def load(self, digest: str) -> bytes:
         """The saved copy named `digest`, checked against its name."""
@@ -52,6 +51,6 @@ class Blobs:
 
     def prune(self, keep: set[str]) -> None:
         """Remove every saved copy not in `keep`: only blob-named regular files."""
-        for name in regular_files(self.package_dir, self.rel_dir, NAME):
+        for name in self.names():
             if name not in keep:
                 unlink_in(self.package_dir, f"{self.rel_dir}/{name}")

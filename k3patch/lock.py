@@ -22,14 +22,14 @@ class Busy(EnvironmentProblem):
     """Another run held the lock for longer than the timeout."""
 
 
-_held: dict[str, tuple[int, bool]] = {}  # package dir -> (fd holding its flock, exclusive?)
-_deadlines: dict[str, float] = {}  # package dir -> the deadline of this process's first wait
+# package dir -> (fd holding its flock, exclusive?, the deadline of this process's first wait)
+_held: dict[str, tuple[int, bool, float]] = {}
 
 
-def _deadline(key: str, timeout: float) -> float:
+def _deadline(timeout: float) -> float:
     if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout < 0:
         raise BadLockTimeout(f"--lock-timeout {timeout!r}: give a finite number of seconds >= 0")
-    return _deadlines.setdefault(key, time.monotonic() + timeout)
+    return time.monotonic() + timeout
 
 
 def _take(key: str, mode: int, deadline: float, timeout: float) -> int:
@@ -75,14 +75,11 @@ def wait_if_busy(package_dir: Path | str, timeout: float) -> bool:
 def hold(package_dir: Path | str, timeout: float) -> None:
     """Take the tree's lock, exclusive, until `release` (or the process ends)."""
     key = os.path.abspath(package_dir)
-    if _held.get(key, (0, False))[1]:
+    _, exclusive, deadline = _held.get(key) or (-1, False, _deadline(timeout))
+    if exclusive:
         return
-    deadline = _deadline(key, timeout)
     release(key)  # a shared hold is given up first: flock cannot upgrade it atomically
-    try:
-        _held[key] = (_take(key, fcntl.LOCK_EX, deadline, timeout), True)
-    finally:
-        _deadlines.pop(key, None)
+    _held[key] = (_take(key, fcntl.LOCK_EX, deadline, timeout), True, deadline)
 
 
 def hold_or_wait(package_dir: Path | str, timeout: float) -> bool:
@@ -92,22 +89,16 @@ def hold_or_wait(package_dir: Path | str, timeout: float) -> bool:
     key = os.path.abspath(package_dir)
     if key in _held:
         return _held[key][1]
-    deadline = _deadline(key, timeout)
+    deadline = _deadline(timeout)
     with contextlib.suppress(Busy):
-        _held[key] = (_take(key, fcntl.LOCK_EX, 0.0, timeout), True)
+        _held[key] = (_take(key, fcntl.LOCK_EX, 0.0, timeout), True, deadline)
         return True
-    try:
-        _held[key] = (_take(key, fcntl.LOCK_SH, deadline, timeout), False)
-    except BaseException:
-        _deadlines.pop(key, None)
-        raise
+    _held[key] = (_take(key, fcntl.LOCK_SH, deadline, timeout), False, deadline)
     return False
 
 
 def release(package_dir: Path | str) -> None:
-    key = os.path.abspath(package_dir)
-    held = _held.pop(key, None)
-    _deadlines.pop(key, None)
+    held = _held.pop(os.path.abspath(package_dir), None)
     if held is not None:
         os.close(held[0])
 
@@ -116,7 +107,7 @@ def release(package_dir: Path | str) -> None:
 def locked(package_dir: Path | str, timeout: float) -> Iterator[None]:
     """Hold the lock for a block; if this process already holds it, keep holding it after."""
     key = os.path.abspath(package_dir)
-    already = _held.get(key, (0, False))[1]
+    already = key in _held and _held[key][1]
     hold(key, timeout)
     try:
         yield

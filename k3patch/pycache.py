@@ -13,110 +13,91 @@ import contextlib
 import importlib.util
 import marshal
 import os
-import py_compile
 import re
-import stat
+import struct
 import sys
 from pathlib import Path
 
 from k3patch.errors import EnvironmentProblem
 from k3patch.replace import write_atomically
-from k3patch.safefs import NotRegular, env_error, open_dir_if_there, read_file
+from k3patch.safefs import env_error, open_dir_if_there, read_in
 
 _PYC_NAME = re.compile(r"^(?P<stem>.+?)\.(?P<tag>[^.]+)(?:\.opt-(?P<opt>\d+))?\.pyc$")
 
-_MODE_BY_FLAGS = {
-    0: py_compile.PycInvalidationMode.TIMESTAMP,
-    1: py_compile.PycInvalidationMode.UNCHECKED_HASH,
-    3: py_compile.PycInvalidationMode.CHECKED_HASH,
-}
+# PEP 552's flags word, as `py_compile.PycInvalidationMode` names the modes.
+_MODES = {0: "timestamp", 1: "unchecked_hash", 3: "checked_hash"}
+
+
+def _pycs(source: Path) -> dict[str, bool]:
+    """Each pyc of `source` in its `__pycache__` (a link or non-directory there is refused):
+    its name -> whether it is a regular file."""
+    dfd = open_dir_if_there(source.parent, "__pycache__")
+    if dfd is None:
+        return {}
+    try:
+        return {
+            entry.name: entry.is_file(follow_symlinks=False)
+            for entry in sorted(os.scandir(dfd), key=lambda e: e.name)
+            if (match := _PYC_NAME.match(entry.name))
+            and match["stem"] == source.stem
+            and not entry.is_dir()
+        }
+    finally:
+        os.close(dfd)
 
 
 def check_cache_dir(source: Path) -> None:
     """A `__pycache__` that is a symlink or not a directory would have k3patch write pycs
     outside the tree, and a pyc of `source` that is a FIFO, socket, device or link is no
     bytecode k3patch can read or rebuild: both refused before the first write."""
-    dfd = open_dir_if_there(source.parent, "__pycache__")  # refuses a link or a non-directory
-    if dfd is not None:
-        os.close(dfd)
-    for pyc in pycs_for(source):
-        with contextlib.suppress(FileNotFoundError):
-            if not stat.S_ISREG(os.lstat(pyc).st_mode):
-                raise EnvironmentProblem(
-                    f"{pyc} is not a regular file (a symlink, FIFO, socket or device); k3patch "
-                    "reads and rebuilds only real bytecode files. Remove it and run again"
-                )
+    for name, regular in _pycs(source).items():
+        if not regular:
+            raise EnvironmentProblem(
+                f"{source.parent / '__pycache__' / name} is not a regular file (a symlink, FIFO, "
+                "socket or device); k3patch reads and rebuilds only real bytecode files. Remove "
+                "it and run again"
+            )
 
 
-def pycs_for(source: Path) -> list[Path]:
-    cache_dir = source.parent / "__pycache__"
-    if cache_dir.is_symlink() or not cache_dir.is_dir():
-        return []
-    found = []
-    for entry in cache_dir.iterdir():
-        match = _PYC_NAME.match(entry.name)
-        if match and match.group("stem") == source.stem and not entry.is_dir():
-            found.append(entry)
-    return sorted(found)
-
-
-def _read(path: Path) -> bytes | None:
-    """Through the one no-follow, non-blocking reader: None when absent or not a regular file (a
-    link or FIFO is never followed, a source that is one never compiled)."""
-    try:
-        return read_file(path)
-    except (OSError, NotRegular):
-        return None
-
-
-def invalidation_mode(pyc: bytes) -> py_compile.PycInvalidationMode | None:
-    """The mode a pyc was written in, or None when it is not this interpreter's pyc."""
-    if len(pyc) < 8 or pyc[:4] != importlib.util.MAGIC_NUMBER:
-        return None
-    return _MODE_BY_FLAGS.get(int.from_bytes(pyc[4:8], "little"))
-
-
-def pyc_bytes(data: bytes, source: Path, mode: py_compile.PycInvalidationMode, opt: int) -> bytes:
-    """What `py_compile.compile` writes for `source` holding `data` (PEP 552's header, then the
-    code)."""
+def pyc_bytes(data: bytes, source: Path, flags: int, opt: int) -> bytes:
+    """What `py_compile.compile` writes for `source` holding `data` in the mode `flags` (PEP
+    552's header, then the code)."""
     code = compile(data, str(source), "exec", dont_inherit=True, optimize=opt)
-    if mode is py_compile.PycInvalidationMode.TIMESTAMP:
-        flags, st = 0, os.stat(source)
-        key = (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
-        key += (st.st_size & 0xFFFFFFFF).to_bytes(4, "little")
+    if flags == 0:
+        st = os.stat(source)
+        key = struct.pack("<II", int(st.st_mtime) & 0xFFFFFFFF, st.st_size & 0xFFFFFFFF)
     else:
-        checked = mode is py_compile.PycInvalidationMode.CHECKED_HASH
-        flags = 0b01 | (0b10 if checked else 0)
         key = importlib.util.source_hash(data)
     return importlib.util.MAGIC_NUMBER + flags.to_bytes(4, "little") + key + marshal.dumps(code)
 
 
 def sync_pycache(source: Path) -> list[str]:
     """Recompile or remove every pyc of `source`; returns one line per action, for reports."""
+    cache = source.parent / "__pycache__"
+    actions = []
+    pycs = _pycs(source)
+    data = read_in(source.parent, source.name) if pycs else None
     try:
-        return [f"{source.name}: {action}" for action in _sync(source)]
+        for name, regular in pycs.items():
+            match = _PYC_NAME.match(name)
+            assert match is not None
+            old = None
+            if regular and match["tag"] == sys.implementation.cache_tag:
+                old = read_in(source.parent, f"__pycache__/{name}")
+            flags = -1
+            if old is not None and len(old) >= 8 and old[:4] == importlib.util.MAGIC_NUMBER:
+                flags = int.from_bytes(old[4:8], "little")
+            new = None
+            if data is not None and flags in _MODES:
+                # A source that does not compile: its interpreter reads it anew.
+                with contextlib.suppress(SyntaxError, ValueError):
+                    new = pyc_bytes(data, source, flags, int(match["opt"] or 0))
+            if new is not None:
+                write_atomically(cache / name, new, root=source.parent)
+                actions.append(f"{source.name}: recompiled {name} ({_MODES[flags]})")
+            else:
+                os.unlink(cache / name)  # a link or FIFO goes unopened, never followed
+                actions.append(f"{source.name}: removed {name}")
     except OSError as exc:
         raise env_error("update the bytecode of", source, exc) from None
-
-
-def _sync(source: Path) -> list[str]:
-    actions = []
-    pycs = pycs_for(source)
-    data = _read(source) if pycs else None
-    for pyc in pycs:
-        match = _PYC_NAME.match(pyc.name)
-        assert match is not None
-        old = _read(pyc) if match["tag"] == sys.implementation.cache_tag else None
-        mode = None if old is None else invalidation_mode(old)
-        new = None
-        if data is not None and mode is not None:
-            # A source that does not compile: its interpreter reads it anew.
-            with contextlib.suppress(SyntaxError, ValueError):
-                new = pyc_bytes(data, source, mode, int(match["opt"] or 0))
-        if new is not None and mode is not None:
-            write_atomically(pyc, new, os.lstat(pyc), root=source.parent)
-            actions.append(f"recompiled {pyc.name} ({mode.name.lower()})")
-        else:
-            os.unlink(pyc)  # never opened: a link or FIFO goes without being followed
-            actions.append(f"removed {pyc.name}")
     return actions

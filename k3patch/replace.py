@@ -1,7 +1,7 @@
 """Replacing one file inside the tree so that a reader sees the old file or the new, never a mix:
 a temp file beside it (O_CREAT|O_EXCL|O_NOFOLLOW under an unpredictable name, so a planted link is
 never written through), fsynced, with the owner, mode and xattrs of the file it replaces, renamed
-over it. `replace_checked` also keeps another writer's edit (see there).
+over it, never over another writer's edit (see replace_checked).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import os
 import re
 import secrets
@@ -24,11 +25,11 @@ from k3patch.safefs import (
     open_dir,
     open_dir_if_there,
     open_regular,
-    read_fd,
+    read_in,
     shared_mode,
 )
 
-# What `_new_temp` names a temp file: only files named so are ever removed as litter.
+# What `write_temp` names a temp file: only files named so are ever removed as litter.
 LITTER = re.compile(r"^\..+\.k3patch-tmp\.[0-9a-f]+$")
 
 
@@ -38,15 +39,6 @@ def _copy_xattrs(src_fd: int, dst_fd: int) -> None:
         for name in os.listxattr(src_fd):
             with contextlib.suppress(OSError):
                 os.setxattr(dst_fd, name, os.getxattr(src_fd, name))
-
-
-def _new_temp(dfd: int, name: str) -> tuple[str, int]:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    for _ in range(16):
-        tmp = f".{name}.k3patch-tmp.{secrets.token_hex(8)}"
-        with contextlib.suppress(FileExistsError):
-            return tmp, os.open(tmp, flags, 0o600, dir_fd=dfd)
-    raise FileExistsError(errno.EEXIST, "no free temp name", name)
 
 
 def _keep_owner(fd: int, like: os.stat_result, name: str) -> None:
@@ -72,11 +64,12 @@ def _keep_owner(fd: int, like: os.stat_result, name: str) -> None:
 def write_temp(dfd: int, name: str, data: bytes, like_fd: int | None) -> str:
     """A new temp file beside `name` in `dfd` holding `data`, fsynced, with the owner, mode and
     xattrs of `like_fd` (or the directory's read bits, see shared_mode); returns its name."""
-    tmp, fd = _new_temp(dfd, name)
+    tmp = f".{name}.k3patch-tmp.{secrets.token_hex(8)}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        with open(fd, "wb", closefd=False) as file:
+            file.write(data)
         if like_fd is not None:
             like = os.fstat(like_fd)
             # Owner first: chown clears setuid/setgid, so the mode goes on after it.
@@ -88,10 +81,10 @@ def write_temp(dfd: int, name: str, data: bytes, like_fd: int | None) -> str:
             os.fchmod(fd, shared_mode(dfd, 0o644))
         os.fsync(fd)
     except BaseException:
-        os.close(fd)
         unlink_quietly(dfd, tmp)
         raise
-    os.close(fd)
+    finally:
+        os.close(fd)
     return tmp
 
 
@@ -100,60 +93,22 @@ def unlink_quietly(dfd: int, name: str) -> None:
         os.unlink(name, dir_fd=dfd)
 
 
-def _put(dfd: int, name: str, data: bytes, like_fd: int | None) -> None:
-    """`data` renamed over `name` in `dfd` from a temp file (see write_temp), `dfd` fsynced."""
-    tmp = write_temp(dfd, name, data, like_fd)
-    try:
-        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-    except BaseException:
-        unlink_quietly(dfd, tmp)
-        raise
-    os.fsync(dfd)
-
-
-def _open_existing(dfd: int, name: str, path: Path | str) -> int | None:
-    try:
-        return open_regular(name, dir_fd=dfd)
-    except NotRegular:
-        raise not_plain(path) from None
-
-
-def write_atomically(
-    path: Path, data: bytes, like: os.stat_result | None = None, *, root: Path | None = None
-) -> None:
-    """Replace `path` with `data`, every directory from `root` (default: its own) down opened
-    without following a symlink; a missing state directory on the way is made (and removed again
-    when the write fails). With `like`, the file keeps the owner, mode and xattrs it had."""
-    root = root or path.parent
+def write_atomically(path: Path, data: bytes, *, root: Path) -> None:
+    """Replace `path` with `data`, whatever it holds now (see replace_checked); the state
+    directories missing on the way from `root` are made."""
     rel = path.relative_to(root).as_posix()
-    rel_dir, name = os.path.dirname(rel), os.path.basename(rel)
-    made = bool(rel_dir) and not os.path.lexists(root / rel_dir)
-    dfd = open_dir(root, rel_dir, create=made)
-    try:
-        like_fd = _open_existing(dfd, name, path) if like is not None else None
-        try:
-            _put(dfd, name, data, like_fd)
-        finally:
-            if like_fd is not None:
-                os.close(like_fd)
-    except BaseException as exc:
-        if made:  # only while still empty: a run that failed leaves no state directory
-            with contextlib.suppress(OSError):
-                os.rmdir(root / rel_dir)
-        if isinstance(exc, OSError):
-            raise env_error("write", path, exc) from None
-        raise
-    finally:
-        os.close(dfd)
+    os.close(open_dir(root, os.path.dirname(rel), create=True))
+    replace_checked(root, rel, read_in(root, rel), data)
 
 
-def unlink_in(root: Path, rel: str) -> None:
-    """Remove `root/rel` (absent is fine), the directories on the way not followed if links."""
+def unlink_in(root: Path, rel: str, *, rmdir: bool = False) -> None:
+    """Remove the file (with `rmdir`: the empty directory) `root/rel`, absent is fine, the
+    directories on the way not followed if links."""
     dfd = open_dir_if_there(root, os.path.dirname(rel))
     if dfd is None:
         return
     try:
-        os.unlink(os.path.basename(rel), dir_fd=dfd)
+        (os.rmdir if rmdir else os.unlink)(os.path.basename(rel), dir_fd=dfd)
         os.fsync(dfd)
     except FileNotFoundError:
         pass
@@ -168,30 +123,34 @@ def _snapshot(st: os.stat_result) -> tuple[int, int, int, int]:
 
 
 _RENAME_EXCHANGE = 2  # linux/fs.h
-_renameat2: list[Callable[..., int] | None] = []  # found on first use; [None]: none here
+
+
+@functools.cache
+def _renameat2() -> Callable[..., int] | None:
+    try:
+        found = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    found.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return found  # type: ignore[no-any-return]
 
 
 def exchange(dfd: int, a: str, b: str) -> bool:
     """Swap the names `a` and `b` in `dfd` atomically (Linux renameat2 RENAME_EXCHANGE); False
     where the system or filesystem cannot (the caller then renames plainly)."""
-    if not _renameat2:
-        try:
-            found = ctypes.CDLL(None, use_errno=True).renameat2
-            c_int, c_path = ctypes.c_int, ctypes.c_char_p
-            found.argtypes = [c_int, c_path, c_int, c_path, ctypes.c_uint]
-            _renameat2.append(found)
-        except (OSError, AttributeError):
-            _renameat2.append(None)
-    call = _renameat2[0]
+    call = _renameat2()
     if call is None:
         return False
     if call(dfd, os.fsencode(a), dfd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
-        _renameat2[0] = None  # this kernel or filesystem has no exchange: do not ask again
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), b)
+
+
+def _contents(fd: int) -> bytes:
+    return os.pread(fd, os.fstat(fd).st_size + 1, 0)
 
 
 def _look(dfd: int, name: str) -> tuple[int, int, int, int] | None:
@@ -212,25 +171,29 @@ def replace_checked(
     rel: str,
     before: bytes | None,
     after: bytes | None,
-    *,
-    about_to_rename: Callable[[], None],
-    notes: list[str],
-) -> None:
+    about_to_rename: Callable[[], None] = lambda: None,
+) -> list[str]:
     """Replace `root/rel`, which must hold `before` (None: absent), with `after` (None: remove
-    it). Raises ConcurrentChange, with the other writer's file in place, when the file is not
-    `before` when read, is not the same file right before the rename, or was renamed in after
-    that last look (seen through an atomic exchange, where the system has one).
-    `about_to_rename` is called right before the file is changed."""
+    it); returns the notes for the report (other hard links keep the old content). Raises
+    ConcurrentChange, with the other writer's file in place, when the file is not `before`
+    when read, is not the same file right before the rename, or was renamed in after that last
+    look (seen through an atomic exchange, where the system has one). `about_to_rename` is
+    called right before the file is changed."""
     path = root / rel
     dfd = open_dir(root, os.path.dirname(rel))
     name = os.path.basename(rel)
     old_fd: int | None = None
     try:
-        old_fd = _open_existing(dfd, name, path)
-        if (None if old_fd is None else read_fd(old_fd)) != before:
-            raise changed(path)
+        try:
+            old_fd = open_regular(name, dir_fd=dfd)
+        except NotRegular:
+            raise not_plain(path) from None
+        # The snapshot before the read: an edit landing between them shows at the last look.
         old = None if old_fd is None else os.fstat(old_fd)
         seen = None if old is None else _snapshot(old)
+        if (None if old_fd is None else _contents(old_fd)) != before:
+            raise changed(path)
+        notes = []
         if old is not None and old.st_nlink > 1:
             notes.append(
                 f"note: vllm/{rel} had {old.st_nlink} hard links; the other names keep the old "
@@ -261,7 +224,9 @@ def replace_checked(
         os.fsync(dfd)
         if old_fd is not None and _snapshot(os.fstat(old_fd)) != seen:
             # An edit landed on the old file in the last instant: put it back, report it.
-            _put(dfd, name, os.pread(old_fd, os.fstat(old_fd).st_size + 1, 0), old_fd)
+            tmp = write_temp(dfd, name, _contents(old_fd), old_fd)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.fsync(dfd)
             raise ConcurrentChange(
                 f"{path} was written by another process while k3patch replaced it; its "
                 "edit was put back and nothing of k3patch's was kept, run again"
@@ -272,3 +237,4 @@ def replace_checked(
         if old_fd is not None:
             os.close(old_fd)
         os.close(dfd)
+    return notes

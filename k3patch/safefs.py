@@ -72,22 +72,13 @@ def open_regular(path: Path | str, *, dir_fd: int | None = None) -> int | None:
     return fd
 
 
-def read_fd(fd: int) -> bytes:
-    chunks = []
-    while chunk := os.read(fd, 1 << 20):
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def read_file(path: Path | str, *, dir_fd: int | None = None) -> bytes | None:
     """The bytes of the regular file at `path`, None when absent (see open_regular)."""
     fd = open_regular(path, dir_fd=dir_fd)
     if fd is None:
         return None
-    try:
-        return read_fd(fd)
-    finally:
-        os.close(fd)
+    with open(fd, "rb") as file:
+        return file.read()
 
 
 def file_sha256(path: Path | str) -> str | None:
@@ -102,9 +93,10 @@ def shared_mode(dir_fd: int, most: int) -> int:
     return stat.S_IMODE(os.fstat(dir_fd).st_mode) & most | (most & 0o600)
 
 
-def _walk(root: Path | str, rel_dir: str, create: bool) -> int:
-    """`root/rel_dir`, every component opened without following a symlink; the OSError raised
-    names the path it was raised for as `filename`."""
+def open_dir_if_there(root: Path | str, rel_dir: str, *, create: bool = False) -> int | None:
+    """An fd of the directory `root/rel_dir`, every component opened without following a
+    symlink; None when one is absent. With `create`, the directories missing on the way
+    (k3patch's state directories) are made."""
     path = Path(root)
     try:
         fd = os.open(root, DIR_FLAGS)
@@ -124,35 +116,21 @@ def _walk(root: Path | str, rel_dir: str, create: bool) -> int:
             finally:
                 os.close(fd)
             fd = nxt
-    except OSError as exc:
-        exc.filename = str(path)
-        raise
-    return fd
-
-
-def _dir_problem(exc: OSError, action: str) -> EnvironmentProblem:
-    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-        return not_plain(exc.filename, "directory")
-    return env_error(action, exc.filename, exc)
-
-
-def open_dir(root: Path | str, rel_dir: str, *, create: bool = False) -> int:
-    """An fd of the directory `root/rel_dir` (see _walk); with `create`, the directories
-    missing on the way (k3patch's state directories) are made."""
-    try:
-        return _walk(root, rel_dir, create)
-    except OSError as exc:
-        raise _dir_problem(exc, "create the state directory" if create else "open") from None
-
-
-def open_dir_if_there(root: Path | str, rel_dir: str) -> int | None:
-    """As open_dir, but None when a directory on the way is absent."""
-    try:
-        return _walk(root, rel_dir, False)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise _dir_problem(exc, "open") from None
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise not_plain(path, "directory") from None
+        raise env_error("create the state directory" if create else "open", path, exc) from None
+    return fd
+
+
+def open_dir(root: Path | str, rel_dir: str, *, create: bool = False) -> int:
+    """As open_dir_if_there, but a directory that is absent is an EnvironmentProblem too."""
+    fd = open_dir_if_there(root, rel_dir, create=create)
+    if fd is None:
+        raise EnvironmentProblem(f"cannot open {Path(root) / rel_dir}: no such directory")
+    return fd
 
 
 def read_in(root: Path | str, rel: str, *, what: str = "file") -> bytes | None:
@@ -168,8 +146,6 @@ def read_in(root: Path | str, rel: str, *, what: str = "file") -> bytes | None:
     except NotRegular:
         raise not_plain(shown, what) from None
     except OSError as exc:
-        if exc.errno in (errno.ENOTDIR, errno.EISDIR):
-            raise not_plain(shown, what) from None
         raise env_error(f"read the {what}", shown, exc) from None
     finally:
         os.close(dfd)

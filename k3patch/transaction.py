@@ -1,8 +1,8 @@
 """The journalled commit: the only code that writes into a vLLM tree.
 
-A commit writes a journal (each file's before and after hash), stores every before- and
-after-image as a blob, replaces each file after checking that it still holds its before-image
-(replace.py), brings `__pycache__` in line, and removes the journal. A run that dies in between
+A commit writes a journal (each file's before and after hash), stores every before-image as a
+blob, replaces each file after checking that it still holds its before-image (replace.py),
+brings `__pycache__` in line, and removes the journal. A run that dies in between
 leaves the journal; the next run, under the tree's lock, rolls every journalled file (the state
 record among them) back to its before-image (`recover`) before its own work. Nothing on disk is
 trusted: a journal naming anything but a registered target is damaged, never obeyed.
@@ -24,7 +24,7 @@ from k3patch.blobs import BLOBS, Blobs
 from k3patch.errors import ConcurrentChange, EnvironmentProblem
 from k3patch.pycache import check_cache_dir, sync_pycache
 from k3patch.replace import LITTER, replace_checked, unlink_in, write_atomically
-from k3patch.safefs import open_dir, open_dir_if_there, read_in, regular_files
+from k3patch.safefs import read_in, regular_files
 
 FaultHook = Callable[[str], None]
 
@@ -52,12 +52,10 @@ class Transaction:
 
     def __init__(self, package_dir: Path, fault: FaultHook | None = None) -> None:
         self.package_dir = package_dir
-        self.state_dir = package_dir / ".k3patch"
         self.fault = fault or _fault_from_environment
         self.blobs = Blobs(package_dir)
         # The paths a journal may name: the registered targets and k3patch's own record.
         self.allowed = state.registered_targets() | {state.STATE_REL}
-        self.notes: list[str] = []
 
     # -- blobs (verify and engine read originals through a Transaction) ---------------------
     def load_blob(self, digest: str) -> bytes:
@@ -75,8 +73,6 @@ class Transaction:
         for edit in edits:
             if edit.rel not in self.allowed:
                 raise EnvironmentProblem(f"refusing to write {edit.rel!r}: not a k3patch target")
-            if os.path.dirname(edit.rel) != ".k3patch":  # made with the journal, below
-                os.close(open_dir(self.package_dir, os.path.dirname(edit.rel)))
             if edit.rel.endswith(".py"):
                 check_cache_dir(self.package_dir / edit.rel)
         # Write-ahead: the journal goes first, so that a run killed while storing blobs leaves
@@ -88,16 +84,16 @@ class Transaction:
         journal = state.journal_data(op, entries, os.getpid(), time.time())
         write_atomically(self.package_dir / state.JOURNAL_REL, journal, root=self.package_dir)
         actions: list[str] = []
+        notes: list[str] = []
         written: set[str] = set()
         try:
             self.fault("journal-written")
             for edit in edits:
-                for data in (edit.before, edit.after):
-                    if data is not None:
-                        self.blobs.store(data)
+                if edit.before is not None:  # what a rollback puts back
+                    self.blobs.store(edit.before)
             self.fault("blobs-written")
             for edit in edits:
-                self._replace(edit, written)
+                notes += self._replace(edit, written)
                 self.fault(f"replaced:{edit.rel}")
             for edit in edits:
                 if edit.rel.endswith(".py"):
@@ -110,21 +106,16 @@ class Transaction:
             raise
         unlink_in(self.package_dir, state.JOURNAL_REL)
         self.fault("journal-removed")
-        return actions + self.notes
+        return actions + notes
 
-    def _replace(self, edit: FileEdit, written: set[str]) -> None:
+    def _replace(self, edit: FileEdit, written: set[str]) -> list[str]:
         def about_to_rename() -> None:
             self.fault(f"renaming:{edit.rel}")
             written.add(edit.rel)
 
         try:
-            replace_checked(
-                self.package_dir,
-                edit.rel,
-                edit.before,
-                edit.after,
-                about_to_rename=about_to_rename,
-                notes=self.notes,
+            return replace_checked(
+                self.package_dir, edit.rel, edit.before, edit.after, about_to_rename
             )
         except ConcurrentChange:
             written.discard(edit.rel)  # the other writer's file is in place: not ours to undo
@@ -133,17 +124,9 @@ class Transaction:
     def remove_state_dir(self) -> None:
         """The record, an empty blobs/ and `.k3patch` itself; anything else is left where it is."""
         unlink_in(self.package_dir, state.STATE_REL)
-        dfd = open_dir_if_there(self.package_dir, ".k3patch")
-        if dfd is None:
-            return
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                os.rmdir(BLOBS, dir_fd=dfd)
-            os.rmdir(self.state_dir)
-        except OSError:
-            pass  # not empty: what is left there is not k3patch's to remove
-        finally:
-            os.close(dfd)
+        with contextlib.suppress(EnvironmentProblem):  # not empty: the rest is not k3patch's
+            unlink_in(self.package_dir, f".k3patch/{BLOBS}", rmdir=True)
+            unlink_in(self.package_dir, ".k3patch", rmdir=True)
 
     # -- recovery ------------------------------------------------------------------------
     def pending_journal(self) -> dict[str, Any] | None:
@@ -171,38 +154,30 @@ class Transaction:
     def _roll_back(self, entry: dict[str, Any]) -> bool:
         """One journalled file back to its before-image; False when it already holds it."""
         rel = entry["path"]
-        path = self.package_dir / rel
         current = read_in(self.package_dir, rel)
         current_hash = _hash(current)
         if current_hash == entry["before"]:
             return False
         if current_hash != entry["after"]:
             raise EnvironmentProblem(
-                f"{path} was changed by something else during an interrupted k3patch "
-                f"run (now {current_hash and current_hash[:12]}, k3patch wrote "
+                f"{self.package_dir / rel} was changed by something else during an interrupted "
+                f"k3patch run (now {current_hash and current_hash[:12]}, k3patch wrote "
                 f"{entry['after'] and entry['after'][:12]}, before "
                 f"{entry['before'] and entry['before'][:12]}); restore it (reinstall "
                 f"vLLM) and remove {self.package_dir / state.JOURNAL_REL}"
             )
-        if entry["before"] is None:
-            unlink_in(self.package_dir, rel)
-        else:
-            write_atomically(
-                path,
-                self.blobs.load(entry["before"]),
-                like=os.stat(path, follow_symlinks=False) if current is not None else None,
-                root=self.package_dir,
-            )
+        before = None if entry["before"] is None else self.blobs.load(entry["before"])
+        replace_checked(self.package_dir, rel, current, before)
         return True
 
     def _prune_to_record(self) -> None:
         """After a rollback: the saved copies the (rolled back) record needs, and no others."""
         try:
-            record = state.load(self.state_dir, self.allowed, self.package_dir)
+            record = state.load(self.package_dir / ".k3patch")
         except EnvironmentProblem:
             return  # a damaged record keeps every saved copy
-        keep = set() if record is None else {fs.original for fs in record.files.values()}
-        self.blobs.prune({digest for digest in keep if digest})
+        files = record.files.values() if record else []
+        self.blobs.prune({fs.original for fs in files if fs.original})
 
     def remove_litter(self, journal: dict[str, Any] | None) -> list[str]:
         """Temp files left by a killed run (regular files named so) next to the state files and

@@ -30,7 +30,7 @@ from k3patch.state import (
     fresh_record,
     registered_targets,
 )
-from k3patch.transaction import Transaction
+from k3patch.transaction import FileEdit, Transaction
 from k3patch.tree import TreeError, locate
 
 pytestmark = pytest.mark.wheel
@@ -175,6 +175,18 @@ def test_2_journal_naming_an_absolute_path_is_damage(make_tree, tmp_path):
     assert proc.returncode == 3 and "damaged" in proc.stderr, proc.stderr
     assert victim.read_text() == "keep me\n" and litter.exists()
     assert tree_hashes(site) == snapshot
+
+
+def test_2_a_commit_writes_only_registered_targets(make_tree):
+    """The commit itself refuses a path that is not a target (one outside the package dir
+    among them), before its journal: no plan can make it write anywhere else."""
+    site = make_tree("0.31.0")
+    envs = (site / "vllm/envs.py").read_bytes()
+    snapshot = tree_hashes(site)
+    for edit in (FileEdit("envs.py", envs, b"x = 1\n"), FileEdit("../outside.py", None, b"x\n")):
+        with pytest.raises(EnvironmentProblem, match="not a k3patch target"):
+            Transaction(site / "vllm").commit([edit], "apply")
+    assert tree_hashes(site) == snapshot and not (site / "outside.py").exists()
 
 
 # -- 12: the fast path and the plugin check the registry's targets ---------------------------
@@ -689,6 +701,30 @@ def test_8_an_edit_in_place_after_the_last_look_is_put_back(make_tree, monkeypat
     assert not (site / "vllm/.k3patch/journal.json").exists()
 
 
+def test_8_without_exchange_a_file_renamed_in_before_the_last_look_is_kept(make_tree, monkeypatch):
+    """Where the filesystem has no exchange, the last look before the rename is what keeps a
+    file another writer renamed in while k3patch wrote its temp file."""
+    site = make_tree("0.31.0")
+    target = site / "vllm" / AITER
+    theirs = target.read_bytes() + b"# theirs, renamed in\n"
+    monkeypatch.setattr(replace, "exchange", lambda dfd, a, b: False)
+    real = replace.write_temp
+
+    def racing(dfd: int, name: str, data: bytes, like_fd: int | None) -> str:
+        tmp = real(dfd, name, data, like_fd)
+        if name == AITER:
+            other = target.with_name("their-temp")
+            other.write_bytes(theirs)
+            os.replace(other, target)
+        return tmp
+
+    monkeypatch.setattr(replace, "write_temp", racing)
+    with pytest.raises(ConcurrentChange):
+        engine.apply(locate(site))
+    assert target.read_bytes() == theirs
+    assert not (site / "vllm/.k3patch/journal.json").exists()
+
+
 # -- 13: one finite lock timeout; a live apply is not an interrupted one --------------------
 
 
@@ -755,6 +791,26 @@ def test_14_owner_special_bits_and_xattrs_survive_apply_and_revert(make_tree):
         assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1234, 5678, 0o6751), step
         if xattrs:
             assert os.getxattr(target, "user.k3patch-test") == b"kept"
+
+
+def test_14_every_file_written_and_its_directory_are_fsynced(make_tree, monkeypatch):
+    """A rename survives a power cut only once the new file and its directory are on disk:
+    apply must never leave an empty or old file under a target's name."""
+    site = make_tree("0.31.0")
+    synced = set()
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        st = os.fstat(fd)
+        synced.add((st.st_dev, st.st_ino))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    written = engine.apply(locate(site)).written
+    for rel in [*written, f".k3patch/{STATE_FILE}"]:
+        for path in (site / "vllm" / rel, (site / "vllm" / rel).parent):
+            st = os.stat(path)
+            assert (st.st_dev, st.st_ino) in synced, path
 
 
 def test_14_a_split_hard_link_is_reported(make_tree, tmp_path):
