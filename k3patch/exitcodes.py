@@ -166,38 +166,26 @@ def for_verify(report: VerifyReport) -> int:
     return ExitCode.OK if report.ok else ExitCode.ATTENTION
 
 
-def for_exception(exc: BaseException) -> int:
-    """Errors raised below the CLI. Anything not listed is an internal error: it must never
-    read as drift (ATTENTION)."""
+def explain(exc: Exception) -> tuple[int, str]:
+    """An error's documented code and one-line message: what to do, for the errors k3patch
+    expects; anything else is an internal error (a k3patch bug), never drift (ATTENTION). Under
+    K3PATCH_DEBUG an internal error prints its traceback first, for whoever debugs k3patch."""
     if isinstance(exc, TreeError):
-        return ExitCode.USAGE if exc.usage else ExitCode.ENVIRONMENT
+        return (ExitCode.USAGE if exc.usage else ExitCode.ENVIRONMENT), str(exc)
     # An OSError that reached here (the tree's own files, not k3patch's logic) is the
     # environment's: a permission, a full disk, a path that is not what it should be.
-    if isinstance(exc, EnvironmentProblem | ConcurrentChange | VerifyError | OSError):
-        return ExitCode.ENVIRONMENT
-    return ExitCode.USAGE  # bad arguments (BadLockTimeout, UnknownPatchError) or a bug
-
-
-def explain(exc: Exception) -> tuple[int, str]:
-    """An error's documented code and one-line message. Under K3PATCH_DEBUG an internal error
-    (a k3patch bug) prints its traceback first, for whoever debugs k3patch; the code stays."""
-    message = describe(exc)
-    if os.environ.get("K3PATCH_DEBUG") and message.startswith("internal error"):
+    if isinstance(exc, OSError):
+        return ExitCode.ENVIRONMENT, f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": ")
+    if isinstance(exc, EnvironmentProblem | ConcurrentChange | VerifyError):
+        return ExitCode.ENVIRONMENT, str(exc)
+    if isinstance(exc, UnknownPatchError | BadLockTimeout):
+        return ExitCode.USAGE, str(exc)
+    if isinstance(exc, PatchBug):
+        message = f"internal error (a k3patch bug, nothing was written): {exc}"
+    else:
+        message = f"internal error: {type(exc).__name__}: {exc}"
+    if os.environ.get("K3PATCH_DEBUG"):
         import traceback
 
         traceback.print_exc()
-    return for_exception(exc), message
-
-
-def describe(exc: BaseException) -> str:
-    """The one-line message for an error raised below the CLI: what to do, for the errors
-    k3patch expects; anything else is named an internal error, never drift."""
-    if isinstance(exc, PatchBug):
-        return f"internal error (a k3patch bug, nothing was written): {exc}"
-    if isinstance(exc, OSError):
-        return f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": ")
-    if for_exception(exc) == ExitCode.ENVIRONMENT or isinstance(
-        exc, TreeError | UnknownPatchError | BadLockTimeout
-    ):
-        return str(exc)
-    return f"internal error: {type(exc).__name__}: {exc}"
+    return ExitCode.USAGE, message

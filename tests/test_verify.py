@@ -228,13 +228,13 @@ def test_a_child_result_that_is_not_one_is_exit_3_naming_the_interpreter(
     make_tree, tmp_path, body, says
 ):
     from k3patch.errors import VerifyError
-    from k3patch.exitcodes import for_exception
+    from k3patch.exitcodes import explain
 
     python = stand_in(tmp_path, body)
     with pytest.raises(VerifyError) as caught:
         verify_mod.verify(locate(make_tree("0.31.0")), python=python)
     assert says in str(caught.value) and python in str(caught.value)
-    assert for_exception(caught.value) == 3
+    assert explain(caught.value)[0] == 3
 
 
 def test_a_selection_that_leaves_nothing_verified_nothing(make_tree):
