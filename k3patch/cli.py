@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 import sys
-from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -28,7 +26,16 @@ class _FlagsWithoutTypes:
 
 
 class _Command(_FlagsWithoutTypes, typer.core.TyperCommand):
-    pass
+    def invoke(self, ctx: Any) -> Any:
+        """The body returns its exit code; any exception in it becomes a one-line error (and
+        under --json the error envelope) and its documented code."""
+        from k3patch.exitcodes import explain
+
+        try:
+            return super().invoke(ctx)
+        except Exception as exc:
+            # Output never raises here (exitcodes.guarded): an OSError is the work's own.
+            return _fail(ctx.info_name, *explain(exc), ctx.params.get("as_json", False))
 
 
 class _Group(_FlagsWithoutTypes, typer.core.TyperGroup):
@@ -65,7 +72,7 @@ class _Group(_FlagsWithoutTypes, typer.core.TyperGroup):
 
 def _usage_error(argv: list[str], exc: Any) -> int:
     """A usage error's one line, and its JSON envelope under --json; its code."""
-    from k3patch import exitcodes, render
+    from k3patch.exitcodes import ExitCode
 
     command = next((a for a in argv if not a.startswith("-")), "k3patch")
     ctx = getattr(exc, "ctx", None)
@@ -74,8 +81,15 @@ def _usage_error(argv: list[str], exc: Any) -> int:
     message = f"{exc.format_message()} (see `k3patch {command} --help`)".replace(
         "k3patch k3patch", "k3patch"
     )
-    code = exitcodes.ExitCode.USAGE
-    if "--json" in argv[: argv.index("--") if "--" in argv else len(argv)]:
+    as_json = "--json" in argv[: argv.index("--") if "--" in argv else len(argv)]
+    return _fail(command, ExitCode.USAGE, message, as_json)
+
+
+def _fail(command: str, code: int, message: str, as_json: bool) -> int:
+    """An error's one line on stderr, and under --json its envelope on stdout; its code."""
+    from k3patch import render
+
+    if as_json:
         render.emit_json(command, code, {"error": message})
     render.error_line(message)
     return code
@@ -90,7 +104,6 @@ app = typer.Typer(
         "error; 3 environment (no vLLM, not writable, lock timeout)."
     ),
     no_args_is_help=True,
-    add_completion=True,
     pretty_exceptions_enable=False,
 )
 
@@ -144,34 +157,7 @@ LockOpt = Annotated[
 ]
 
 
-def _command(name: str, help: str | None = None) -> Callable[[Callable[..., int]], object]:
-    """A command whose body returns its exit code; any exception in it becomes a one-line
-    error (and under --json the error envelope) and its documented code."""
-
-    def decorate(body: Callable[..., int]) -> object:
-        @functools.wraps(body)  # typer reads the options from the body's signature
-        def command(**options: Any) -> None:
-            from k3patch import exitcodes, render
-
-            try:
-                code = body(**options)
-                sys.stdout.flush()
-            except (typer.Exit, typer.Abort, KeyboardInterrupt):
-                raise
-            except Exception as exc:
-                # Output never raises here (exitcodes.guarded): an OSError is the work's own.
-                code, message = exitcodes.explain(exc)
-                if options.get("as_json"):
-                    render.emit_json(name, code, {"error": message})
-                render.error_line(message)
-            raise typer.Exit(code)
-
-        return app.command(name, cls=_Command, help=help)(command)
-
-    return decorate
-
-
-@_command("list")
+@app.command("list", cls=_Command)
 def list_(as_json: JsonOpt = False) -> int:
     """List the patches this k3patch carries."""
     from k3patch import plaintext, render
@@ -188,7 +174,7 @@ def list_(as_json: JsonOpt = False) -> int:
     return 0
 
 
-@_command(
+@app.command(
     "status",
     help=(
         "Report the verdict of every patch and site: pending, applied, satisfied, not "
@@ -196,6 +182,7 @@ def list_(as_json: JsonOpt = False) -> int:
         "An explicit `--attention-backend ROCM_AITER_MLA` selects AITER MLA without asking "
         "`is_mla_enabled`, so aiter-mla-gfx942 cannot stop that choice."
     ),
+    cls=_Command,
 )
 def status(
     vllm: VllmOpt = None,
@@ -245,13 +232,14 @@ def status(
     return code
 
 
-@_command(
+@app.command(
     "apply",
     help=(
         "Apply every pending patch as one transaction. A drifted patch is refused (nothing of "
         "it is written, exit 1) and the other patches are still applied; --all-or-nothing "
         "writes nothing at all then."
     ),
+    cls=_Command,
 )
 def apply(
     vllm: VllmOpt = None,
@@ -302,12 +290,13 @@ def apply(
     return code
 
 
-@_command(
+@app.command(
     "revert",
     help=(
         "Restore the original files k3patch recorded, byte for byte. When any of them changed "
         "since k3patch wrote it, nothing is written and it exits 1."
     ),
+    cls=_Command,
 )
 def revert(vllm: VllmOpt = None, as_json: JsonOpt = False, lock_timeout: LockOpt = 120.0) -> int:
     from k3patch import engine, exitcodes, render
@@ -329,7 +318,7 @@ def revert(vllm: VllmOpt = None, as_json: JsonOpt = False, lock_timeout: LockOpt
     return code
 
 
-@_command(
+@app.command(
     "verify",
     help=(
         "Import the patched modules in a subprocess and run each patch's behaviour probe.\n\n"
@@ -337,6 +326,7 @@ def revert(vllm: VllmOpt = None, as_json: JsonOpt = False, lock_timeout: LockOpt
         "optional dependency). Exits 1 when a patch is pending, drifted or broken, or its "
         "probe fails; 3 when nothing could be imported or no probe ran."
     ),
+    cls=_Command,
 )
 def verify(
     vllm: VllmOpt = None,
