@@ -29,12 +29,8 @@ _CONTROLS = {
 }
 
 
-def escape_controls(text: str) -> str:
-    return text.translate(_CONTROLS)
-
-
 def line(text: str, hang: int = 4, style: str = "", start: int = 0, end: int = 0) -> Line:
-    return (escape_controls(text), hang, style, start, end)
+    return (text.translate(_CONTROLS), hang, style, start, end)
 
 
 def code(text: str, margin: int = 6) -> list[Line]:
@@ -107,8 +103,6 @@ def patch_line(patch_id: str, verdict: str, summary: str, id_width: int) -> Line
 
 
 def site_lines(site: Mapping[str, Any]) -> list[Line]:
-    """A site's details: name and verdict, file:line, shape and reason, and for a drifted site
-    the code found and the shapes expected."""
     verdict = site["verdict"]
     name = f"  {site['site']}: "
     out = [line(f"{name}{verdict}", 6, verdict, len(name), len(name) + len(verdict))]
@@ -216,14 +210,11 @@ def apply_lines(
     if bugs and report["all_or_nothing"] and not report["refused_patches"]:
         out.append(line("nothing was written (--all-or-nothing)"))
     held = set(report["refused_patches"]) | set(bugs)
-    if report["check"]:
-        sites = [s for p in report["patches"] for s in p["sites"]]
-        pending = sorted({s["patch"] for s in sites if s["verdict"] == "pending"} - held)
-        if pending and not report["all_or_nothing"]:
-            out.append(line("would apply: " + ", ".join(pending) + " (--check: nothing written)"))
-        elif not held:
-            out.append(line("nothing to do"))
-    elif written:
+    sites = [s for p in report["patches"] for s in p["sites"]]
+    pending = sorted({s["patch"] for s in sites if s["verdict"] == "pending"} - held)
+    if report["check"] and pending and not report["all_or_nothing"]:
+        out.append(line("would apply: " + ", ".join(pending) + " (--check: nothing written)"))
+    elif written:  # never under --check
         out += files_lines("wrote:", written, report["bytecode"])
     elif not held:
         out.append(line("nothing to do"))
@@ -231,7 +222,6 @@ def apply_lines(
 
 
 def list_lines(patches: Sequence[Mapping[str, Any]]) -> list[Line]:
-    """`list`: per patch its id and what it fixes, the files it reads and what it does not cover."""
     id_width = max([len(p["id"]) for p in patches] or [0])
     out: list[Line] = []
     for p in patches:

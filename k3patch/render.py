@@ -24,10 +24,11 @@ _STYLE = {
 }
 
 
-def emit(lines: Iterable[Line], *, stderr: bool = False) -> None:
+def emit(lines: Iterable[Line], *, stderr: bool = False, width: int | None = None) -> None:
+    """The lines at `width` columns: in a log `plaintext.LOG_WIDTH`, on a terminal its width."""
     stream: IO[str] = sys.stderr if stderr else sys.stdout
     if not stream.isatty():
-        stream.write(plaintext.as_text(lines))
+        stream.write(plaintext.as_text(lines, width or plaintext.LOG_WIDTH))
         stream.flush()
         return
     from rich.console import Console
@@ -35,7 +36,7 @@ def emit(lines: Iterable[Line], *, stderr: bool = False) -> None:
 
     console = Console(file=stream, highlight=False)
     for text, hang, style, start, end in lines:
-        for i, part in enumerate(plaintext.wrap(text, console.width, hang)):
+        for i, part in enumerate(plaintext.wrap(text, width or console.width, hang)):
             out = Text(part)
             if i == 0 and style and end > start and part[start:end] == text[start:end]:
                 out.stylize(_STYLE.get(style, ""), start, end)
@@ -49,19 +50,8 @@ def emit_json(command: str, exit_code: int, payload: dict[str, Any]) -> None:
 
 def error_line(message: str, *, prefix: str = "k3patch: error:") -> None:
     """An error stays one line, however long and whatever it names: scripts and tests take it
-    as one record. A control character (a newline in a path) is shown escaped, and on a
-    terminal Rich neither wraps nor crops it at the terminal's width."""
-    text = f"{prefix} {plaintext.escape_controls(message)}"
-    if not sys.stderr.isatty():
-        sys.stderr.write(f"{text}\n")
-        sys.stderr.flush()
-        return
-    from rich.console import Console
-    from rich.text import Text
-
-    styled = Text(text)
-    styled.stylize(_STYLE["error"], 0, len(prefix))
-    Console(file=sys.stderr, highlight=False).print(styled, soft_wrap=True)
+    as one record. A control character (a newline in a path) is shown escaped."""
+    emit([plaintext.error(prefix, f" {message}")], stderr=True, width=sys.maxsize)
 
 
 def apply_payload(outcome: ApplyOutcome) -> dict[str, Any]:
@@ -91,9 +81,8 @@ def print_apply(outcome: ApplyOutcome, *, quiet: bool, diff: bool, every_site: b
         sys.stdout.write(plaintext.as_text(plaintext.apply_quiet_lines(payload)))
         sys.stdout.flush()
     else:
-        before = outcome.plan.before.results if outcome.plan is not None else []
-        before_json = [r.to_json() for r in before]
-        emit(plaintext.apply_lines(payload, before=before_json, every_site=every_site))
+        before = [r.to_json() for r in outcome.plan.before.results] if outcome.plan else []
+        emit(plaintext.apply_lines(payload, before=before, every_site=every_site))
 
 
 def bug_line(outcome: ApplyOutcome) -> None:
@@ -121,7 +110,6 @@ def print_recorded_diff(diff: str | None) -> None:
 
 
 def print_revert(payload: dict[str, Any]) -> None:
-    """`revert` from its JSON."""
     lines = [line(f"recovered: {step}") for step in payload["recovered"]]
     if payload["conflicts"]:
         lines += [plaintext.error("refused:", f" {why}") for why in payload["conflicts"]]
