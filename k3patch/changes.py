@@ -12,9 +12,11 @@ from k3patch.tree import VllmTree
 
 
 def _lines(data: bytes | None) -> list[str]:
-    if data is None:
-        return []
-    return data.decode("utf-8", "replace").splitlines(keepends=True)
+    """The lines as `diff -u` shows them: a last line without its newline is marked."""
+    lines = [] if data is None else data.decode("utf-8", "replace").splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n\\ No newline at end of file\n"
+    return lines
 
 
 def recorded_diff(tree: VllmTree) -> str | None:
@@ -32,14 +34,10 @@ def recorded_diff(tree: VllmTree) -> str | None:
         now = tree.read(rel)
         if before == now:
             continue
-        old, new = _lines(before), _lines(now)
-        for text in (old, new):
-            if text and not text[-1].endswith("\n"):
-                text[-1] += "\n\\ No newline at end of file\n"
         chunks.extend(
             difflib.unified_diff(
-                old,
-                new,
+                _lines(before),
+                _lines(now),
                 fromfile=f"a/vllm/{rel}" if before is not None else "/dev/null",
                 tofile=f"b/vllm/{rel}" if now is not None else "/dev/null",
             )

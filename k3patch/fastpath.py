@@ -16,7 +16,6 @@ from k3patch import exitcodes, formats, lock, plaintext, state
 from k3patch.errors import EnvironmentProblem, TreeError
 from k3patch.tree import locate
 
-# ------------------------------------------------------------------------------------------
 # The command forms served: what the CLI accepts for these options, parsed as click parses them
 # (`--opt value` or `--opt=value`; --only/--skip repeatable; the last --vllm/--lock-timeout
 # wins). --diff, --check, --all-or-nothing, --help, `--` and anything unknown are not served.
@@ -53,13 +52,10 @@ def parse(argv: Sequence[str]) -> dict[str, Any] | None:
         else:
             form[name[2:].replace("-", "_")] = value
     try:
-        timeout = float(form["lock_timeout"])  # click's FLOAT; the engine then checks the range
+        timeout = form["lock_timeout"] = float(form["lock_timeout"])  # click's FLOAT
     except ValueError:
         return None
-    if not math.isfinite(timeout) or timeout < 0:
-        return None
-    form["lock_timeout"] = timeout
-    return form
+    return form if math.isfinite(timeout) and timeout >= 0 else None  # else the CLI's refusal
 
 
 def try_fast(argv: list[str]) -> int | None:
@@ -67,17 +63,17 @@ def try_fast(argv: list[str]) -> int | None:
     form = parse(argv)
     if form is None:
         return None
-    out = sys.stdout
+    out, command = sys.stdout, form["command"]
     # A terminal gets the full path's report, wrapped to its width and coloured.
     if out.isatty() and not (form.get("json") or form.get("digest")):
-        if not (form["command"] == "apply" and form.get("quiet")):
+        if not (command == "apply" and form.get("quiet")):
             return None
     try:
         tree = locate(form["vllm"])
     except TreeError:
         return None  # the full path reports it
     record = state.fresh_record(tree.package)
-    if record is None and form["command"] == "apply":
+    if record is None and command == "apply":
         # Concurrent entrypoints: wait, asleep, for a run in progress, then look again. If
         # there is still work, keep the lock: the full path runs under it in this process.
         try:
@@ -110,26 +106,22 @@ def try_fast(argv: list[str]) -> int | None:
     if "drifted" in verdicts:
         return None  # drift reports carry details only the full path renders
     code = exitcodes.code_for_verdicts(verdicts, interrupted=False)
-    if form["command"] == "apply" and code != 0:
+    if command == "apply" and code != 0:
         return None  # something to do: the full path does it
     digest = formats.state_digest(tree.version, record.scan, results)
     payload = formats.report_json(tree.info, digest, True, None, patches, results)
-    if form["command"] == "apply":
+    if command == "apply":
         payload.update(formats.apply_fields())
-    every_site = form.get("sites", False)
     if form.get("json"):
-        out.write(formats.envelope(form["command"], code, payload))
+        text = formats.envelope(command, code, payload)
     elif form.get("digest"):
-        out.write(digest + "\n")
+        text = digest + "\n"
+    elif form.get("quiet"):
+        quiet = plaintext.apply_quiet_lines if command == "apply" else plaintext.quiet_lines
+        text = plaintext.as_text(quiet(payload))
     else:
-        if form["command"] == "apply" and form.get("quiet"):
-            lines = plaintext.apply_quiet_lines(payload)
-        elif form.get("quiet"):
-            lines = plaintext.quiet_lines(payload)
-        elif form["command"] == "apply":
-            lines = plaintext.apply_lines(payload, every_site=every_site)
-        else:
-            lines = plaintext.status_lines(payload, every_site=every_site)
-        out.write(plaintext.as_text(lines))
+        full = plaintext.apply_lines if command == "apply" else plaintext.status_lines
+        text = plaintext.as_text(full(payload, every_site=form.get("sites", False)))
+    out.write(text)
     out.flush()
     return code
