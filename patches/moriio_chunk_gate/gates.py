@@ -334,11 +334,7 @@ class Chain:
         """ "legacy" (the script's helper call), "progress" (k3patch's repair) or "other"."""
         if self.request is not None:
             return "legacy"
-        return (
-            "progress"
-            if names.progress_meaning(self.decision.value, {}) == names.FINAL
-            else "other"
-        )
+        return "progress" if names.progress_meaning(self.decision.value, {}) == FINAL else "other"
 
     def rewrite(self, codemod: Codemod) -> None:
         """The decision replaced in place by compute progress; an `is None` fallback goes.
