@@ -12,12 +12,13 @@ import ast
 import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import libcst as cst
 import libcst.matchers as m
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
+from libcst.helpers import ensure_type
 
 from k3patch.astkit import module_binds
 from k3patch.itemlayout import appended
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 Statement = cst.SimpleStatementLine | cst.BaseCompoundStatement
 Change = Callable[[Statement], "Statement | Sequence[Statement]"]
+_Node = TypeVar("_Node", bound=cst.CSTNode)
 
 
 class CodemodError(ValueError):
@@ -54,64 +56,36 @@ def with_leading_lines(stmt: Statement, lines: Sequence[cst.EmptyLine]) -> State
     return stmt.with_changes(leading_lines=[*lines, *stmt.leading_lines])
 
 
-# Finding an ast statement's libcst node: both trees hold the same blocks in the same order.
+# Finding an ast statement's libcst node: both trees hold the same statements in the same order,
+# and name a compound statement's blocks alike.
+_BLOCKS = ("body", "handlers", "orelse", "finalbody", "cases")
 
 
-def _suite(node: cst.CSTNode | None) -> list[cst.CSTNode]:
-    """The statements of a block: a suite, or what holds one (`else:`, a handler, a case), or
-    an `elif` (the one statement of the ast `orelse`)."""
-    if node is None:
-        return []
-    if isinstance(node, cst.If):
-        return [node]
-    if isinstance(node, cst.BaseSuite):
-        return list(node.body)
-    return _suite(node.body)  # type: ignore[attr-defined]
+def _ast_statements(node: ast.AST) -> Iterator[ast.stmt]:
+    for name in _BLOCKS:
+        for child in getattr(node, name, None) or []:
+            if isinstance(child, ast.stmt):
+                yield child
+            yield from _ast_statements(child)
 
 
-def _blocks(cst_node: cst.CSTNode, ast_node: ast.AST) -> Iterator[tuple[list[ast.stmt], list]]:
-    """The (ast block, libcst block) pairs directly under a statement or the module; both
-    trees name a compound statement's blocks alike."""
-    if isinstance(ast_node, ast.Module):
-        yield ast_node.body, list(cst_node.body)  # type: ignore[attr-defined]
-        return
-    for name in ("body", "handlers", "orelse", "finalbody", "cases"):
-        ast_value, cst_value = getattr(ast_node, name, None), getattr(cst_node, name, None)
-        if name in ("handlers", "cases"):  # clauses, each with its own block
-            for clause, holder in zip(ast_value or [], cst_value or [], strict=True):
-                yield clause.body, _suite(holder)
-        elif ast_value is not None:
-            yield ast_value, _suite(cst_value)
-
-
-def _index(
-    module: cst.Module, tree: ast.Module
-) -> tuple[dict[int, Statement | None], dict[int, int]]:
-    """id(ast statement) -> its libcst line or compound statement (None: it shares its line),
-    and id(libcst statement) -> id(the compound statement that holds it)."""
-    found: dict[int, Statement | None] = {}
-    parents: dict[int, int] = {}
-    todo: list[tuple[cst.CSTNode, ast.AST]] = [(module, tree)]
-    while todo:
-        cst_node, ast_node = todo.pop()
-        for ast_block, cst_block in _blocks(cst_node, ast_node):
-            nodes: list[Statement | None] = []
-            for item in cst_block:
-                if cst_node is not module:
-                    parents[id(item)] = id(cst_node)
-                if isinstance(item, cst.SimpleStatementSuite):  # `if x: a` or `if x: a; b`
-                    nodes += [None] * len(item.body)
-                elif isinstance(item, cst.SimpleStatementLine):
-                    nodes += [item if len(item.body) == 1 else None] * len(item.body)
-                else:
-                    nodes.append(item)
-            if len(nodes) != len(ast_block):
-                raise CodemodError("the libcst and ast trees of the file disagree")
-            for stmt, node in zip(ast_block, nodes, strict=True):
-                found[id(stmt)] = node
-                if isinstance(node, cst.BaseCompoundStatement):
-                    todo.append((node, stmt))
-    return found, parents
+def _cst_statements(
+    node: cst.CSTNode, path: tuple[int, ...]
+) -> Iterator[tuple[Statement | None, tuple[int, ...]]]:
+    """Each statement under `node` (None where it shares its line) and the ids of the compound
+    statements that hold it."""
+    for name in _BLOCKS:
+        value = getattr(node, name, None)
+        for child in value if isinstance(value, list | tuple) else [value]:
+            if isinstance(child, cst.SimpleStatementLine) and len(child.body) == 1:
+                yield child, path
+            elif isinstance(child, cst.SimpleStatementLine | cst.SimpleStatementSuite):
+                yield from [(None, path)] * len(child.body)
+            elif isinstance(child, cst.BaseCompoundStatement):
+                yield child, path
+                yield from _cst_statements(child, (*path, id(child)))
+            elif child is not None:  # a block, or what holds one (`else:`, a handler, a case)
+                yield from _cst_statements(child, path)
 
 
 # The changes of one statement, composed in one transformer pass.
@@ -167,9 +141,14 @@ class Codemod:
         self.text, self.tree = text, tree
         self.module = cst.parse_module(text)
         self.newline = self.module.default_newline
-        self._nodes, self._parents = _index(self.module, tree)
+        found = list(_cst_statements(self.module, ()))
+        stmts = list(_ast_statements(tree))
+        if len(found) != len(stmts):
+            raise CodemodError("the libcst and ast trees of the file disagree")
+        self._nodes = {id(stmt): node for stmt, (node, _) in zip(stmts, found, strict=True)}
+        self._holders = {id(node): path for node, path in found if node is not None}
         self._plans: dict[int, _Plan] = {}
-        self._imports: list[str] = []
+        self._imports = CodemodContext()  # AddImportsVisitor's list of what to import
         self._definitions: list[Statement] = []
         self._transformers: list[cst.CSTTransformer] = []
 
@@ -188,13 +167,11 @@ class Codemod:
     def insert_before(self, stmt: ast.stmt, source: str) -> None:
         """`source` as statements right before `stmt` (before its decorators); a `source` of
         comments only goes right above the statement (or what replaces it)."""
-        lines = source.splitlines()
-        if all(not line.strip() or line.strip().startswith("#") for line in lines):
+        lines = [line.strip() for line in source.strip("\n").splitlines()]
+        if all(not line or line.startswith("#") for line in lines):
             self._plan(stmt).comments += [
-                cst.EmptyLine(comment=cst.Comment(line.strip()))
-                if line.strip()
-                else cst.EmptyLine(indent=False)
-                for line in textwrap.dedent(source.strip("\n")).splitlines()
+                cst.EmptyLine(comment=cst.Comment(line)) if line else cst.EmptyLine(indent=False)
+                for line in lines
             ]
             return
         self._plan(stmt).before += statements(source, self.newline)
@@ -254,7 +231,7 @@ class Codemod:
             self.insert_after(fields[-1], item)
             return
         if isinstance(holder, ast.FunctionDef):
-            self.change(holder, lambda node: _append_param(node, item))
+            self.change(holder, lambda node: _append_item(node, item))
             return
         if within is None:
             raise CodemodError("a call or dict literal needs the statement that holds it")
@@ -269,7 +246,7 @@ class Codemod:
             found = m.findall(node, m.Call() if kind is ast.Call else m.Dict())  # in preorder
             if len(found) != len(same):
                 raise CodemodError(f"line {within.lineno}: the calls of the statement disagree")
-            new = node.deep_replace(found[ordinal], _append_element(found[ordinal], item))
+            new = node.deep_replace(found[ordinal], _append_item(found[ordinal], item))
             assert isinstance(new, cst.SimpleStatementLine | cst.BaseCompoundStatement)
             return new
 
@@ -285,7 +262,7 @@ class Codemod:
         """`import name` unless the module binds `name` at its top level, however (libcst's
         AddImportsVisitor only knows imports of the module itself)."""
         if not module_binds(self.tree, name):
-            self._imports.append(name)
+            AddImportsVisitor.add_needed_import(self._imports, name)
 
     def transform(self, transformer: cst.CSTTransformer) -> None:
         """A patch's own transformer (a `ScopedTransformer`), run after the statement changes."""
@@ -295,18 +272,13 @@ class Codemod:
         """The file's new text: every change made in one pass, then imports and definitions."""
         module = self.module
         if self._plans:
-            ancestors: set[int] = set()
             removed = {key for key, plan in self._plans.items() if plan.removed}
             for plan in self._plans.values():
                 if plan.removed and (plan.before or plan.after or plan.comments):
                     raise CodemodError("an insertion beside a statement that is removed or moved")
-            for key in self._plans:
-                path = set()
-                while (key := self._parents.get(key, 0)) != 0:
-                    path.add(key)
-                if path & removed:
-                    raise CodemodError("a change inside a statement that is removed or moved")
-                ancestors |= path
+            ancestors = {holder for key in self._plans for holder in self._holders[key]}
+            if ancestors & removed:
+                raise CodemodError("a change inside a statement that is removed or moved")
             module = module.visit(_Apply(self._plans, ancestors))
         for transformer in self._transformers:
             module = module.visit(transformer)
@@ -315,28 +287,21 @@ class Codemod:
             first = with_leading_lines(self._definitions[0], module.footer)
             body = [*module.body, first, *self._definitions[1:]]
             module = module.with_changes(body=body, footer=[], has_trailing_newline=True)
-        if self._imports:
-            context = CodemodContext()
-            for name in self._imports:
-                AddImportsVisitor.add_needed_import(context, name)
-            module = module.visit(AddImportsVisitor(context))
+        if self._imports.scratch:
+            module = module.visit(AddImportsVisitor(self._imports))
         code = module.code
         if self.text.endswith(("\n", "\r")) and not code.endswith(("\n", "\r")):
             code += module.default_newline  # libcst drops a lone `\r` that ends the file
         return code
 
 
-def _append_param(node: Statement, item: str) -> Statement:
-    if not isinstance(node, cst.FunctionDef):
-        raise CodemodError("parameters belong to a def")
-    shell = cst.parse_statement(f"def f({item}): pass")
-    assert isinstance(shell, cst.FunctionDef)
-    params = node.params
-    new = appended(params.params, shell.params.params[0])
-    return node.with_changes(params=params.with_changes(params=new))
-
-
-def _append_element(node: cst.CSTNode, item: str) -> cst.CSTNode:
+def _append_item(node: _Node, item: str) -> _Node:
+    """`node` (a def, a call or a dict display) with `item` after its last parameter, argument or
+    entry."""
+    if isinstance(node, cst.FunctionDef):
+        shell = ensure_type(cst.parse_statement(f"def f({item}): pass"), cst.FunctionDef)
+        params = appended(node.params.params, shell.params.params[0])
+        return node.with_changes(params=node.params.with_changes(params=params))
     if isinstance(node, cst.Call):
         new = cst.parse_expression(f"f({item})").args[0]  # type: ignore[attr-defined]
         return node.with_changes(args=appended(node.args, new))
@@ -349,38 +314,31 @@ def _append_element(node: cst.CSTNode, item: str) -> cst.CSTNode:
 class ScopedTransformer(cst.CSTTransformer):
     """Enters only the classes and functions on the way to `scope` (`Class.method`, ...), so it
     costs milliseconds on a large module, and calls `leave_scope` on each node of that
-    qualified name (`found` counts them)."""
+    qualified name."""
 
     scope: str = ""
 
     def __init__(self) -> None:
         super().__init__()
-        self._path: list[str] = []
-        self._entered: list[bool] = []
-        self.found = 0
+        self._inside: list[cst.ClassDef | cst.FunctionDef] = []  # entered, outermost first
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         if not isinstance(node, cst.ClassDef | cst.FunctionDef):
             return super().on_visit(node)
-        name = node.name.value
-        inside = self.scope.split(".")[: len(self._path) + 1] == [*self._path, name]
-        self._entered.append(inside)
-        if inside:
-            self._path.append(name)
-        return inside
+        path = [*(n.name.value for n in self._inside), node.name.value]
+        if self.scope.split(".")[: len(path)] != path:
+            return False
+        self._inside.append(node)
+        return True
 
     def on_leave(  # type: ignore[override]
         self, original_node: cst.CSTNode, updated_node: cst.CSTNode
     ) -> cst.CSTNode | cst.RemovalSentinel | cst.FlattenSentinel[cst.CSTNode]:
-        if not isinstance(updated_node, cst.ClassDef | cst.FunctionDef):
+        if not self._inside or original_node is not self._inside[-1]:
             return super().on_leave(original_node, updated_node)
-        if not self._entered.pop():
+        self._inside.pop()
+        if len(self._inside) != self.scope.count("."):  # on the way to `scope`, not `scope`
             return updated_node
-        here = ".".join(self._path)
-        self._path.pop()
-        if here != self.scope:
-            return updated_node
-        self.found += 1
         return self.leave_scope(updated_node)
 
     def leave_scope(self, node: cst.CSTNode) -> cst.CSTNode:
