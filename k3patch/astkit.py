@@ -27,15 +27,11 @@ def _binds(stmt: ast.stmt, name: str) -> bool:
     if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
         return stmt.name == name
     if isinstance(stmt, ast.Import | ast.ImportFrom):
-        return any((a.asname or a.name.split(".")[0]) == name for a in stmt.names)
+        return name in imported_names(stmt)
     if isinstance(stmt, ast.Assign | ast.AnnAssign | ast.AugAssign):
         targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
         # Only a stored name binds: `name.attr = x` and `table[name] = x` read `name`.
-        return any(
-            isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)
-            for t in targets
-            for n in ast.walk(t)
-        )
+        return name in stored_names(targets)
     return False
 
 
@@ -69,23 +65,15 @@ def find_function(module: ast.Module, name: str) -> ast.FunctionDef | None:
     return _bound_once(module, module.body, name, ast.FunctionDef)
 
 
-def find_scope(module: ast.Module, path: str) -> ast.ClassDef | ast.FunctionDef | None:
-    """The class or function at `path` ("Class", "Class.method", "function"), each component
-    looked up as find_class / find_method do."""
-    node: ast.Module | ast.ClassDef | ast.FunctionDef = module
-    for part in path.split("."):
-        found = _bound_once(node, node.body, part, ast.stmt)
-        if not isinstance(found, ast.ClassDef | ast.FunctionDef):
-            return None
-        node = found
-    assert not isinstance(node, ast.Module)
-    return node
-
-
 def find_def(module: ast.Module, path: str) -> ast.FunctionDef | None:
-    """The function or method at `path`, as find_scope finds it; None for a class."""
-    found = find_scope(module, path)
-    return found if isinstance(found, ast.FunctionDef) else None
+    """The function or method at `path` ("function", "Class.method"), each component looked up
+    as find_class / find_method do; None for a class."""
+    node: ast.stmt | ast.Module | None = module
+    for part in path.split("."):
+        if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef):
+            return None
+        node = _bound_once(node, node.body, part, ast.stmt)
+    return node if isinstance(node, ast.FunctionDef) else None
 
 
 def mentioned_names(node: ast.AST, *, everything: bool = False) -> set[str]:

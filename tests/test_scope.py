@@ -16,7 +16,6 @@ from k3patch.astkit import (
     find_def,
     find_function,
     find_method,
-    find_scope,
 )
 
 ONE = """
@@ -34,13 +33,13 @@ def test_single_definitions_are_found():
     cls = find_class(module, "A")
     assert cls is not None and find_method(cls, "f") is not None
     assert find_function(module, "g") is not None
-    assert find_scope(module, "A.f") is find_method(cls, "f")
-    assert find_class(module, "B") is None and find_scope(module, "A.nope") is None
+    assert find_def(module, "A.f") is find_method(cls, "f")
+    assert find_class(module, "B") is None and find_def(module, "A.nope") is None
 
 
 def test_find_def_finds_functions_and_methods_never_classes():
     module = ast.parse(ONE)
-    assert find_def(module, "A.f") is find_scope(module, "A.f")
+    assert find_def(module, "A.f") is not None
     assert find_def(module, "g") is find_function(module, "g")
     assert find_def(module, "A") is None and find_def(module, "A.nope") is None
     with pytest.raises(AmbiguousDefinition):
@@ -60,7 +59,7 @@ def test_find_def_finds_functions_and_methods_never_classes():
 def test_a_second_binding_in_the_module_is_ambiguous(extra, lookup):
     module = ast.parse(ONE + extra)
     with pytest.raises(AmbiguousDefinition) as info:
-        find_scope(module, lookup)
+        find_def(module, lookup)
     assert info.value.name == lookup and len(info.value.lines) == 2
 
 
