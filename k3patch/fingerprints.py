@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import ast
 import copy
-import functools
 import hashlib
 import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cache
 
-from k3patch.shapes import Bindings, VersionRange, is_docstring, match, outside_range
+from k3patch.shapes import Bindings, VersionRange, is_docstring, match, parse_pattern
 from k3patch.sources import SourceFile
 from k3patch.verdicts import SiteResult, Verdict
 
@@ -55,12 +55,12 @@ def site_fingerprint(node: ast.AST | list[ast.stmt]) -> str:
     return hashlib.sha256(normalised_dump(node).encode()).hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=512)
+@cache
 def source_fingerprint(source: str) -> str:
     """The fingerprint of a snippet (a definition or a run of statements); cached, as a declared
     shape's is asked for at every site it is held against."""
-    body = ast.parse(dedent(source)).body
-    return site_fingerprint(body[0] if len(body) == 1 else body)
+    body = parse_pattern(source)
+    return site_fingerprint(body[0] if len(body) == 1 else list(body))
 
 
 def dedent(source: str) -> str:
@@ -71,8 +71,10 @@ def dedent(source: str) -> str:
 def shape_detail(shape: Shape, source: SourceFile) -> str:
     """A matched shape's origin, and a note when the tree's vLLM is outside the versions the
     shape was seen in (the shape is still known; the tree is unusual)."""
-    note = outside_range(shape.versions, source.version)
-    return "; ".join(part for part in (shape.origin, note) if part)
+    parts = [shape.origin]
+    if shape.versions is not None and shape.versions.contains(source.version) is False:
+        parts.append(f"a known shape, but seen in vLLM {shape.versions}, not {source.version}")
+    return "; ".join(part for part in parts if part)
 
 
 def match_shapes(

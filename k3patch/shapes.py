@@ -5,8 +5,8 @@ A pattern is ordinary source with two wildcards. A *named hole* (`HOLE_message`)
 expression, or alone on a line any one statement; used twice, it must match equal code both
 times, and `match` returns what each hole matched. An *elision* (a statement that is just `...`)
 matches any run of statements, none included. Everything else must be the same syntax tree;
-positions, comments, formatting and docstrings are ignored. `Shape.versions` is a
-`VersionRange`; `outside_range` words a shape met in a vLLM it was not seen in.
+positions, comments, formatting and docstrings are ignored. And the vLLM versions a shape was
+seen in, as a `VersionRange`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ from typing import Any
 from packaging.version import InvalidVersion, Version
 
 HOLE_PREFIX = "HOLE_"
-_IGNORED = frozenset(
-    {"lineno", "col_offset", "end_lineno", "end_col_offset", "ctx", "kind", "type_comment"}
-)
+_IGNORED = frozenset({"ctx", "kind", "type_comment"})  # positions are attributes, not fields
 
 Bindings = dict[str, Any]  # hole name -> the ast.expr (or ast.stmt) it matched
 
@@ -122,12 +120,10 @@ def _match_body(
     return result is not None
 
 
-def match(
-    pattern: str | Sequence[ast.stmt], target: ast.AST | Sequence[ast.stmt]
-) -> Bindings | None:
+def match(pattern: str, target: ast.AST | Sequence[ast.stmt]) -> Bindings | None:
     """What each hole of `pattern` matched in `target` (statements, or one node), or None
     when `target` is not in that shape."""
-    stmts = parse_pattern(pattern) if isinstance(pattern, str) else tuple(pattern)
+    stmts = parse_pattern(pattern)
     bindings: Bindings = {}
     if isinstance(target, ast.AST) and not isinstance(target, ast.Module):
         if len(stmts) == 1 and isinstance(stmts[0], ast.Expr) and isinstance(target, ast.expr):
@@ -151,22 +147,13 @@ def blocks(node: ast.AST) -> list[list[ast.stmt]]:
     loops, `with`, `try` and its handlers, `match` cases), in source order. A nested def or
     class is not entered: its statements run in another scope, when it is called or never."""
     found: list[list[ast.stmt]] = []
-
-    def visit(owner: ast.AST) -> None:
-        for field in owner._fields:  # in source order: body, handlers, orelse, finalbody
-            value = getattr(owner, field, None)
-            if not isinstance(value, list) or not value:
-                continue
-            if isinstance(value[0], ast.stmt):
-                found.append(value)
-                for stmt in value:
-                    if not isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                        visit(stmt)
-            elif isinstance(value[0], ast.excepthandler | ast.match_case):
-                for clause in value:
-                    visit(clause)
-
-    visit(node)
+    for name in ("body", "handlers", "orelse", "finalbody", "cases"):
+        value = getattr(node, name, None) or []
+        if value and isinstance(value[0], ast.stmt):
+            found.append(value)
+        for child in value:
+            if not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                found += blocks(child)
     return found
 
 
@@ -200,7 +187,7 @@ def find_expressions(pattern: str, node: ast.AST) -> Iterator[ast.expr]:
     if len(stmts) != 1 or not isinstance(stmts[0], ast.Expr):
         raise ValueError(f"find_expressions: {pattern!r} is not one expression")
     kind = ast.expr if _hole(stmts[0].value) else type(stmts[0].value)
-    return (n for n in ast.walk(node) if isinstance(n, kind) and match(stmts, n) is not None)
+    return (n for n in ast.walk(node) if isinstance(n, kind) and match(pattern, n) is not None)
 
 
 # Version ranges
@@ -240,13 +227,6 @@ class VersionRange:
         if self.first:
             return f"{self.first} and later"
         return f"up to {self.last}" if self.last else "any version"
-
-
-def outside_range(versions: VersionRange | None, version: str | None) -> str | None:
-    """A note for a report when a known shape is met outside the versions it was seen in."""
-    if versions is None or versions.contains(version) is not False:
-        return None
-    return f"a known shape, but seen in vLLM {versions}, not {version}"
 
 
 def holes(bindings: Mapping[str, Any]) -> dict[str, str]:

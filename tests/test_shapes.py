@@ -6,6 +6,7 @@ import ast
 
 import pytest
 
+from k3patch.fingerprints import Shape, shape_detail
 from k3patch.shapes import (
     VersionRange,
     blocks,
@@ -13,10 +14,11 @@ from k3patch.shapes import (
     holes,
     match,
     matches_each,
-    outside_range,
     search,
     version_key,
 )
+from k3patch.sources import SourceFile
+from k3patch.verdicts import Verdict
 
 GATE = """
 if HOLE_cond:
@@ -83,10 +85,15 @@ def test_version_ranges_are_data():
     seen = VersionRange("0.28.0", "0.29.0")
     assert seen.contains("0.28.0") and seen.contains("0.29.0+k3fork")
     assert seen.contains("0.31.0") is False and seen.contains("nonsense") is None
-    assert outside_range(seen, "0.28.0") is None
-    note = outside_range(seen, "0.31.0")
-    assert note is not None and "0.28.0-0.29.0" in note and "0.31.0" in note
-    assert outside_range(VersionRange("0.32.0"), "0.33.0") is None
+
+    def detail(versions: VersionRange, version: str) -> str:
+        shape = Shape("s", Verdict.PENDING, "x = 1", origin="o", versions=versions)
+        return shape_detail(shape, SourceFile("f.py", None, version=version))
+
+    assert detail(seen, "0.28.0") == "o"
+    note = detail(seen, "0.31.0")
+    assert note.startswith("o; ") and "0.28.0-0.29.0" in note and "0.31.0" in note
+    assert detail(VersionRange("0.32.0"), "0.33.0") == "o"
     assert version_key("0.28.1.dev3") == (0, 28, 1) and version_key("x") is None
 
 
