@@ -6,7 +6,8 @@ from __future__ import annotations
 import ast
 import textwrap
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 BOM = b"\xef\xbb\xbf"
 
@@ -23,8 +24,6 @@ class SourceFile:
     data: bytes | None
     # The vLLM version of the tree the file belongs to (None: unknown), for version notes.
     version: str | None = None
-    _text: str | None = field(default=None, repr=False)
-    _tree: ast.Module | None = field(default=None, repr=False)
 
     @property
     def exists(self) -> bool:
@@ -39,39 +38,36 @@ class SourceFile:
     def encode(self, text: str) -> bytes:
         return (BOM if self.bom else b"") + text.encode("utf-8")
 
-    @property
+    @cached_property
     def text(self) -> str:
-        if self._text is None:
-            if self.data is None:
-                raise SourceError(f"{self.rel}: file is absent")
-            try:
-                self._text = self.data[len(BOM) if self.bom else 0 :].decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise SourceError(
-                    f"{self.rel}: not UTF-8 text (byte {exc.start}); restore it from the wheel"
-                ) from None
-            if "\x00" in self._text:
-                raise SourceError(f"{self.rel}: contains NUL bytes; restore it from the wheel")
-        return self._text
+        if self.data is None:
+            raise SourceError(f"{self.rel}: file is absent")
+        try:
+            text = self.data[len(BOM) if self.bom else 0 :].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise SourceError(
+                f"{self.rel}: not UTF-8 text (byte {exc.start}); restore it from the wheel"
+            ) from None
+        if "\x00" in text:
+            raise SourceError(f"{self.rel}: contains NUL bytes; restore it from the wheel")
+        return text
 
-    @property
+    @cached_property
     def tree(self) -> ast.Module:
-        if self._tree is None:
-            try:
-                self._tree = ast.parse(self.text, filename=self.rel)
-            except SyntaxError as exc:
-                raise SourceError(
-                    f"{self.rel}: does not parse ({exc.msg}, line {exc.lineno}); "
-                    "restore it from the wheel"
-                ) from None
-            except (RecursionError, MemoryError):
-                # The parser's own limits (3.11: deep operator chains raise RecursionError,
-                # thousands of unary operators MemoryError): no vLLM file comes near them.
-                raise SourceError(
-                    f"{self.rel}: code nested too deeply to parse (a generated or hostile "
-                    "file?); restore it from the wheel"
-                ) from None
-        return self._tree
+        try:
+            return ast.parse(self.text, filename=self.rel)
+        except SyntaxError as exc:
+            raise SourceError(
+                f"{self.rel}: does not parse ({exc.msg}, line {exc.lineno}); "
+                "restore it from the wheel"
+            ) from None
+        except (RecursionError, MemoryError):
+            # The parser's own limits (3.11: deep operator chains raise RecursionError,
+            # thousands of unary operators MemoryError): no vLLM file comes near them.
+            raise SourceError(
+                f"{self.rel}: code nested too deeply to parse (a generated or hostile "
+                "file?); restore it from the wheel"
+            ) from None
 
     def depth(self) -> int:
         """How many nodes deep the syntax tree goes (0 when absent or unparsable), walked
@@ -109,14 +105,9 @@ class Sources:
 
     def with_changes(self, changes: Mapping[str, str]) -> Sources:
         """A view of the same tree with some files replaced by new text (nothing is written).
-        Unchanged files are shared with this view, parsed trees included."""
-        return _ChangedSources(self, dict(changes))
-
-
-class _ChangedSources(Sources):
-    def __init__(self, base: Sources, changes: dict[str, str]) -> None:
-        super().__init__(lambda rel: base[rel].encode(changes[rel]), base.version)
-        self._base, self._changes = base, changes
-
-    def __getitem__(self, rel: str) -> SourceFile:
-        return super().__getitem__(rel) if rel in self._changes else self._base[rel]
+        The files read so far are shared with this view, parsed trees included."""
+        view = Sources(self._reader, self.version)
+        view._files = dict(self._files)
+        for rel, text in changes.items():
+            view._files[rel] = SourceFile(rel, self[rel].encode(text), self.version)
+        return view
