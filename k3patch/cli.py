@@ -58,8 +58,6 @@ class _Group(_FlagsWithoutTypes, typer.core.TyperGroup):
             code = exc.exit_code
         except typer._click.exceptions.ClickException as exc:
             code = _usage_error(argv, exc)
-        except typer.Abort:  # end of input where a prompt read one
-            code = 130
         code = 0 if code is None else int(code)
         if code == 130:  # typer's answer to KeyboardInterrupt
             from k3patch import render

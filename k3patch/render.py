@@ -146,12 +146,10 @@ def print_verify(report: VerifyReport) -> None:
         lines.append(plaintext.patch_line(check.patch_id, check.verdict.value, "", id_width))
         lines += [_module_line("  ", module) for module in check.modules]
         summary = f": {check.probe_summary}" if check.probe_summary else ""
-        if check.probe_ok is None:
-            if summary:
-                lines.append(line(f"  probe not run{summary}", 4, "not run", 2, 15))
-        else:
-            state = "ok" if check.probe_ok else "failed"
-            lines.append(line(f"  probe {state}{summary}", 4, state, 8, 8 + len(state)))
+        state = "not run" if check.probe_ok is None else "ok" if check.probe_ok else "failed"
+        if check.probe_ok is not None or summary:
+            start = 2 if check.probe_ok is None else 8  # "probe not run" is dimmed whole
+            lines.append(line(f"  probe {state}{summary}", 4, state, start, 8 + len(state)))
     lines += [_module_line("(--module) ", module) for module in report.extra]
     text = "probes ran: " + (", ".join(ran) or "none")
     lines.append(line(text + (f"; not run: {', '.join(not_run)}" if not_run else ""), 2))
