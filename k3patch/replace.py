@@ -232,7 +232,7 @@ def replace_checked(
                 "edit was put back and nothing of k3patch's was kept, run again"
             )
     except OSError as exc:
-        raise env_error("write", path, exc) from None
+        raise env_error("remove" if after is None else "write", path, exc) from None
     finally:
         if old_fd is not None:
             os.close(old_fd)

@@ -143,7 +143,6 @@ class Transaction:
             for entry in files:
                 if self._roll_back(entry):
                     done.append(f"rolled back {entry['path']}")
-            for entry in files:
                 if entry["path"].endswith(".py"):
                     sync_pycache(self.package_dir / entry["path"])
             unlink_in(self.package_dir, state.JOURNAL_REL)
