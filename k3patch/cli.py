@@ -69,7 +69,6 @@ class _Group(_FlagsWithoutTypes, typer.core.TyperGroup):
 
 
 def _usage_error(argv: list[str], exc: Any) -> int:
-    """A usage error's one line, and its JSON envelope under --json; its code."""
     from k3patch.exitcodes import ExitCode
 
     command = next((a for a in argv if not a.startswith("-")), "k3patch")
