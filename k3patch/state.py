@@ -15,9 +15,8 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from k3patch import __version__, formats, safefs
 from k3patch.errors import EnvironmentProblem
@@ -72,8 +71,7 @@ def confined(rel: object, package_dir: Path | str, allowed: frozenset[str]) -> b
     return os.path.realpath(os.path.join(base, rel)).startswith(base + os.sep)
 
 
-@dataclass(frozen=True)
-class FileState:
+class FileState(NamedTuple):
     original: str | None  # sha256 of the file before k3patch first changed it (None: absent)
     applied: str | None  # sha256 of what k3patch last wrote
     patches: tuple[str, ...]
@@ -82,15 +80,17 @@ class FileState:
         return {"original": self.original, "applied": self.applied, "patches": list(self.patches)}
 
 
-@dataclass
-class StateRecord:
+class StateRecord(NamedTuple):
+    """The record as loaded (and checked) or about to be written. Like SiteResult, a NamedTuple:
+    the no-op path loads it."""
+
+    patch_set: str
+    vllm_version: str | None
+    patches: list[dict[str, str]]  # id, title, caveat of each
+    files: dict[str, FileState]
+    scan: dict[str, str | None]
+    results: list[SiteResult]
     k3patch_version: str = __version__
-    patch_set: str = ""
-    vllm_version: str | None = None
-    patches: list[dict[str, str]] = field(default_factory=list)  # id, title, caveat of each
-    files: dict[str, FileState] = field(default_factory=dict)
-    scan: dict[str, str | None] = field(default_factory=dict)
-    results: list[SiteResult] = field(default_factory=list)
 
     def to_bytes(self) -> bytes:
         data = {

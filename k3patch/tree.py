@@ -7,21 +7,20 @@ import csv
 import os
 import re
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from k3patch.errors import TreeError
 from k3patch.safefs import NotRegular, file_sha256, read_file
 
 
-@dataclass(frozen=True)
-class VllmTree:
-    """A located vLLM tree; two are equal when they are the same package dir."""
+class VllmTree(NamedTuple):
+    """A located vLLM tree (a NamedTuple: the no-op path locates one)."""
 
     package: str  # the `vllm` package directory, as the reports print it
-    kind: str = field(compare=False)  # "site-packages", "source checkout" or "package dir"
-    version: str | None = field(compare=False)
-    version_source: str = field(compare=False)
+    kind: str  # "site-packages", "source checkout" or "package dir"
+    version: str | None
+    version_source: str
 
     @property
     def info(self) -> dict[str, str | None]:

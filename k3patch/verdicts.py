@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class Verdict(str, enum.Enum):
@@ -42,9 +41,10 @@ def summarise(verdicts: Iterable[Verdict]) -> Verdict:
     return Verdict(summary(verdict.value for verdict in verdicts))
 
 
-@dataclass(frozen=True)
-class SiteResult:
-    """The classification of one site in one file."""
+class SiteResult(NamedTuple):
+    """The classification of one site in one file. A NamedTuple, not a dataclass: the no-op
+    path loads these from the record, and `dataclasses` (with the `inspect` it imports) is a
+    sixth of that path's start-up. `result._replace(verdict=...)` makes a changed copy."""
 
     patch_id: str
     site: str
@@ -57,7 +57,7 @@ class SiteResult:
     expected: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        data = {"patch": self.patch_id, **asdict(self), "verdict": self.verdict.value}
+        data = {"patch": self.patch_id, **self._asdict(), "verdict": self.verdict.value}
         del data["patch_id"]
         return {**data, "expected": list(self.expected)}
 

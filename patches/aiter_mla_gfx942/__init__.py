@@ -13,7 +13,6 @@ it lacks what the fixed method calls.
 
 from __future__ import annotations
 
-from dataclasses import replace as with_fields
 from typing import TYPE_CHECKING
 
 import k3patch.astkit as astkit
@@ -91,7 +90,7 @@ class AiterMlaGfx942(Patch):
             missing.append("`on_gfx942()` in vllm/platforms/rocm.py (vLLM 0.15.1 or later)")
         if missing:
             detail = "known buggy shape, but the fix needs " + "; ".join(missing)
-            return [with_fields(result, verdict=Verdict.DRIFTED, detail=detail)]
+            return [result._replace(verdict=Verdict.DRIFTED, detail=detail)]
         return [result]
 
     def rewrite(self, sources: Sources, pending: list[SiteResult], files: Codemods) -> None:

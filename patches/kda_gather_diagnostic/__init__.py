@@ -15,7 +15,6 @@ from __future__ import annotations
 import ast
 import textwrap
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
 import k3patch.astkit as astkit
@@ -201,7 +200,7 @@ class KdaGatherDiagnostic(Patch):
             return self._drift(src, site, run, "the k3-kda guard is in no known shape")
         result, pending = self._judge(src, site, func, [core[2]])
         if result.verdict is not Verdict.DRIFTED:
-            result = replace(result, shape=f"{guard.name}; {result.shape}", line=run[0].lineno)
+            result = result._replace(shape=f"{guard.name}; {result.shape}", line=run[0].lineno)
         return result, pending
 
     def _judge(
@@ -231,7 +230,7 @@ class KdaGatherDiagnostic(Patch):
         named = "; ".join(dict.fromkeys(s.name for s in known))
         result = self.result(site.name, site.file, verdict, detail, named)
         pending = [u for u, s in zip(units, shapes, strict=True) if s is FORK_DIAGNOSTIC]
-        return replace(result, line=units[0].lineno), pending
+        return result._replace(line=units[0].lineno), pending
 
     def _drift(self, src: SourceFile, site: Site, nodes: list[ast.stmt], why: str) -> Located:
         """Drifted: `why`, the source of `nodes` as found (at the first one's line), and the
@@ -242,7 +241,7 @@ class KdaGatherDiagnostic(Patch):
             site.name, site.file, Verdict.DRIFTED, f"{why}; nothing will be written"
         )
         found = "\n".join(src.segment(node) for node in nodes)
-        return replace(result, line=nodes[0].lineno, found=found, expected=tuple(expected)), []
+        return result._replace(line=nodes[0].lineno, found=found, expected=tuple(expected)), []
 
     def rewrite(self, sources: Sources, pending: list[SiteResult], files: Codemods) -> None:
         """Each diagnostic moves in under the gate, GATE_COMMENT above it; a module without

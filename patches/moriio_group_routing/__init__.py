@@ -13,7 +13,6 @@ with the layer's group and caches offsets per layer; a peer without them fails l
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -192,11 +191,11 @@ class MoriioGroupRouting(Patch):
             *(f"{s.name} ({s.verdict.value})" for s in (*NATIVE_SHAPES, SINGLE_GROUP_SHAPE)),
             "the fork's mamba block ids (pending)",
         )
-        results = [replace(r, expected=expected) for r in self._each_file(Verdict.DRIFTED, why)]
+        results = [r._replace(expected=expected) for r in self._each_file(Verdict.DRIFTED, why)]
         plan = astkit.find_def(engine.tree, "MoRIIOWriter._prepare_transfer_plan")
         if plan is not None:
             found = clip_lines(engine.segment(plan))
-            results[-1] = replace(results[-1], line=plan.lineno, found=found)
+            results[-1] = results[-1]._replace(line=plan.lineno, found=found)
         return results
 
     def _each_file(self, verdict: Verdict, detail: str, shape: str = "") -> list[SiteResult]:
@@ -223,7 +222,7 @@ def _one_change(results: list[SiteResult]) -> list[SiteResult]:
         verdict = combined_verdict(r.verdict for r in results if r.file == rel)
         states.append(f"{rel.rsplit('/', 1)[-1]} {verdict.value if verdict else 'partly applied'}")
     tail = f"; the three files are one change, nothing will be written ({', '.join(states)})"
-    return [replace(r, detail=r.detail + tail) if r.verdict is drifted else r for r in results]
+    return [r._replace(detail=r.detail + tail) if r.verdict is drifted else r for r in results]
 
 
 PATCH = MoriioGroupRouting()
