@@ -227,18 +227,15 @@ def _direct_case(scheduler: Any, title: str, requests: tuple[Request, ...], chec
 # producer, one full-attention group in K3's block, a config.json written here: no download).
 MAX_LEN = 16384
 
-# (request id, row): the rows that tell each wrong gate of G1 and G2 from the right one (slack
-# of 1 and 2 after one and two chunks, a block count at chunk 3, one chunk, the truncation).
-SCHEDULED = (
-    ("sched-2611", Prefill(2611, K3_BLOCK)),  # 2,048 + 563 in one 5,760-token block
-    ("sched-5000", Prefill(5000, K3_BLOCK)),  # 2,048 + 2,048 + 904
-    *(
-        (f"sched-{n}{'-n1' if cut else ''}", Prefill(n, K3_BLOCK, cut))
-        for n, cut in (
-            *((n, False) for n in (2049, 2050, 4097, 4098, 6145, 1000)),
-            *((n, True) for n in (4098, 2049)),
-        )
-    ),
+# (request id, row): the rows that tell each wrong gate of G1 and G2 from the right one (2,611:
+# 2,048 + 563 in one 5,760-token block; 5,000: three chunks; slack of 1 and 2 after one and two
+# chunks, a block count at chunk 3, one chunk, the truncation).
+SCHEDULED = tuple(
+    (f"sched-{n}{'-n1' if cut else ''}", Prefill(n, K3_BLOCK, cut))
+    for n, cut in (
+        *((n, False) for n in (2611, 5000, 2049, 2050, 4097, 4098, 6145, 1000)),
+        *((n, True) for n in (4098, 2049)),
+    )
 )
 
 # A model vLLM knows, small; only its config is read (the scheduler runs no model).
