@@ -37,7 +37,7 @@ from . import (
     names,
     site_result,
 )
-from .names import FINAL, NOT_FINAL, WRONG, Context, flip
+from .names import FINAL, NOT_FINAL, WRONG, flip
 
 if TYPE_CHECKING:
     from k3patch.codemod import Codemod
@@ -45,6 +45,23 @@ if TYPE_CHECKING:
 UPSTREAM_HELPER = "_is_final_prefill_chunk"
 # Names whose appearance in an `if` test makes it a final-chunk gate.
 GATE_WORDS = frozenset({"num_prompt_tokens", UPSTREAM_HELPER, LEGACY_HELPER})
+
+
+@dataclass
+class Context:
+    """The method whose gates k3patch reads, its class and its module."""
+
+    module: ast.Module
+    method: ast.FunctionDef
+    cls: ast.ClassDef
+
+    @classmethod
+    def of(cls, module: ast.Module) -> Context:
+        method = astkit.find_def(module, f"{CLASS}.{METHOD}")
+        klass = astkit.find_class(module, CLASS)
+        if method is None or klass is None:
+            raise ValueError(f"{CLASS}.{METHOD} is gone")
+        return cls(module, method, klass)
 
 
 def classify_sites(src: SourceFile) -> list[SiteResult]:

@@ -1,5 +1,5 @@
-"""What moriio-chunk-gate's checks read of the code: the method and its class, the names code
-reads, binds or leaves unbound, and what a final-chunk gate's test means (compute progress:
+"""What moriio-chunk-gate's checks read of the code: where a node sits, the names code reads, binds
+or leaves unbound, and what a final-chunk gate's test means (compute progress:
 `num_computed_tokens` plus this step's scheduled tokens, against the prompt)."""
 
 from __future__ import annotations
@@ -7,10 +7,8 @@ from __future__ import annotations
 import ast
 import builtins
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TypeGuard
 
-from k3patch import astkit
 from k3patch.astkit import (
     attribute_owner,
     imported_names,
@@ -20,26 +18,7 @@ from k3patch.astkit import (
 )
 from k3patch.shapes import match
 
-from . import CLASS, METHOD
-
 FINAL, NOT_FINAL, WRONG = "final", "not final", "wrong"
-
-
-@dataclass
-class Context:
-    """The method whose gates k3patch reads, its class and its module."""
-
-    module: ast.Module
-    method: ast.FunctionDef
-    cls: ast.ClassDef
-
-    @classmethod
-    def of(cls, module: ast.Module) -> Context:
-        method = astkit.find_def(module, f"{CLASS}.{METHOD}")
-        klass = astkit.find_class(module, CLASS)
-        if method is None or klass is None:
-            raise ValueError(f"{CLASS}.{METHOD} is gone")
-        return cls(module, method, klass)
 
 
 def parent_map(root: ast.AST) -> dict[int, ast.AST]:
