@@ -36,6 +36,9 @@ WHEELS = (
 ).split()
 
 
+EMPTY_CWD = tempfile.mkdtemp(prefix="k3applysweep-cwd-")
+
+
 def k3patch_env(src: str | None, scratch: Path) -> dict[str, str]:
     env = {**os.environ, "NO_COLOR": "1", "K3PATCH_NO_FASTPATH": "1"}
     if src:
@@ -56,7 +59,10 @@ def snapshot(root: Path) -> dict[str, str]:
 
 def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "k3patch", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env)
+    # From an empty directory, not the caller's: `-m` puts the working directory first on
+    # sys.path, and from the checkout's root that imports the checkout's k3patch instead of the
+    # --k3patch copy (a baseline run measured half-edited work that way).
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=EMPTY_CWD)
 
 
 def run_json(env: dict[str, str], *args: str) -> dict:

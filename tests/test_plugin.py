@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
 
 pytestmark = [pytest.mark.wheel, pytest.mark.verify]

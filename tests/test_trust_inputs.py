@@ -134,9 +134,9 @@ def fork_report():
     from k3patch.tree import locate
 
     report = scan.scan(locate(built_fork_tree("a")), use_record=False)
-    assert {p.id: v.value for p, v in zip(report.patches, report.verdicts().values())} == {
-        p.id: "pending" for p in all_patches()
-    }
+    assert {
+        p.id: v.value for p, v in zip(report.patches, report.verdicts().values(), strict=True)
+    } == {p.id: "pending" for p in all_patches()}
     return report
 
 

@@ -8,8 +8,7 @@ kda_gather_nosync is not in that list; the fork's folded image carries its effec
 
 from __future__ import annotations
 
-from . import chunk_gate, kda, moriio  # noqa: F401  (they register their steps)
-from . import tree
+from . import chunk_gate, kda, moriio, tree  # noqa: F401  (they register their steps)
 
 # Scripts that run before mamba_blockids and edit the MoRIIO files around k3patch's sites.
 _PRE = ("block_size_fix", "page_pad", "port_offset_tpsize", "pod_hosts")
