@@ -11,12 +11,26 @@ from k3patch.blobs import Blobs
 from k3patch.tree import VllmTree
 
 
-def _lines(data: bytes | None) -> list[str]:
-    """The lines as `diff -u` shows them: a last line without its newline is marked."""
-    lines = [] if data is None else data.decode("utf-8", "replace").splitlines(keepends=True)
-    if lines and not lines[-1].endswith("\n"):
-        lines[-1] += "\n\\ No newline at end of file\n"
-    return lines
+def file_diff(rel: str, before: str | bytes | None, now: str | bytes | None) -> list[str]:
+    """One file's unified diff as `diff -u` prints it: a last line without its newline is
+    marked (else the next file's header would run onto it), an absent side is /dev/null. Both
+    `status --diff` and `apply --diff` print through here."""
+
+    def lines(data: str | bytes | None) -> list[str]:
+        text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data or ""
+        found = text.splitlines(keepends=True)
+        if found and not found[-1].endswith("\n"):
+            found[-1] += "\n\\ No newline at end of file\n"
+        return found
+
+    return list(
+        difflib.unified_diff(
+            lines(before),
+            lines(now),
+            fromfile=f"a/vllm/{rel}" if before is not None else "/dev/null",
+            tofile=f"b/vllm/{rel}" if now is not None else "/dev/null",
+        )
+    )
 
 
 def recorded_diff(tree: VllmTree) -> str | None:
@@ -34,12 +48,5 @@ def recorded_diff(tree: VllmTree) -> str | None:
         now = tree.read(rel)
         if before == now:
             continue
-        chunks.extend(
-            difflib.unified_diff(
-                _lines(before),
-                _lines(now),
-                fromfile=f"a/vllm/{rel}" if before is not None else "/dev/null",
-                tofile=f"b/vllm/{rel}" if now is not None else "/dev/null",
-            )
-        )
+        chunks.extend(file_diff(rel, before, now))
     return "".join(chunks)

@@ -4,12 +4,12 @@ again, then written with the state record in one transaction), and revert. Nothi
 from __future__ import annotations
 
 import contextlib
-import difflib
 import os
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from k3patch.changes import file_diff
 from k3patch.errors import EnvironmentProblem, PatchBug
 from k3patch.lock import locked
 from k3patch.patch import Patch
@@ -56,17 +56,11 @@ class Plan:
     bugs: dict[str, str]
 
     def diff(self) -> str:
-        chunks: list[str] = []
-        for rel, new in self.new_texts.items():
-            chunks.extend(
-                difflib.unified_diff(
-                    self.sources[rel].text.splitlines(keepends=True),
-                    new.splitlines(keepends=True),
-                    fromfile=f"a/vllm/{rel}",
-                    tofile=f"b/vllm/{rel}",
-                )
-            )
-        return "".join(chunks)
+        return "".join(
+            line
+            for rel, new in self.new_texts.items()
+            for line in file_diff(rel, self.sources[rel].text, new)
+        )
 
 
 def plan(report: Report, refused: Collection[str] = ()) -> Plan:

@@ -263,3 +263,21 @@ def test_version_is_printed_without_the_cli_stack():
     # With another option beside it, the CLI decides (and prints the same line).
     full = run_cli("--version", "--help")
     assert full.returncode == 0 and full.stdout == f"k3patch {__version__}\n"
+
+
+@pytest.mark.wheel
+def test_apply_diff_marks_a_last_line_without_newline(make_tree):
+    """`apply --diff` marks a last line without its newline as `diff -u` and `status --diff`
+    do; unmarked, the next file's `---` header ran onto that line."""
+    site = make_tree("0.31.0")
+    target = site / "vllm" / "_aiter_ops.py"
+    text = target.read_text()
+    end = text.index("\n", text.index("return cls._AITER_ENABLED and cls._MLA_ENABLED"))
+    target.write_text(text[:end])  # the file ends with is_mla_enabled, and no newline
+    planned = run_cli("apply", "--check", "--diff", "--vllm", str(site)).stdout
+    planned = planned[: planned.index("vLLM ")]
+    marker = "\n\\ No newline at end of file\n"
+    assert f"return cls._AITER_ENABLED and cls._MLA_ENABLED{marker}" in planned
+    assert f"return not on_gfx942(){marker}--- a/vllm/distributed/" in planned
+    assert run_cli("apply", "--quiet", "--vllm", str(site)).returncode == 0
+    assert run_cli("status", "--diff", "--vllm", str(site)).stdout == planned
