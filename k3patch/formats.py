@@ -80,7 +80,6 @@ def report_json(
 def apply_fields(
     *,
     check: bool = False,
-    refused: bool = False,
     refused_patches: Sequence[str] = (),
     all_or_nothing: bool = False,
     written: Sequence[str] = (),
@@ -90,7 +89,7 @@ def apply_fields(
     """What `apply --json` adds to the report (defaults: a run that had nothing to do)."""
     return {
         "check": check,
-        "refused": refused,
+        "refused": bool(refused_patches),
         "refused_patches": list(refused_patches),
         "all_or_nothing": all_or_nothing,
         "written": [f"vllm/{rel}" for rel in written],

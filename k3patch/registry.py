@@ -7,7 +7,6 @@ from __future__ import annotations
 import graphlib
 import importlib
 import pkgutil
-import sys
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
@@ -87,7 +86,3 @@ def select(only: list[str] | None = None, skip: list[str] | None = None) -> tupl
 def patches_dir() -> Path:
     """The directory the patches are loaded from (`patches/`, installed as `k3patch/patches/`)."""
     return Path(importlib.import_module("k3patch.patches").__file__ or "").parent
-
-
-def patch_module_file(patch: Patch) -> Path:
-    return Path(sys.modules[type(patch).__module__].__file__ or "")

@@ -60,7 +60,6 @@ def apply_payload(outcome: ApplyOutcome) -> dict[str, Any]:
     payload.update(
         formats.apply_fields(
             check=outcome.check,
-            refused=outcome.refused,
             refused_patches=outcome.refused_patches,
             all_or_nothing=outcome.all_or_nothing,
             written=outcome.written,
