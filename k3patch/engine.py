@@ -350,8 +350,8 @@ def _refresh_record(tree: VllmTree, lock_timeout: float) -> None:
     Best effort: a tree that cannot be written keeps no record."""
     if not os.access(tree.package_dir, os.W_OK):
         return
-    # A damaged record is never overwritten; an empty state dir this run created is removed by
-    # the lock's release, which knows whether another run holds it.
+    # A damaged record is never overwritten. A refresh that fails may leave an empty `.k3patch`
+    # (harmless: no record reads as no record; the next revert removes it).
     with contextlib.suppress(EnvironmentProblem), locked(tree.package_dir, lock_timeout):
         full = scan(tree, all_patches())
         if full.from_record or full.pending() or full.drifted or full.interrupted:
