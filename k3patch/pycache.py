@@ -71,19 +71,28 @@ def pyc_bytes(data: bytes, source: Path, flags: int, opt: int) -> bytes:
     return importlib.util.MAGIC_NUMBER + flags.to_bytes(4, "little") + key + marshal.dumps(code)
 
 
+def _readable(root: Path, rel: str) -> bytes | None:
+    """None when the file cannot be read (another user's 0600 pyc, say): its pycs are then
+    removed, which needs only the directory, and the interpreter compiles the source anew."""
+    try:
+        return read_in(root, rel)
+    except EnvironmentProblem:
+        return None
+
+
 def sync_pycache(source: Path) -> list[str]:
     """Recompile or remove every pyc of `source`; returns one line per action, for reports."""
     cache = source.parent / "__pycache__"
     actions = []
     pycs = _pycs(source)
-    data = read_in(source.parent, source.name) if pycs else None
+    data = _readable(source.parent, source.name) if pycs else None
     try:
         for name, regular in pycs.items():
             match = _PYC_NAME.match(name)
             assert match is not None
             old = None
             if regular and match["tag"] == sys.implementation.cache_tag:
-                old = read_in(source.parent, f"__pycache__/{name}")
+                old = _readable(source.parent, f"__pycache__/{name}")
             flags = -1
             if old is not None and len(old) >= 8 and old[:4] == importlib.util.MAGIC_NUMBER:
                 flags = int.from_bytes(old[4:8], "little")

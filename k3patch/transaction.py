@@ -24,7 +24,7 @@ from k3patch.blobs import BLOBS, Blobs
 from k3patch.errors import ConcurrentChange, EnvironmentProblem
 from k3patch.pycache import check_cache_dir, sync_pycache
 from k3patch.replace import LITTER, replace_checked, unlink_in, write_atomically
-from k3patch.safefs import read_in, regular_files
+from k3patch.safefs import open_dir, read_in, regular_files
 
 FaultHook = Callable[[str], None]
 
@@ -73,6 +73,11 @@ class Transaction:
         for edit in edits:
             if edit.rel not in self.allowed:
                 raise EnvironmentProblem(f"refusing to write {edit.rel!r}: not a k3patch target")
+            # Every directory on the way, before the journal: a symlink above a later target
+            # found mid-commit would leave the files before it written and a journal that
+            # recovery (it resolves links) must refuse as naming a path outside the tree.
+            if os.path.dirname(edit.rel) != ".k3patch":  # made with the journal, below
+                os.close(open_dir(self.package_dir, os.path.dirname(edit.rel)))
             if edit.rel.endswith(".py"):
                 check_cache_dir(self.package_dir / edit.rel)
         # Write-ahead: the journal goes first, so that a run killed while storing blobs leaves
@@ -143,6 +148,9 @@ class Transaction:
             for entry in files:
                 if self._roll_back(entry):
                     done.append(f"rolled back {entry['path']}")
+            # Bytecode only once every file is back: a sync that fails then leaves the sources
+            # whole (and the journal, to finish with the next run), never half rolled back.
+            for entry in files:
                 if entry["path"].endswith(".py"):
                     sync_pycache(self.package_dir / entry["path"])
             unlink_in(self.package_dir, state.JOURNAL_REL)

@@ -338,8 +338,11 @@ def stat_mode(path: Path) -> int:
     return os.stat(path).st_mode & 0o7777
 
 
-@pytest.mark.parametrize("link", ["distributed", ".k3patch"])
+@pytest.mark.parametrize("link", ["distributed", "distributed/kv_transfer", ".k3patch"])
 def test_6_a_symlinked_directory_on_the_way_is_refused(make_tree, tmp_path, link):
+    """Refused before the first write: found only when the commit reached the connector, the
+    link left `_aiter_ops.py` written and a journal recovery must refuse (it names a path that
+    resolves outside the tree), and every later run failed on that journal."""
     site = make_tree("0.31.0")
     elsewhere = tmp_path / "elsewhere"
     real = site / "vllm" / link
@@ -348,11 +351,13 @@ def test_6_a_symlinked_directory_on_the_way_is_refused(make_tree, tmp_path, link
     else:
         elsewhere.mkdir()
     real.symlink_to(elsewhere)
-    outside = tree_hashes(elsewhere)
+    outside, before = tree_hashes(elsewhere), sources(site)
     proc = run_cli("apply", "--vllm", str(site))
     assert proc.returncode == 3, (proc.stdout, proc.stderr)
     assert "symlink" in proc.stderr
     assert tree_hashes(elsewhere) == outside
+    assert sources(site) == before
+    assert not (site / "vllm" / ".k3patch" / "journal.json").exists()
 
 
 # -- 16: verify never passes vacuously -------------------------------------------------------
@@ -570,6 +575,27 @@ def test_9_a_revert_stopped_after_its_commit_finishes_on_the_next_run(make_tree)
     again = run_cli("revert", "--vllm", str(site))
     assert again.returncode == 0, again.stderr
     assert sources(site) == original and not (site / "vllm/.k3patch").exists()
+
+
+def test_9_recovery_puts_every_file_back_before_a_bytecode_sync_can_fail(make_tree):
+    """A killed apply's recovery whose bytecode sync fails (here `vllm/__pycache__` is a file)
+    still leaves every source as it was before: the files first, then their bytecode. Synced
+    file by file, the connector stayed patched behind an `_aiter_ops.py` that was put back."""
+    site = make_tree("0.31.0")
+    original = sources(site)
+    env = {"K3PATCH_TEST_CRASH_AT": "replaced:.k3patch/state.json"}
+    assert run_cli("apply", "--vllm", str(site), env=env).returncode == 137
+    assert sources(site) != original  # both files written, the journal left
+    cache = site / "vllm" / "__pycache__"
+    if cache.exists():
+        shutil.rmtree(cache)
+    cache.write_text("not a directory\n")
+    proc = run_cli("apply", "--vllm", str(site))
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    assert "__pycache__" in proc.stderr
+    assert {k: v for k, v in sources(site).items() if "__pycache__" not in k} == {
+        k: v for k, v in original.items() if "__pycache__" not in k
+    }
 
 
 # -- 7: concurrent apply and revert ------------------------------------------------------------

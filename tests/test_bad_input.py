@@ -221,3 +221,27 @@ def test_a_record_another_user_cannot_read_is_named_by_status(make_tree, hidden)
         assert len(stderr.splitlines()) == 1 and "permission denied" in stderr, stderr
     finally:
         shutil.rmtree(shared)
+
+
+@ROOT_ONLY
+def test_a_pyc_this_user_cannot_read_is_removed_not_fatal(make_tree):
+    """Another user's 0600 pyc in a tree this user may write: apply removes it (the directory
+    allows that) and the interpreter compiles the source anew; reading it is not needed."""
+    shared = Path(tempfile.mkdtemp(prefix="k3patch-perm-", dir="/tmp"))
+    try:
+        os.chmod(shared, 0o755)
+        site = shared / "site"
+        shutil.copytree(make_tree("0.31.0"), site)
+        for path in [site, *site.rglob("*")]:
+            os.chown(path, 65534, 65534, follow_symlinks=False)
+        cache = site / "vllm" / "__pycache__"
+        cache.mkdir()
+        os.chown(cache, 65534, 65534)
+        pyc = cache / f"_aiter_ops.{sys.implementation.cache_tag}.pyc"
+        pyc.write_bytes(b"root's bytecode")
+        os.chmod(pyc, 0o600)  # owned by root: nobody cannot read it, but may unlink it
+        code, stdout, stderr = run_as_nobody(["apply", "--vllm", str(site)])
+        assert code == 0, (stdout, stderr)
+        assert f"removed {pyc.name}" in stdout and not pyc.exists()
+    finally:
+        shutil.rmtree(shared)
