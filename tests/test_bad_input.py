@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -176,13 +178,23 @@ def run_as_nobody(args: list[str]) -> tuple[int, str, str]:
     return os.waitstatus_to_exitcode(status), stdout, stderr
 
 
-@ROOT_ONLY
-def test_permission_denied_as_another_user(make_tree):
+@contextmanager
+def shared_site(make_tree: Callable[..., Path]) -> Iterator[Path]:
+    """A 0.31.0 tree in a directory every user may enter (pytest's own temp dirs are root's
+    0700), for the tests that run k3patch as `nobody`."""
     shared = Path(tempfile.mkdtemp(prefix="k3patch-perm-", dir="/tmp"))
     try:
         os.chmod(shared, 0o755)
         site = shared / "site"
         shutil.copytree(make_tree("0.31.0"), site)
+        yield site
+    finally:
+        shutil.rmtree(shared)
+
+
+@ROOT_ONLY
+def test_permission_denied_as_another_user(make_tree):
+    with shared_site(make_tree) as site:
         for path in [site, *site.rglob("*")]:
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
         before = everything(site)
@@ -195,8 +207,6 @@ def test_permission_denied_as_another_user(make_tree):
         # Reading is allowed: status works for anyone.
         code, stdout, _ = run_as_nobody(["status", "--quiet", "--vllm", str(site)])
         assert code == 1 and "aiter-mla-gfx942: pending" in stdout
-    finally:
-        shutil.rmtree(shared)
 
 
 @ROOT_ONLY
@@ -205,11 +215,7 @@ def test_a_record_another_user_cannot_read_is_named_by_status(make_tree, hidden)
     """A record left 0600 (an apply under `umask 077` by an older k3patch): `status` as another
     user gives the verdicts from the code, names that it cannot read the record, and exits 3,
     never a silent "no record" (issue 21 items 5, 11)."""
-    shared = Path(tempfile.mkdtemp(prefix="k3patch-perm-", dir="/tmp"))
-    try:
-        os.chmod(shared, 0o755)
-        site = shared / "site"
-        shutil.copytree(make_tree("0.31.0"), site)
+    with shared_site(make_tree) as site:
         for path in [site, *site.rglob("*")]:
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
         assert run_cli("apply", "--vllm", str(site)).returncode == 0
@@ -219,19 +225,13 @@ def test_a_record_another_user_cannot_read_is_named_by_status(make_tree, hidden)
         assert code == 3, (stdout, stderr)
         assert "aiter-mla-gfx942: applied" in stdout
         assert len(stderr.splitlines()) == 1 and "permission denied" in stderr, stderr
-    finally:
-        shutil.rmtree(shared)
 
 
 @ROOT_ONLY
 def test_a_pyc_this_user_cannot_read_is_removed_not_fatal(make_tree):
     """Another user's 0600 pyc in a tree this user may write: apply removes it (the directory
     allows that) and the interpreter compiles the source anew; reading it is not needed."""
-    shared = Path(tempfile.mkdtemp(prefix="k3patch-perm-", dir="/tmp"))
-    try:
-        os.chmod(shared, 0o755)
-        site = shared / "site"
-        shutil.copytree(make_tree("0.31.0"), site)
+    with shared_site(make_tree) as site:
         for path in [site, *site.rglob("*")]:
             os.chown(path, 65534, 65534, follow_symlinks=False)
         cache = site / "vllm" / "__pycache__"
@@ -243,5 +243,3 @@ def test_a_pyc_this_user_cannot_read_is_removed_not_fatal(make_tree):
         code, stdout, stderr = run_as_nobody(["apply", "--vllm", str(site)])
         assert code == 0, (stdout, stderr)
         assert f"removed {pyc.name}" in stdout and not pyc.exists()
-    finally:
-        shutil.rmtree(shared)
