@@ -82,11 +82,11 @@ def try_fast(argv: list[str]) -> int | None:
             if record is None and not holding:
                 lock.hold(tree.package, form["lock_timeout"])  # it left work: ours to do
         except lock.Busy as exc:
-            # The one timeout is spent: the full path must not wait a second time.
+            # The one timeout is spent: the full path must not wait a second time. What it
+            # would print: under --json the envelope, and the error line either way.
             if form.get("json"):
                 out.write(formats.envelope("apply", 3, {"error": str(exc)}))
-            else:
-                sys.stderr.write(f"k3patch: error: {exc}\n")
+            sys.stderr.write(f"k3patch: error: {exc}\n")
             return 3
         except EnvironmentProblem:
             return None

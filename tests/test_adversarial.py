@@ -776,6 +776,24 @@ def test_13_fast_path_and_full_path_share_one_timeout(make_tree, monkeypatch):
     assert 7 <= clock[0] < 8, clock[0]
 
 
+@pytest.mark.parametrize("as_json", slow_after([True, False]))
+def test_13_a_lock_timeout_reads_the_same_on_the_no_op_path_and_the_full_path(make_tree, as_json):
+    """The no-op path times out waiting for a lock holder itself (one timeout, not two): what
+    it prints must be what the full path prints, the error line on stderr under --json too."""
+    site = make_tree("0.31.0")
+    fd = os.open(site / "vllm", os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a stopped lock holder
+    args = ["apply", "--lock-timeout", "0", "--vllm", str(site), *(["--json"] if as_json else [])]
+    try:
+        fast = run_cli(*args)
+        full = run_cli(*args, env={"K3PATCH_NO_FASTPATH": "1"})
+    finally:
+        os.close(fd)
+    assert fast.returncode == full.returncode == 3, (fast.stderr, full.stderr)
+    assert (fast.stdout, fast.stderr) == (full.stdout, full.stderr)
+    assert fast.stderr.startswith("k3patch: error: ") and fast.stderr.count("\n") == 1
+
+
 def test_13_status_waits_for_a_live_apply_instead_of_saying_interrupted(make_tree):
     site = make_tree("0.31.0")
     engine.apply(locate(site))
