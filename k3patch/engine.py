@@ -241,7 +241,7 @@ def apply(
         record = _record(Report(tree, all_patches(), results, after_hashes), files)
         edits.append(FileEdit(STATE_REL, read_bytes(tree.state_dir), record.to_bytes()))
         pycache = _commit(txn, edits, "apply", old)
-        txn.prune_blobs({fs.original for fs in files.values() if fs.original})
+        txn.blobs.prune({fs.original for fs in files.values() if fs.original})
         final = Report(tree, patches, the_plan.after_results, after_hashes)
         return replace(outcome, report=final, written=list(the_plan.new_texts), pycache=pycache)
 
@@ -304,7 +304,7 @@ def revert(
         recovered = txn.recover()
         # Damaged or of another schema: RecordProblem (exit 3), nothing removed.
         record = load(tree.state_dir)
-        if record is None and txn.blob_names():
+        if record is None and txn.blobs.names():
             raise EnvironmentProblem(
                 f"{tree.state_dir / STATE_FILE} is missing but saved originals are still in "
                 f"{tree.state_dir / 'blobs'}; revert cannot tell which file each belongs to. "
@@ -331,7 +331,7 @@ def revert(
                     f"{fs.original and fs.original[:12]})"
                 )
             else:
-                original = None if fs.original is None else txn.load_blob(fs.original)
+                original = None if fs.original is None else txn.blobs.load(fs.original)
                 edits.append(FileEdit(rel, data, original))
         if conflicts:
             return RevertOutcome(conflicts=conflicts, recovered=recovered)
@@ -373,11 +373,11 @@ def _commit(txn: Transaction, edits: list[FileEdit], op: str, old: StateRecord |
         if old is None:
             _remove_state_dir(txn)
         else:
-            txn.prune_blobs({fs.original for fs in old.files.values() if fs.original})
+            txn.blobs.prune({fs.original for fs in old.files.values() if fs.original})
         raise
 
 
 def _remove_state_dir(txn: Transaction) -> None:
     """A reverted tree carries nothing of k3patch's."""
-    txn.prune_blobs(set())
+    txn.blobs.prune(set())
     txn.remove_state_dir()

@@ -135,7 +135,7 @@ def _module_line(prefix: str, module: ModuleCheck) -> Line:
 
 def print_verify(report: VerifyReport) -> None:
     lines = [
-        plaintext.header(report.report.vllm_info),
+        plaintext.header(report.report.tree.info),
         line(f"imports with {report.python} (Python {report.python_version})"),
     ]
     id_width = max([len(c.patch_id) for c in report.patches] or [0])

@@ -67,13 +67,9 @@ class Report:
         results = [r.to_json() for r in self.results]
         return formats.state_digest(self.tree.version, self.hashes, results)
 
-    @property
-    def vllm_info(self) -> dict[str, Any]:
-        return self.tree.info
-
     def to_json(self) -> dict[str, Any]:
         payload = formats.report_json(
-            self.vllm_info,
+            self.tree.info,
             self.digest,
             self.from_record,
             self.interrupted,

@@ -57,16 +57,6 @@ class Transaction:
         # The paths a journal may name: the registered targets and k3patch's own record.
         self.allowed = state.registered_targets() | {state.STATE_REL}
 
-    # -- blobs (verify and engine read originals through a Transaction) ---------------------
-    def load_blob(self, digest: str) -> bytes:
-        return self.blobs.load(digest)
-
-    def blob_names(self) -> list[str]:
-        return self.blobs.names()
-
-    def prune_blobs(self, keep: set[str]) -> None:
-        self.blobs.prune(keep)
-
     # -- commit --------------------------------------------------------------------------
     def commit(self, edits: list[FileEdit], op: str) -> list[str]:
         """Apply all edits or none. Returns the pycache actions taken (and notes)."""

@@ -304,7 +304,7 @@ def _import_originals(
             if fs.original is None or path not in patched_files:
                 continue
             copy = Path(tmp) / rel.replace("/", "__")
-            copy.write_bytes(txn.load_blob(fs.original))
+            copy.write_bytes(txn.blobs.load(fs.original))
             overlay[path] = str(copy)
         if not overlay:
             return None

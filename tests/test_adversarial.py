@@ -297,7 +297,7 @@ def test_3_prune_removes_only_blob_named_regular_files(make_tree, tmp_path):
     victim = tmp_path / "victim"
     victim.write_text("x\n")
     (blobs / ("f" * 64)).symlink_to(victim)
-    Transaction(site / "vllm").prune_blobs(set())
+    Transaction(site / "vllm").blobs.prune(set())
     assert (blobs / "notes.txt").exists() and victim.exists() and (blobs / ("f" * 64)).is_symlink()
 
 
