@@ -8,6 +8,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from k3patch import plaintext
 from k3patch.errors import (
     BadLockTimeout,
     ConcurrentChange,
@@ -117,14 +118,14 @@ def guarded(run: Callable[[], object]) -> NoReturn:
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code or ExitCode.OK
         else:  # a message (sys.exit("...")): one line, a usage error
-            err.write(f"k3patch: error: {exc.code}\n")
+            err.write(plaintext.error_text(str(exc.code)))
             code = ExitCode.USAGE
     except KeyboardInterrupt:
         err.write("k3patch: interrupted\n")
         code = 130
     except Exception as exc:
         code, message = explain(exc)
-        err.write(f"k3patch: error: {message}\n")
+        err.write(plaintext.error_text(message))
     out.flush()
     if out.failed is not None and out.failed.errno != errno.EPIPE and not err.wrote:
         err.write(

@@ -86,7 +86,7 @@ def try_fast(argv: list[str]) -> int | None:
             # would print: under --json the envelope, and the error line either way.
             if form.get("json"):
                 out.write(formats.envelope("apply", 3, {"error": str(exc)}))
-            sys.stderr.write(f"k3patch: error: {exc}\n")
+            sys.stderr.write(plaintext.error_text(str(exc)))
             return 3
         except EnvironmentProblem:
             return None

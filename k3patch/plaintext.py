@@ -6,6 +6,7 @@ standard library only, from the JSON-shaped dicts both have. Logs get `LOG_WIDTH
 from __future__ import annotations
 
 import re
+import sys
 from typing import TYPE_CHECKING
 
 from k3patch.formats import quiet_line
@@ -90,6 +91,12 @@ def header(vllm: Mapping[str, Any]) -> Line:
 def error(label: str, rest: str = "") -> Line:
     """A line that opens with an error word (`label`), coloured on a terminal."""
     return line(label + rest, 2, "error", 0, len(label))
+
+
+def error_text(message: str, prefix: str = "k3patch: error:") -> str:
+    """An error as a log gets it: one line however long, a control character (a newline in a
+    path) escaped. render.error_line prints the same line, coloured on a terminal."""
+    return as_text([error(prefix, f" {message}")], sys.maxsize)
 
 
 def _unique(items: Iterable[str]) -> list[str]:

@@ -777,10 +777,15 @@ def test_13_fast_path_and_full_path_share_one_timeout(make_tree, monkeypatch):
 
 
 @pytest.mark.parametrize("as_json", slow_after([True, False]))
-def test_13_a_lock_timeout_reads_the_same_on_the_no_op_path_and_the_full_path(make_tree, as_json):
+def test_13_a_lock_timeout_reads_the_same_on_the_no_op_path_and_the_full_path(
+    make_tree, tmp_path, as_json
+):
     """The no-op path times out waiting for a lock holder itself (one timeout, not two): what
-    it prints must be what the full path prints, the error line on stderr under --json too."""
-    site = make_tree("0.31.0")
+    it prints must be what the full path prints, the error line on stderr under --json too,
+    and one line with the newline in the tree's path escaped."""
+    site = tmp_path / "odd\nname" / "site"
+    site.parent.mkdir()
+    shutil.move(make_tree("0.31.0"), site)
     fd = os.open(site / "vllm", os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(fd, fcntl.LOCK_EX)  # a stopped lock holder
     args = ["apply", "--lock-timeout", "0", "--vllm", str(site), *(["--json"] if as_json else [])]
