@@ -75,9 +75,11 @@ def wait_if_busy(package_dir: Path | str, timeout: float) -> bool:
 def hold(package_dir: Path | str, timeout: float) -> None:
     """Take the tree's lock, exclusive, until `release` (or the process ends)."""
     key = os.path.abspath(package_dir)
-    _, exclusive, deadline = _held.get(key) or (-1, False, _deadline(timeout))
-    if exclusive:
+    held = _held.get(key)
+    if held is not None and held[1]:
         return
+    # A shared hold (hold_or_wait) keeps its deadline: this process waits out one timeout.
+    deadline = held[2] if held is not None else _deadline(timeout)
     release(key)  # a shared hold is given up first: flock cannot upgrade it atomically
     _held[key] = (_take(key, fcntl.LOCK_EX, deadline, timeout), True, deadline)
 
