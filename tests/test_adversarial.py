@@ -640,19 +640,25 @@ def test_7_racing_applies_and_reverts_stay_whole(make_tree):
 # -- 8: another writer during the commit ------------------------------------------------------
 
 
-def test_8_an_edit_before_the_rename_is_kept_and_no_journal_blocks(make_tree, monkeypatch):
-    site = make_tree("0.31.0")
-    target = site / "vllm" / AITER
-    theirs = target.read_bytes() + b"# theirs\n"
+def after_the_temp_file(monkeypatch, act) -> None:
+    """`act` runs once k3patch has written its temp file for _aiter_ops.py: after the content
+    check, before the last look and the rename."""
     real = replace.write_temp
 
     def racing(dfd: int, name: str, data: bytes, like_fd: int | None) -> str:
         tmp = real(dfd, name, data, like_fd)
         if name == AITER:
-            target.write_bytes(theirs)  # lands after the content check, before the rename
+            act()
         return tmp
 
     monkeypatch.setattr(replace, "write_temp", racing)
+
+
+def test_8_an_edit_before_the_rename_is_kept_and_no_journal_blocks(make_tree, monkeypatch):
+    site = make_tree("0.31.0")
+    target = site / "vllm" / AITER
+    theirs = target.read_bytes() + b"# theirs\n"
+    after_the_temp_file(monkeypatch, lambda: target.write_bytes(theirs))
     with pytest.raises(ConcurrentChange):
         engine.apply(locate(site))
     assert target.read_bytes() == theirs
@@ -734,17 +740,13 @@ def test_8_without_exchange_a_file_renamed_in_before_the_last_look_is_kept(make_
     target = site / "vllm" / AITER
     theirs = target.read_bytes() + b"# theirs, renamed in\n"
     monkeypatch.setattr(replace, "exchange", lambda dfd, a, b: False)
-    real = replace.write_temp
 
-    def racing(dfd: int, name: str, data: bytes, like_fd: int | None) -> str:
-        tmp = real(dfd, name, data, like_fd)
-        if name == AITER:
-            other = target.with_name("their-temp")
-            other.write_bytes(theirs)
-            os.replace(other, target)
-        return tmp
+    def rename_in() -> None:
+        other = target.with_name("their-temp")
+        other.write_bytes(theirs)
+        os.replace(other, target)
 
-    monkeypatch.setattr(replace, "write_temp", racing)
+    after_the_temp_file(monkeypatch, rename_in)
     with pytest.raises(ConcurrentChange):
         engine.apply(locate(site))
     assert target.read_bytes() == theirs
