@@ -141,6 +141,18 @@ def run_tasks(
     return lines, stderr
 
 
+def srun_reason(stderr: str, nodes: list[str]) -> str:
+    """srun's error line that says why `nodes` did not answer: the first that names one of them,
+    else the last. srun ends with a summary ("srun: Job step aborted") after the line that names
+    the node and the cause ("Task launch ... failed on node n2: Communication connection
+    failure")."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    for line in lines:
+        if any(re.search(rf"(?<![\w-]){re.escape(node)}(?![\w-])", line) for node in nodes):
+            return line
+    return lines[-1] if lines else ""
+
+
 def _text(data: bytes | str | None) -> str:
     if data is None:
         return ""
@@ -237,10 +249,10 @@ def main(argv: list[str] | None = None) -> int:
             data = answers[node]
             say(f"  {node}: digest {data.get('digest')}: {describe(data)}")
     if unreachable:
-        detail = srun_errors.strip().splitlines()
+        reason = srun_reason(srun_errors, unreachable)
         say(
             f"k3patch preflight: FAILED: no answer from {', '.join(unreachable)}"
-            + (f" ({detail[-1].strip()})" if detail else "")
+            + (f" ({reason})" if reason else "")
             + "; do not start vLLM until every node answers",
             sys.stderr,
         )
