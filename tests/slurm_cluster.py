@@ -30,7 +30,9 @@ DAEMONS = ("slurmctld", "slurmd", "munged")
 
 
 def missing() -> str | None:
-    """Why a cluster cannot start here (a daemon not installed), or None."""
+    """Why a cluster cannot start here (not root, a daemon not installed), or None."""
+    if os.geteuid() != 0:
+        return "the test Slurm runs its daemons as root (SlurmUser=root): run the tests as root"
     absent = [
         name
         for name in (*DAEMONS, "sbatch", "srun", "salloc", "scontrol", "sinfo")

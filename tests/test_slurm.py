@@ -1,6 +1,6 @@
 """The Slurm recipe (examples/slurm/) on a real Slurm: munged, slurmctld and four slurmd (n1..n4)
 started on this machine by tests/slurm_cluster.py; skipped where Slurm is not installed
-(.ci/run installs it).
+(.ci/run installs it) or the tests do not run as root.
 
 How each node gets its own vLLM tree: the four nodes share this machine's filesystem, so the
 `k3patch` first on the nodes' PATH is a wrapper that reads `--vllm DIR` as `DIR/$SLURMD_NODENAME`
