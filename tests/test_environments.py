@@ -2,8 +2,8 @@
 images run: a fresh venv per case, k3patch installed from a built wheel (not editable), and the
 CLI cycle on a real pending vLLM tree through the console script.
 
-Cases: (a) the lowest version pyproject.toml allows for every dependency (and the lowest click
-that lowest typer allows), (b) the newest (a plain resolve), (c) typer 0.12.5 with click 8.3,
+Cases: (a) the lowest version pyproject.toml allows for every dependency, with the newest click
+and with the lowest click that lowest typer allows, (b) the newest (a plain resolve), (c) typer 0.12.5 with click 8.3,
 which pip must refuse (pyproject.toml says why), and the same install forced with --no-deps,
 which must refuse in one line; and the newest on every other Python here (pyenv).
 
@@ -204,8 +204,11 @@ def test_lowest_bounds(make_tree, tmp_path, k3patch_wheel):
     assert isinstance(versions, dict), versions.stderr[-3000:]
     for name, version in bounds.items():
         assert Version(versions[name]) == Version(version), name
-    # typer's own lowest click, read from that typer's metadata in the venv.
+    # With the newest click pip gives them (typer 0.15's rich help failed under click 8.2+)...
     venv = venv_with(sys.executable, versions, k3patch_wheel)
+    print(" ".join(f"{n}=={v}" for n, v in sorted(versions.items())))
+    cycle(venv, make_tree, tmp_path)
+    # ...and with typer's own lowest click, read from that typer's metadata in the venv.
     requires = subprocess.run(
         [
             str(venv / "bin" / "python"),
