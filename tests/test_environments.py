@@ -3,9 +3,10 @@ images run: a fresh venv per case, k3patch installed from a built wheel (not edi
 CLI cycle on a real pending vLLM tree through the console script.
 
 Cases: (a) the lowest version pyproject.toml allows for every dependency, with the newest click
-and with the lowest click that lowest typer allows, (b) the newest (a plain resolve), (c) typer 0.12.5 with click 8.3,
-which pip must refuse (pyproject.toml says why), and the same install forced with --no-deps,
-which must refuse in one line; and the newest on every other Python here (pyenv).
+and with the lowest click that lowest typer allows, (b) the newest (a plain resolve), (c) typer
+0.12.5 with click 8.3, which pip must refuse (pyproject.toml says why), and the same install
+forced with --no-deps, which must refuse in one line; and the newest on every other Python here
+(pyenv).
 
 The venvs are cached under ~/.cache/k3patch/envs, keyed by the interpreter and the resolved
 versions; only k3patch itself is reinstalled in each run. The verify probes need torch, which
