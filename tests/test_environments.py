@@ -282,14 +282,21 @@ def test_both_entry_points_find_the_same_tree(make_tree, tmp_path):
     shutil.copytree(make_tree("0.31.0") / "vllm", elsewhere / "vllm")
     script = Path(sys.executable).parent / "k3patch"
     env = {**os.environ, "PYTHONPATH": str(site), "NO_COLOR": "1"}
-    seen = {}
-    for name, argv in (
-        ("-m", [sys.executable, "-m", "k3patch"]),
-        ("script", [str(script)]),
-    ):
-        proc = subprocess.run(
-            [*argv, "status", "--json"], capture_output=True, text=True, cwd=elsewhere, env=env
-        )
-        assert proc.returncode == 1, proc.stderr
-        seen[name] = json.loads(proc.stdout)["vllm"]["package_dir"]
-    assert seen == {"-m": str(site / "vllm"), "script": str(site / "vllm")}
+    entry_points = {"-m": [sys.executable, "-m", "k3patch"], "script": [str(script)]}
+
+    def status(code: int) -> dict[str, str]:
+        seen = {}
+        for name, argv in entry_points.items():
+            proc = subprocess.run(
+                [*argv, "status", "--json"], capture_output=True, text=True, cwd=elsewhere, env=env
+            )
+            assert proc.returncode == code, proc.stderr
+            seen[name] = json.loads(proc.stdout)["vllm"]["package_dir"]
+        return seen
+
+    assert status(1) == {"-m": str(site / "vllm"), "script": str(site / "vllm")}
+    # Applied, the no-op path answers from the state record: it finds the same tree.
+    apply = subprocess.run(entry_points["script"] + ["apply"], cwd=elsewhere, env=env)
+    assert apply.returncode == 0
+    assert status(0) == {"-m": str(site / "vllm"), "script": str(site / "vllm")}
+    assert not (elsewhere / "vllm" / ".k3patch").exists()
