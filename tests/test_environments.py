@@ -108,12 +108,32 @@ def venv_with(python: str, versions: dict[str, str], wheel: Path) -> Path:
             proc = _pip(str(venv / "bin" / "python"), "install", "--quiet", "--no-deps", *pins)
             assert proc.returncode == 0, proc.stderr[-3000:]
             (venv / ".complete").write_text("\n".join(pins) + "\n")
+        os.utime(venv / ".complete")  # used now: see _prune
         proc = _pip(
             str(venv / "bin" / "python"),
             *("install", "--quiet", "--no-deps", "--force-reinstall", str(wheel)),
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
+    _prune()
     return venv
+
+
+def _prune(days: float = 14) -> None:
+    """Venvs no run used for `days` go: a new release makes a new newest venv (about 60 MB)."""
+    import time
+
+    def stale(marker: Path) -> bool:
+        try:
+            return time.time() - marker.stat().st_mtime > days * 86400
+        except FileNotFoundError:  # another run pruned it
+            return False
+
+    for marker in ENVS.glob("*/.complete"):
+        if stale(marker):
+            with open(ENVS / f"{marker.parent.name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if stale(marker):
+                    shutil.rmtree(marker.parent, ignore_errors=True)
 
 
 def run(venv: Path, *args: str, cwd: Path, fast: bool = False) -> subprocess.CompletedProcess:
