@@ -25,17 +25,38 @@ class _FlagsWithoutTypes:
         super().format_help(ctx, formatter)  # type: ignore[misc]
 
 
+# The exit code of the command that ran, recorded by the command itself (_Command.invoke) and
+# read by k3patch's main (_Group.main): never what a library's callback or return path made of it.
+# Typer 0.12.5 under click 8.3 ran an eager --version callback in place of every command and
+# exited 0; a code that only k3patch writes cannot be replaced that way.
+_recorded: list[int] = []
+
+
+def _click_class(name: str) -> type[BaseException]:
+    """The click exception class `name` that this typer raises: typer 0.15 uses the installed
+    click, later typers a copy of their own, and both export `typer.BadParameter`."""
+    return next(c for c in typer.BadParameter.__mro__ if c.__name__ == name)
+
+
 class _Command(_FlagsWithoutTypes, typer.core.TyperCommand):
     def invoke(self, ctx: Any) -> Any:
         """The body returns its exit code; any exception in it becomes a one-line error (and
-        under --json the error envelope) and its documented code."""
+        under --json the error envelope) and its documented code. The code is recorded for
+        k3patch's main."""
         from k3patch.exitcodes import explain
 
         try:
-            return super().invoke(ctx)
+            code = super().invoke(ctx)
+        except KeyboardInterrupt:
+            from k3patch import render
+
+            render.error_line("interrupted", prefix="k3patch:")
+            code = 130
         except Exception as exc:
             # Output never raises here (exitcodes.guarded): an OSError is the work's own.
-            return _fail(ctx.info_name, *explain(exc), ctx.params.get("as_json", False))
+            code = _fail(ctx.info_name, *explain(exc), ctx.params.get("as_json", False))
+        _recorded.append(int(code))
+        return code
 
 
 class _Group(_FlagsWithoutTypes, typer.core.TyperGroup):
@@ -47,25 +68,83 @@ class _Group(_FlagsWithoutTypes, typer.core.TyperGroup):
         standalone_mode: bool = True,
         **extra: Any,
     ) -> Any:
-        """Usage errors (an unknown option or patch id, a value that is not one) are one line
-        on stderr with code 2, and with --json also the error envelope on stdout; SIGINT is one
-        line and 130. Click would print a usage block, or for SIGINT nothing at all."""
+        """k3patch's main: the exit code is the one the command recorded. Usage errors (an
+        unknown option or patch id, a value that is not one) are one line on stderr with code
+        2, and with --json also the error envelope on stdout; SIGINT is one line and 130. Click
+        would print a usage block, or for SIGINT nothing at all."""
         argv = list(sys.argv[1:] if args is None else args)
-        try:
-            code = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
-        except typer._click.exceptions.NoArgsIsHelpError as exc:
-            exc.show()  # `k3patch` alone: the help, as before
-            code = exc.exit_code
-        except typer._click.exceptions.ClickException as exc:
-            code = _usage_error(argv, exc)
-        code = 0 if code is None else int(code)
-        if code == 130:  # typer's answer to KeyboardInterrupt
-            from k3patch import render
-
-            render.error_line("interrupted", prefix="k3patch:")
+        code = self.run(argv, prog_name or "k3patch", complete_var, **extra)
         if standalone_mode:
             sys.exit(code)
         return code
+
+    def run(self, argv: list[str], prog_name: str, complete_var: Any, **extra: Any) -> int:
+        """Parse and run `argv`; its exit code."""
+        if argv[:1] == ["--version"]:  # as click's eager options: whatever follows is not read
+            print(f"k3patch {__version__}")
+            return 0
+        if not argv:  # `k3patch` alone: the help, and the code of a missing command
+            self.run(["--help"], prog_name, complete_var, **extra)
+            return 2
+        if misread := [
+            f"{name} {opt.opts[0]}"
+            for name, command in self.commands.items()
+            for opt in command.params
+            if opt.metavar and getattr(opt, "is_flag", False)
+        ]:
+            # An option that takes a value (it has a metavar) made into a flag: typer 0.12 under
+            # click 8.3 (pyproject.toml says why typer>=0.15.1); only an install that skipped
+            # the dependencies gets here.
+            from k3patch import render
+
+            render.error_line(
+                f"typer {_version('typer')} with click {_version('click')} reads {misread[0]} "
+                "as a flag; install typer>=0.15.1 (pip install 'typer>=0.15.1')"
+            )
+            return 3
+        _recorded.clear()
+        try:
+            returned = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except Exception as exc:
+            if isinstance(exc, _click_class("ClickException")):
+                return _usage_error(argv, exc)
+            if not any(c.__name__ == "Abort" for c in type(exc).__mro__):
+                raise
+            returned = 130  # SIGINT while parsing (typer 0.15)
+        return _code(self, argv, returned)
+
+
+def _code(group: _Group, argv: list[str], returned: Any) -> int:
+    """The recorded code, or what the run ended with when no command body ran."""
+    if _recorded:
+        return _recorded[-1]
+    if returned == 130:  # SIGINT before the command's body started
+        from k3patch import render
+
+        render.error_line("interrupted", prefix="k3patch:")
+        return 130
+    options = argv[: argv.index("--") if "--" in argv else len(argv)]
+    named = next((a for a in options if a in group.commands), None)
+    if named is not None and "--help" not in options:
+        # A command was named, did not ask for help, and its body never ran: something in the
+        # libraries below took the call (a callback, a parser that read it otherwise).
+        from k3patch import render
+
+        render.error_line(
+            f"internal error: the {named} command did not run (typer {_version('typer')}, "
+            f"click {_version('click')}); nothing was done"
+        )
+        return 2
+    return returned if isinstance(returned, int) else 0  # --help, shell completion
+
+
+def _version(dist: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def _usage_error(argv: list[str], exc: Any) -> int:
@@ -98,9 +177,12 @@ app = typer.Typer(
     help=(
         "Apply, audit and revert the Kimi-K3 fixes in a vLLM tree.\n\n"
         "Exit codes: 0 ok; 1 attention (pending, drift, revert conflict); 2 usage or internal "
-        "error; 3 environment (no vLLM, not writable, lock timeout)."
+        "error; 3 environment (no vLLM, not writable, lock timeout).\n\n"
+        "`k3patch --version` prints the version."
     ),
-    no_args_is_help=True,
+    # Click's own help layout on every typer: typer's rich help calls click in a way click 8.2
+    # changed (typer 0.15, which vLLM's fastapi-cli allows, fails on `--help` under click 8.2+).
+    rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )
 
@@ -361,21 +443,3 @@ def verify(
     else:
         render.print_verify(report)
     return code
-
-
-def version_callback(value: bool) -> None:
-    if value:
-        print(f"k3patch {__version__}")
-        raise typer.Exit(0)
-
-
-@app.callback()
-def main_options(
-    version: Annotated[
-        bool,
-        typer.Option(
-            "--version", callback=version_callback, is_eager=True, help="Print the version."
-        ),
-    ] = False,
-) -> None:
-    """Apply, audit and revert the Kimi-K3 fixes in a vLLM tree."""

@@ -85,13 +85,24 @@ def _looks_like_vllm(package_dir: str) -> bool:
     return all(os.path.isfile(os.path.join(package_dir, f)) for f in ("__init__.py", "envs.py"))
 
 
+def _search_path() -> list[str]:
+    """Where `vllm serve` looks for vllm: this interpreter's sys.path without its first entry.
+    That entry is the directory of whatever started the interpreter: the cwd under `python -m
+    k3patch` (a checkout's root or a build context holding another vllm/), the bin directory
+    for the `k3patch` script, and for `vllm serve` its own bin directory, which holds no vllm.
+    With -P (safe_path) Python adds no such entry and the path is kept whole."""
+    if getattr(sys.flags, "safe_path", False):
+        return list(sys.path)
+    return sys.path[1:]
+
+
 def locate(path: str | os.PathLike[str] | None = None) -> VllmTree:
     """The vLLM tree at `path` (package dir, source checkout or site-packages), or, with no
     path, the one the running interpreter would import, found without importing it."""
     if path is None:
         import importlib.machinery
 
-        spec = importlib.machinery.PathFinder.find_spec("vllm", sys.path)
+        spec = importlib.machinery.PathFinder.find_spec("vllm", _search_path())
         if spec is None or not spec.submodule_search_locations:
             raise TreeError(
                 f"no vLLM found for {sys.executable}; pass --vllm PATH "

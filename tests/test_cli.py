@@ -283,3 +283,20 @@ def test_shell_completion_installs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     script = tmp_path / ".bash_completions" / "k3patch.sh"
     assert "_k3patch_completion" in script.read_text()
+
+
+def test_a_command_that_did_not_run_is_never_success(monkeypatch):
+    """The exit code is the one the command's body recorded. A library that takes the call
+    before the body runs (typer 0.12.5 under click 8.3 ran an eager --version callback in place
+    of every command, and k3patch exited 0 having done nothing) makes it an internal error."""
+    import typer
+
+    monkeypatch.setattr(typer.core.TyperGroup, "invoke", lambda self, ctx: 0)
+    result = CliRunner().invoke(app, ["apply", "--quiet", "--vllm", "/nonexistent/k3patch"])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("k3patch: error: internal error: the apply command did not run")
+    # Help and --version still end as they should: nothing was asked to run.
+    assert CliRunner().invoke(app, ["apply", "--help"]).exit_code == 0
+    version = CliRunner().invoke(app, ["--version"])
+    assert version.exit_code == 0 and version.stdout.startswith("k3patch ")
