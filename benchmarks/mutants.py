@@ -2,10 +2,13 @@
 each held against apply's own re-check, verify's probes on real trees, and a named test subset.
 
     .venv/bin/python benchmarks/mutants.py [--only VARIANT]... [--patch ID]... [--trees T,...]
-                                           [--source HEAD|worktree] [--tests survivors|all|none]
-                                           [--no-write] [--list]
+                                           [--written ROUND]... [--source HEAD|worktree]
+                                           [--tests survivors|all|none] [--no-write] [--list]
 
-Each VARIANT below is a few substitutions in a patch's declared post-image (the text `apply`
+The rows live with the patches: one table per patch, tests/mutation_rows/<patch>.py (VARIANTS),
+each row marked with the round it was written in (`written`: "issue 19", or "issue 28" for the
+wrong fixes written before issue 28 extended the probes); the report counts kills per patch and
+round. Each VARIANT is a few substitutions in a patch's declared post-image (the text `apply`
 writes, which is also the shape `status` reads as k3patch's), each of which must occur exactly
 once in today's file: a variant whose anchor moved is a table error, reported, never skipped
 quietly. Per variant:
