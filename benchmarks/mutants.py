@@ -382,8 +382,25 @@ def write_results(lines: list[str], command: str, tests: str) -> None:
     else:
         end = text.find("\n## ", start + 1)
         tail = text[end:] if end != -1 else "\n"
-        new = text[: start + 1] + "\n".join(section) + tail
+        old = text[start : end if end != -1 else len(text)]
+        new = text[: start + 1] + "\n".join(section) + kept_subsections(old) + tail
     RESULTS.write_text(new, encoding="utf-8")
+
+
+KEPT = "\n### Kept: "
+
+
+def kept_subsections(section: str) -> str:
+    """The `### Kept: ...` subsections of the old Mutants section, each to the next heading:
+    counts measured against probes of an earlier day (issue 28's baseline), which a re-run
+    against today's probes cannot reproduce, so a full run carries them over."""
+    kept = []
+    at = section.find(KEPT)
+    while at != -1:
+        end = section.find("\n#", at + 1)
+        kept.append(section[at : end if end != -1 else len(section)].rstrip("\n"))
+        at = section.find(KEPT, at + 1)
+    return "".join(part + "\n" for part in kept)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

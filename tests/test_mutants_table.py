@@ -75,3 +75,21 @@ def test_a_moved_anchor_is_a_table_error_not_a_silent_skip(tmp_path):
     assert variant.id in mutants.table_errors(tmp_path, [variant])
     declared.write_text(text + text, encoding="utf-8")  # twice: ambiguous
     assert "found 2 times" in mutants.table_errors(tmp_path, [variant])[variant.id]
+
+
+def test_a_full_run_keeps_the_recorded_baselines(tmp_path, monkeypatch):
+    """A full run rewrites the Mutants section but carries its `### Kept:` subsections over (the
+    issue 28 rows' count against the probes of their day), and leaves other sections alone."""
+    results = tmp_path / "RESULTS.md"
+    results.write_text(
+        "# Results\n\n## Speed\n\nfast\n\n## Mutants\n\nold table\n\n"
+        "### Kept: issue 28 baseline\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n## Later\n\nstays\n",
+        encoding="utf-8",
+    )
+    monkeypatch.setattr(mutants, "RESULTS", results)
+    mutants.write_results(["new table"], "mutants.py", "none")
+    text = results.read_text(encoding="utf-8")
+    assert "old table" not in text and "new table" in text
+    assert "### Kept: issue 28 baseline\n\n| a | b |\n|---|---|\n| 1 | 2 |\n" in text
+    assert text.index("new table") < text.index("### Kept:") < text.index("## Later")
+    assert "## Speed\n\nfast" in text and "## Later\n\nstays" in text
