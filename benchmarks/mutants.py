@@ -2,10 +2,13 @@
 each held against apply's own re-check, verify's probes on real trees, and a named test subset.
 
     .venv/bin/python benchmarks/mutants.py [--only VARIANT]... [--patch ID]... [--trees T,...]
-                                           [--source HEAD|worktree] [--tests survivors|all|none]
-                                           [--no-write] [--list]
+                                           [--written ROUND]... [--source HEAD|worktree]
+                                           [--tests survivors|all|none] [--no-write] [--list]
 
-Each VARIANT below is a few substitutions in a patch's declared post-image (the text `apply`
+The rows live with the patches: one table per patch, tests/mutation_rows/<patch>.py (VARIANTS),
+each row marked with the round it was written in (`written`: "issue 19", or "issue 28" for the
+wrong fixes written before issue 28 extended the probes); the report counts kills per patch and
+round. Each VARIANT is a few substitutions in a patch's declared post-image (the text `apply`
 writes, which is also the shape `status` reads as k3patch's), each of which must occur exactly
 once in today's file: a variant whose anchor moved is a table error, reported, never skipped
 quietly. Per variant:
@@ -52,19 +55,12 @@ DEV_PYTHON = ROOT / ".venv" / "bin" / "python"
 TREE_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 
-AITER, CHUNK, ROUTING, KDA = (
-    "aiter-mla-gfx942",
-    "moriio-chunk-gate",
-    "moriio-group-routing",
-    "kda-gather-diagnostic",
-)
-# The declaration files, relative to patches/.
-AITER_DECL = "aiter_mla_gfx942/__init__.py"
-CHUNK_DECL = "moriio_chunk_gate/__init__.py"
-CHUNK_LEGACY = "moriio_chunk_gate/gates.py"
-ROUTING_FORMS = "moriio_group_routing/forms.py"
-ROUTING_DECL = "moriio_group_routing/__init__.py"
-KDA_DECL = "kda_gather_diagnostic/__init__.py"
+# The rows live with the patches, one table per patch (tests/mutation_rows/<patch>.py).
+sys.path.insert(0, str(ROOT / "tests"))
+from mutation_rows import TABLES, VARIANTS, Sub, Variant  # noqa: E402
+from mutation_rows.common import AITER, CHUNK, KDA, ROUTING  # noqa: E402
+
+__all__ = ["TABLES", "VARIANTS", "Sub", "Variant"]
 
 # Which probes verify runs for a patch's variants.
 VERIFY_WITH = {AITER: (AITER,), KDA: (KDA,), CHUNK: (CHUNK, ROUTING), ROUTING: (CHUNK, ROUTING)}
@@ -77,416 +73,6 @@ TESTS = {
 }
 TEST_ARGS = ("-q", "-x", "-p", "no:cacheprovider", "-m", "not verify")
 TEST_TIMEOUT = 240
-
-
-@dataclass(frozen=True)
-class Sub:
-    file: str  # relative to patches/
-    old: str
-    new: str
-
-
-@dataclass(frozen=True)
-class Variant:
-    id: str
-    patch: str
-    what: str
-    subs: tuple[Sub, ...]
-    trees: tuple[str, ...]
-    equivalent: str = ""  # why it behaves as the real fix, if it is expected to survive
-
-
-def _aiter(id: str, what: str, old: str, new: str, equivalent: str = "") -> Variant:
-    return Variant(id, AITER, what, (Sub(AITER_DECL, old, new),), ("0.31.0", "fork-a"), equivalent)
-
-
-def _kda(id: str, what: str, *subs: Sub) -> Variant:
-    return Variant(id, KDA, what, subs, ("fork-a", "fork-b"))
-
-
-def _routing(id: str, what: str, *subs: Sub, trees: tuple[str, ...] = ("fork-a",), eq: str = ""):
-    return Variant(id, ROUTING, what, subs, trees, eq)
-
-
-def _g1(old: str, new: str) -> tuple[Sub, ...]:
-    """G1's post-image changed (k3patch's applied shape of it is the post-image, so with it)."""
-    return (Sub(CHUNK_DECL, old, new),)
-
-
-GATE = """GATE = f'os.environ.get("{ENV}", "0") == "1"'"""
-# The rewrite's gate step, and a step after it that rewrites the guard's index without its clamp.
-KDA_NEST = '                codemod.nest_under([node], f"if {GATE}:")\n'
-KDA_UNCLAMP = """\
-                function = astkit.find_def(sources[site.file].tree, site.name)
-                safe = [s for s in function.body if astkit.bindings([s], "_safe_idx")]
-                codemod.replace(
-                    safe[:1],
-                    "_safe_idx = torch.where(has_initial_state, indices.to(torch.int64), "
-                    "torch.zeros_like(indices, dtype=torch.int64))",
-                )
-"""
-G1_PROGRESS = """        + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-        >= req.num_prompt_tokens
-"""
-G2_PROGRESS = """    + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-    < req.num_prompt_tokens
-"""
-CHUNK_TREES = ("0.31.0", "fork-a")  # shape D gates, shape C gates in the fork
-
-VARIANTS: tuple[Variant, ...] = (
-    # ---- aiter-mla-gfx942: POST_IMAGE is both what apply writes and the applied shape.
-    _aiter(
-        "aiter-no-explicit",
-        "the `envs.is_set` branch dropped: an explicit VLLM_ROCM_USE_AITER_MLA=1 on gfx942 is off",
-        '    if envs.is_set("VLLM_ROCM_USE_AITER_MLA"):\n        return True\n',
-        "",
-    ),
-    _aiter(
-        "aiter-gfx942-inverted",
-        "`return not on_gfx942()` -> `return on_gfx942()`",
-        "    return not on_gfx942()",
-        "    return on_gfx942()",
-    ),
-    _aiter(
-        "aiter-flags-or",
-        "`_AITER_ENABLED and _MLA_ENABLED` -> `or`",
-        "if not (cls._AITER_ENABLED and cls._MLA_ENABLED):",
-        "if not (cls._AITER_ENABLED or cls._MLA_ENABLED):",
-    ),
-    _aiter(
-        "aiter-no-mla-flag",
-        "the MLA flag dropped from the first test (AITER flag alone)",
-        "if not (cls._AITER_ENABLED and cls._MLA_ENABLED):",
-        "if not cls._AITER_ENABLED:",
-    ),
-    _aiter(
-        "aiter-explicit-first",
-        "the explicit-variable branch before the flags: =1 turns MLA on with AITER off",
-        "    if not (cls._AITER_ENABLED and cls._MLA_ENABLED):\n        return False\n"
-        '    if envs.is_set("VLLM_ROCM_USE_AITER_MLA"):\n        return True\n',
-        '    if envs.is_set("VLLM_ROCM_USE_AITER_MLA"):\n        return True\n'
-        "    if not (cls._AITER_ENABLED and cls._MLA_ENABLED):\n        return False\n",
-    ),
-    _aiter(
-        "aiter-explicit-inverted",
-        "`if envs.is_set(...)` -> `if not envs.is_set(...)`",
-        'if envs.is_set("VLLM_ROCM_USE_AITER_MLA"):',
-        'if not envs.is_set("VLLM_ROCM_USE_AITER_MLA"):',
-    ),
-    _aiter(
-        "aiter-value-not-set",
-        "`envs.is_set(VAR)` -> the variable's value (`envs.VLLM_ROCM_USE_AITER_MLA`, default True)",
-        'if envs.is_set("VLLM_ROCM_USE_AITER_MLA"):',
-        "if envs.VLLM_ROCM_USE_AITER_MLA:",
-    ),
-    # ---- moriio-chunk-gate: G1/G2 templates (the applied shapes are the templates themselves).
-    Variant(
-        "chunk-g1-gt",
-        CHUNK,
-        "G1 `>=` -> `>`: the save waits for progress past the prompt (never, on the final chunk)",
-        _g1(
-            G1_PROGRESS,
-            G1_PROGRESS.replace(">=", ">"),
-        ),
-        CHUNK_TREES,
-    ),
-    Variant(
-        "chunk-g1-eq",
-        CHUNK,
-        "G1 `>=` -> `==`: final only when progress lands exactly on the prompt",
-        _g1(
-            G1_PROGRESS,
-            G1_PROGRESS.replace(">=", "=="),
-        ),
-        CHUNK_TREES,
-    ),
-    Variant(
-        "chunk-g1-slack1",
-        CHUNK,
-        "G1 slack 1: `>= num_prompt_tokens - 1` (fires one token early)",
-        _g1(
-            G1_PROGRESS,
-            G1_PROGRESS.replace("num_prompt_tokens\n", "num_prompt_tokens - 1\n"),
-        ),
-        CHUNK_TREES,
-    ),
-    Variant(
-        "chunk-g1-slack2",
-        CHUNK,
-        "G1 slack 2: `>= num_prompt_tokens - 2` (the older script's default slack)",
-        _g1(
-            G1_PROGRESS,
-            G1_PROGRESS.replace("num_prompt_tokens\n", "num_prompt_tokens - 2\n"),
-        ),
-        CHUNK_TREES,
-    ),
-    Variant(
-        "chunk-g1-no-scheduled",
-        CHUNK,
-        "G1 without `num_scheduled_tokens` (progress before this step's chunk)",
-        _g1(
-            "        req.num_computed_tokens\n" + G1_PROGRESS,
-            "        req.num_computed_tokens\n        >= req.num_prompt_tokens\n",
-        ),
-        CHUNK_TREES,
-    ),
-    Variant(
-        "chunk-g1-new-blocks-only",
-        CHUNK,
-        "G1 back under `new_block_ids is not None` (a final chunk without a new block never sends)",
-        _g1(
-            "\nif req_id in self._reqs_need_pending_save:\n    req = self",
-            "\nif new_block_ids is not None and req_id in self._reqs_need_pending_save:\n"
-            "    req = self",
-        ),
-        CHUNK_TREES,
-    ),
-    Variant(
-        "chunk-g1-default-1",
-        CHUNK,
-        "G1's `num_scheduled_tokens.get(req_id, 0)` default -> 1",
-        _g1(
-            G1_PROGRESS,
-            G1_PROGRESS.replace("get(req_id, 0)", "get(req_id, 1)"),
-        ),
-        CHUNK_TREES,
-        equivalent="G1 loops over scheduler_output.scheduled_cached_reqs, and every request in it "
-        "has its entry in num_scheduled_tokens (vLLM's Scheduler fills both from the same "
-        "scheduled set), so the default is never read",
-    ),
-    Variant(
-        "chunk-g2-inverted",
-        CHUNK,
-        "G2 `<` -> `>=` (defers the final chunk, sends the first)",
-        (Sub(CHUNK_DECL, G2_PROGRESS, G2_PROGRESS.replace("<", ">=")),),
-        CHUNK_TREES,
-    ),
-    Variant(
-        "chunk-g2-le",
-        CHUNK,
-        "G2 `<` -> `<=` (a one-chunk prompt is deferred past its only chunk)",
-        (Sub(CHUNK_DECL, G2_PROGRESS, G2_PROGRESS.replace("<", "<=")),),
-        CHUNK_TREES,
-    ),
-    Variant(
-        "chunk-g2-slack2",
-        CHUNK,
-        "G2 slack 2: `< num_prompt_tokens - 2` (a new request within 2 tokens is sent at once)",
-        (Sub(CHUNK_DECL, G2_PROGRESS, G2_PROGRESS.replace("tokens\n", "tokens - 2\n")),),
-        CHUNK_TREES,
-    ),
-    Variant(
-        "chunk-g2-no-scheduled",
-        CHUNK,
-        "G2 without `num_scheduled_tokens` (a one-chunk prompt reads as not final)",
-        (
-            Sub(
-                CHUNK_DECL,
-                "    req.num_computed_tokens\n" + G2_PROGRESS,
-                "    req.num_computed_tokens\n    < req.num_prompt_tokens\n",
-            ),
-        ),
-        CHUNK_TREES,
-    ),
-    # The older script's decisions on tree d, repaired in place by LEGACY_TEMPLATE (gates.py),
-    # which k3patch reads back by its meaning, not by a stored shape.
-    Variant(
-        "chunk-legacy-gt",
-        CHUNK,
-        "the repaired decision `>=` -> `>` (tree d)",
-        (Sub(CHUNK_LEGACY, "    >= {req}.num_prompt_tokens\n", "    > {req}.num_prompt_tokens\n"),),
-        ("fork-d",),
-    ),
-    Variant(
-        "chunk-legacy-slack2",
-        CHUNK,
-        "the repaired decision keeps a slack of 2 (tree d)",
-        (
-            Sub(
-                CHUNK_LEGACY,
-                "    >= {req}.num_prompt_tokens\n",
-                "    >= {req}.num_prompt_tokens - 2\n",
-            ),
-        ),
-        ("fork-d",),
-    ),
-    Variant(
-        "chunk-legacy-no-scheduled",
-        CHUNK,
-        "the repaired decision without `num_scheduled_tokens` (tree d)",
-        (
-            Sub(
-                CHUNK_LEGACY,
-                "    + scheduler_output.num_scheduled_tokens.get({req_id}, 0)\n",
-                "",
-            ),
-        ),
-        ("fork-d",),
-    ),
-    Variant(
-        "chunk-legacy-keeps-fallback",
-        CHUNK,
-        "the repair leaves the `if NAME is None:` block-count fallback in place (tree d)",
-        (
-            Sub(
-                CHUNK_LEGACY,
-                "stmts = [self.decision] if self.fallback is None else [self.decision, "
-                "self.fallback]",
-                "stmts = [self.decision]",
-            ),
-        ),
-        ("fork-d",),
-    ),
-    # ---- moriio-group-routing: forms.py's texts are what apply writes and what it reads back.
-    _routing(
-        "routing-index-0",
-        "the transfer plan indexes the group lists with [0] for every layer",
-        Sub(
-            ROUTING_FORMS,
-            "        _k3patch_local[_k3patch_group],\n        _k3patch_remote[_k3patch_group],\n",
-            "        _k3patch_local[0],\n        _k3patch_remote[0],\n",
-        ),
-    ),
-    _routing(
-        "routing-attention-first-group",
-        "the attention group is the first group, Mamba or not",
-        Sub(
-            ROUTING_FORMS,
-            "if attention_group is None and not isinstance(group.kv_cache_spec, MambaSpec):",
-            "if attention_group is None:",
-        ),
-    ),
-    _routing(
-        "routing-cache-by-geometry",
-        "the offsets cache keyed by tensor geometry alone (0.28.0's key)",
-        Sub(
-            ROUTING_FORMS,
-            "geometry_key = (task.layer_name, *_get_write_geometry_key(layer_cache))",
-            "geometry_key = _get_write_geometry_key(layer_cache)",
-        ),
-        trees=("fork-a", "fork-d"),
-    ),
-    _routing(
-        "routing-cache-by-layer-only",
-        "the offsets cache keyed by the layer name alone",
-        Sub(
-            ROUTING_FORMS,
-            "geometry_key = (task.layer_name, *_get_write_geometry_key(layer_cache))",
-            "geometry_key = (task.layer_name,)",
-        ),
-        eq="the cache lives in one request's RemoteAllocInfo, and a layer's KV cache tensor "
-        "(its geometry) is allocated once per process: within a request a layer has one "
-        "geometry, so the layer name alone keys the same entries",
-    ),
-    _routing(
-        "routing-entry-not-removed",
-        "the per-request group lists read, not removed, when their save leaves (`pop` -> `get`)",
-        Sub(
-            ROUTING_FORMS,
-            "self._k3patch_save_groups.pop(\n            _k3patch_req_id, None",
-            "self._k3patch_save_groups.get(\n            _k3patch_req_id, None",
-        ),
-    ),
-    _routing(
-        "routing-first-chunk-only",
-        "the group lists never grow after the first chunk (later chunks' blocks dropped)",
-        Sub(ROUTING_FORMS, "_k3patch_group + list(_k3patch_added)", "_k3patch_group"),
-        trees=("fork-a", "fork-c"),
-    ),
-    _routing(
-        "routing-growth-prepended",
-        "a later chunk's blocks put before the earlier ones",
-        Sub(
-            ROUTING_FORMS,
-            "_k3patch_group + list(_k3patch_added)",
-            "list(_k3patch_added) + _k3patch_group",
-        ),
-    ),
-    _routing(
-        "routing-no-saves-inverted",
-        "`if self._k3patch_save_groups:` inverted (the lists never reach the metadata)",
-        Sub(
-            ROUTING_FORMS, "if self._k3patch_save_groups:\n", "if not self._k3patch_save_groups:\n"
-        ),
-    ),
-    _routing(
-        "routing-notify-without-external",
-        "decode notify sends the group lists also with `num_external_tokens == 0` (`>` -> `>=`)",
-        Sub(
-            ROUTING_FORMS,
-            "_k3_gbi_d] if num_external_tokens > 0 else []",
-            "_k3_gbi_d] if num_external_tokens >= 0 else []",
-        ),
-    ),
-    _routing(
-        "routing-notify-first-group",
-        "decode notify sends only the first group's blocks",
-        Sub(
-            ROUTING_FORMS,
-            "[list(_k3patch_g) for _k3patch_g in _k3_gbi_d]",
-            "[list(_k3patch_g) for _k3patch_g in _k3_gbi_d[:1]]",
-        ),
-    ),
-    _routing(
-        "routing-capture-two-groups",
-        "the prefill capture keeps two groups, as the fork did (`_k3_gbi[:2]`)",
-        Sub(
-            ROUTING_FORMS,
-            "    list(_k3patch_g) for _k3patch_g in _k3_gbi\n]",
-            "    list(_k3patch_g) for _k3patch_g in _k3_gbi[:2]\n]",
-        ),
-    ),
-    _routing(
-        "routing-write-task-none",
-        "the metadata's group lists not handed to schedule_write_blocks (None passed)",
-        Sub(ROUTING_DECL, 'f"{FIELD_NAME}=meta.{FIELD_NAME}"', 'f"{FIELD_NAME}=None"'),
-    ),
-    _routing(
-        "routing-peer-check-and",
-        "the missing-peer check `or` -> `and` (a one-sided peer fails later, not by MoRIIOError)",
-        Sub(
-            ROUTING_FORMS,
-            "if _k3patch_local is None or _k3patch_remote is None:",
-            "if _k3patch_local is None and _k3patch_remote is None:",
-        ),
-    ),
-    # ---- kda-gather-diagnostic: GATE is both the rewrite's header and the applied shape's test.
-    _kda(
-        "kda-gate-default-1",
-        "the gate's default `'0'` -> `'1'` (syncs unless told not to)",
-        Sub(KDA_DECL, GATE, GATE.replace('"0"', '"1"')),
-    ),
-    _kda(
-        "kda-gate-other-variable",
-        "the gate reads another variable (K3_KDA_LOG)",
-        Sub(KDA_DECL, GATE, GATE.replace("{ENV}", "K3_KDA_LOG")),
-    ),
-    _kda(
-        "kda-gate-inverted",
-        "the gate `== '1'` -> `!= '1'`",
-        Sub(KDA_DECL, GATE, GATE.replace('== "1"', '!= "1"')),
-    ),
-    _kda(
-        "kda-gate-truthy",
-        "the gate tests the string's truth (`os.environ.get(VAR, '0')`: '0' is true)",
-        Sub(KDA_DECL, GATE, GATE.replace(' == "1"', "")),
-    ),
-    _kda(
-        "kda-bool-outside-gate",
-        "a bool() sync in the gate's own test, before the variable is read",
-        Sub(KDA_DECL, GATE, GATE.replace("f'os", "f'bool((_safe_idx < 0).any()) or os")),
-    ),
-    _kda(
-        "kda-clamp-removed",
-        "the rewrite drops the guard's clamp (and the guard shape accepts any index expression)",
-        Sub(
-            KDA_DECL,
-            "    indices.to(torch.int64).CLAMP(0, _n_state_blocks - 1),",
-            "    HOLE_safe_index,",
-        ),
-        Sub(KDA_DECL, KDA_NEST, KDA_NEST + KDA_UNCLAMP),
-    ),
-)
 
 
 # --------------------------------------------------------------------------------------------
@@ -708,6 +294,7 @@ def report_lines(results: list[Result], errors: dict[str, str], baseline: list[s
         )
     for vid, why in errors.items():
         lines.append(f"| `{vid}` | | TABLE ERROR: {why} | | | | | error |")
+    lines += ["", *count_lines(results), ""]
     total = len(results)
     count = {
         "apply": sum(r.verdict() == "killed by apply" for r in results),
@@ -749,6 +336,33 @@ def report_lines(results: list[Result], errors: dict[str, str], baseline: list[s
     return lines
 
 
+def count_lines(results: list[Result]) -> list[str]:
+    """The kill count per patch and per round of rows (`written`): what apply killed, what the
+    probes killed, what survived (declared equivalent apart)."""
+    lines = [
+        "| patch | rows written | rows | killed by apply | killed by probes | survived "
+        "| survived (declared equivalent) | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    groups: dict[tuple[str, str], list[Result]] = {}
+    for r in results:
+        groups.setdefault((r.variant.patch, r.variant.written), []).append(r)
+    for (patch, written), rs in sorted(groups.items()):
+        verdicts = [r.verdict() for r in rs]
+        counts = [
+            verdicts.count(v)
+            for v in (
+                "killed by apply",
+                "killed by probes",
+                "SURVIVED",
+                "survived (equivalent)",
+                "error",
+            )
+        ]
+        lines.append(f"| {patch} | {written} | {len(rs)} | " + " | ".join(map(str, counts)) + " |")
+    return lines
+
+
 def write_results(lines: list[str], command: str, tests: str) -> None:
     today = datetime.date.today().isoformat()
     section = [
@@ -768,8 +382,25 @@ def write_results(lines: list[str], command: str, tests: str) -> None:
     else:
         end = text.find("\n## ", start + 1)
         tail = text[end:] if end != -1 else "\n"
-        new = text[: start + 1] + "\n".join(section) + tail
+        old = text[start : end if end != -1 else len(text)]
+        new = text[: start + 1] + "\n".join(section) + kept_subsections(old) + tail
     RESULTS.write_text(new, encoding="utf-8")
+
+
+KEPT = "\n### Kept: "
+
+
+def kept_subsections(section: str) -> str:
+    """The `### Kept: ...` subsections of the old Mutants section, each to the next heading:
+    counts measured against probes of an earlier day (issue 28's baseline), which a re-run
+    against today's probes cannot reproduce, so a full run carries them over."""
+    kept = []
+    at = section.find(KEPT)
+    while at != -1:
+        end = section.find("\n#", at + 1)
+        kept.append(section[at : end if end != -1 else len(section)].rstrip("\n"))
+        at = section.find(KEPT, at + 1)
+    return "".join(part + "\n" for part in kept)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -777,6 +408,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=[], metavar="VARIANT")
     parser.add_argument("--patch", action="append", default=[], metavar="ID")
     parser.add_argument("--trees", help="comma-separated; each variant runs on those it lists")
+    parser.add_argument(
+        "--written",
+        action="append",
+        default=[],
+        metavar="ROUND",
+        help='only the rows of this round ("issue 19", "issue 28")',
+    )
     parser.add_argument("--source", default="HEAD", help="a git revision, or 'worktree'")
     parser.add_argument(
         "--tests",
@@ -795,12 +433,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [
         v
         for v in VARIANTS
-        if (not args.only or v.id in args.only) and (not args.patch or v.patch in args.patch)
+        if (not args.only or v.id in args.only)
+        and (not args.patch or v.patch in args.patch)
+        and (not args.written or v.written in args.written)
     ]
     trees_wanted = set(args.trees.split(",")) if args.trees else None
     if args.list:
         for v in chosen:
-            print(f"{v.id:34} {v.patch:22} {','.join(v.trees):18} {v.what}")
+            print(f"{v.id:36} {v.patch:22} {v.written:9} {','.join(v.trees):15} {v.what}")
         return 0
 
     started = time.monotonic()
@@ -866,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines.append("")
     lines.append(f"Wall time {elapsed / 60:.1f} min.")
     print("\n".join(lines))
-    full = not (args.only or args.patch or args.trees)
+    full = not (args.only or args.patch or args.trees or args.written)
     if full and not args.no_write:
         command = "benchmarks/mutants.py" + (f" --source {args.source}" if args.source else "")
         command += f" --tests {args.tests}" if args.tests != "survivors" else ""
