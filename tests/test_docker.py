@@ -37,6 +37,7 @@ EXAMPLES = ROOT / "examples"
 VERSION = "0.31.0"
 # dockerd's data root outlives the run: the stand-in image (minutes to make) is reused.
 DATA_ROOT = Path(os.environ.get("K3PATCH_DOCKER_ROOT", CACHE.parent / "docker"))
+DAEMON_PID = DATA_ROOT.parent / "dockerd.pid"
 DEBIAN_MIRROR = os.environ.get("K3PATCH_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 DEBOOTSTRAP = ["--variant=minbase", "--include=python3,python3-venv", "bookworm"]
 # The CA file this machine's pip trusts; the stand-in image's pip is given the same.
@@ -98,41 +99,69 @@ class Docker:
 
 
 def _start_dockerd(tmp: Path, driver: str) -> subprocess.Popen | None:
-    log = open(tmp / f"dockerd-{driver}.log", "w")
-    daemon = subprocess.Popen(
-        [
-            "dockerd",
-            "--data-root", str(DATA_ROOT),
-            "--exec-root", str(tmp / "exec"),
-            "--pidfile", str(tmp / "dockerd.pid"),
-            "--host", f"unix://{tmp / 'sock'}",
-            "--storage-driver", driver,
-            # No bridge, no iptables rules: builds and containers use the host's network or
-            # none, and the host's firewall is left as it is.
-            "--bridge", "none", "--iptables=false", "--ip6tables=false",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )  # fmt: skip
+    with open(tmp / f"dockerd-{driver}.log", "w") as log:
+        daemon = subprocess.Popen(
+            [
+                "dockerd",
+                "--data-root", str(DATA_ROOT),
+                "--exec-root", str(tmp / "exec"),
+                "--pidfile", str(tmp / "dockerd.pid"),
+                "--host", f"unix://{tmp / 'sock'}",
+                "--storage-driver", driver,
+                # No bridge, no iptables rules: builds and containers use the host's network or
+                # none, and the host's firewall is left as it is.
+                "--bridge", "none", "--iptables=false", "--ip6tables=false",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its containerd with it, for the kill below
+        )  # fmt: skip
+    DAEMON_PID.write_text(f"{daemon.pid}\n")
     docker = Docker(tmp / "sock")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and daemon.poll() is None:
         if docker("info", check=False).returncode == 0:
             return daemon
         time.sleep(0.5)
-    _stop(daemon)
+    _stop(daemon.pid)
     return None
 
 
-def _stop(daemon: subprocess.Popen) -> None:
-    if daemon.poll() is None:
-        daemon.send_signal(signal.SIGTERM)  # dockerd stops its containerd and containers
-        try:
-            daemon.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(daemon.pid, signal.SIGKILL)
-            daemon.wait()
+def _stop(pid: int) -> None:
+    """SIGTERM (dockerd stops its containers and containerd), then SIGKILL to its group."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.2)
+    if _alive(pid):
+        os.killpg(pid, signal.SIGKILL)
+    DAEMON_PID.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
+    except ChildProcessError:
+        pass
+    try:
+        return "dockerd" in Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return False
+
+
+def _stop_left_over() -> None:
+    """A dockerd that an earlier run started on this data root and did not stop (that run was
+    killed): two daemons must never share one data root."""
+    try:
+        pid = int(DAEMON_PID.read_text())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_text()
+    except (OSError, ValueError):
+        return
+    if "dockerd" in cmdline and str(DATA_ROOT) in cmdline:
+        _stop(pid)
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +171,7 @@ def docker() -> Iterator[Docker]:
     tmp = Path(tempfile.mkdtemp(prefix="k3d-", dir="/tmp"))
     with open(DATA_ROOT.parent / "docker.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        _stop_left_over()
         daemon = None
         try:
             for driver in ("overlay2", "vfs"):
@@ -155,7 +185,7 @@ def docker() -> Iterator[Docker]:
         finally:
             if daemon is not None:
                 Docker(tmp / "sock")("image", "prune", "--force", check=False)
-                _stop(daemon)
+                _stop(daemon.pid)
             shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -180,11 +210,13 @@ def debian_image(docker: Docker) -> str:
         return tag
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="k3patch-debootstrap-") as rootfs:
-        subprocess.run(
+        made = subprocess.run(
             ["debootstrap", *DEBOOTSTRAP, rootfs, DEBIAN_MIRROR],
-            check=True,
             capture_output=True,
+            text=True,
         )
+        if made.returncode != 0:
+            pytest.fail(f"debootstrap: exit {made.returncode}\n{made.stdout[-3000:]}{made.stderr}")
         tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
         docker("import", "-", tag, stdin=tar.stdout)
         assert tar.wait() == 0
