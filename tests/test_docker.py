@@ -44,7 +44,9 @@ DEBOOTSTRAP = ["--variant=minbase", "--include=python3,python3-venv", "bookworm"
 CA_FILE = Path(os.environ.get("PIP_CERT", "/etc/ssl/certs/ca-certificates.crt"))
 SITE = "/opt/venv/lib/python3.11/site-packages"
 
-pytestmark = [pytest.mark.slow, pytest.mark.wheel]
+# One worker takes every test here (with `--dist loadgroup`): the daemon's data root is locked while
+# it runs, so a second worker would wait for it, idle.
+pytestmark = [pytest.mark.slow, pytest.mark.wheel, pytest.mark.xdist_group("docker")]
 
 
 def _missing() -> str | None:
