@@ -326,20 +326,21 @@ def vllm_sdist() -> Path:
         data = response.read()
     assert hashlib.sha256(data).hexdigest() == entry["hashes"]["sha256"], entry["url"]
     cached.parent.mkdir(parents=True, exist_ok=True)
-    partial = cached.with_suffix(".part")
+    partial = cached.with_name(f".{cached.name}.{os.getpid()}")
     partial.write_bytes(data)
     partial.replace(cached)
     return cached
 
 
-@pytest.fixture
-def source_context(tmp_path, wheel_dist) -> Path:
+@pytest.fixture(scope="module")
+def source_context(tmp_path_factory, wheel_dist) -> Path:
     """What Dockerfile.source reads: the vLLM source checkout in vllm/ and dist/."""
-    context = tmp_path / "context"
+    where = tmp_path_factory.mktemp("source-context")
+    context = where / "context"
     with tarfile.open(vllm_sdist()) as sdist:
-        sdist.extractall(tmp_path, filter="data")
+        sdist.extractall(where, filter="data")
     context.mkdir()
-    (tmp_path / f"vllm-{VERSION}").rename(context / "vllm")
+    (where / f"vllm-{VERSION}").rename(context / "vllm")
     shutil.copytree(wheel_dist, context / "dist")
     return context
 
@@ -481,11 +482,15 @@ def test_source_dockerfile_patches_the_checkout(docker, vllm_image, source_conte
 
 def test_source_dockerfile_fails_on_drift(docker, vllm_image, source_context):
     target = source_context / "vllm" / "vllm" / "_aiter_ops.py"
+    original = target.read_bytes()
     subprocess.run(["sed", "-i", DRIFT, str(target)], check=True)
-    proc, seconds = docker.build(
-        EXAMPLES / "Dockerfile.source", source_context, "k3patch-test-never",
-        "--target", "patched", "--build-arg", f"BASE={vllm_image}",
-    )  # fmt: skip
+    try:
+        proc, seconds = docker.build(
+            EXAMPLES / "Dockerfile.source", source_context, "k3patch-test-never",
+            "--target", "patched", "--build-arg", f"BASE={vllm_image}",
+        )  # fmt: skip
+    finally:
+        target.write_bytes(original)  # the context is the module's
     TIMES["Dockerfile.source on a drifted checkout"] = seconds
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
