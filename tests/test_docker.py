@@ -154,6 +154,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _unmount_under(tmp: Path) -> None:
+    """What dockerd mounted in its exec root and left there (the default network namespace)."""
+    with open("/proc/self/mounts") as mounts:
+        points = [line.split()[1] for line in mounts]
+    for point in sorted((p for p in points if p.startswith(f"{tmp}/")), reverse=True):
+        subprocess.run(["umount", point], check=False)
+
+
 def _stop_left_over() -> None:
     """A dockerd that an earlier run started on this data root and did not stop (that run was
     killed): two daemons must never share one data root."""
@@ -188,6 +196,7 @@ def docker() -> Iterator[Docker]:
             if daemon is not None:
                 Docker(tmp / "sock")("image", "prune", "--force", check=False)
                 _stop(daemon.pid)
+            _unmount_under(tmp)
             shutil.rmtree(tmp, ignore_errors=True)
 
 
