@@ -204,6 +204,23 @@ def tree_hashes(root: Path) -> dict[str, str]:
     return out
 
 
+# A job that a non-interactive shell starts in the background (`pytest ... &`, nohup, some CI
+# runners) inherits SIGINT ignored; an ignored signal stays ignored across exec, and Python then
+# installs no KeyboardInterrupt handler. Right for k3patch (it keeps what it was given), but a
+# test that interrupts its child must give the child the default disposition first. Not
+# `preexec_fn`: it can deadlock a process with threads (an xdist worker has them).
+_DEFAULT_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
+def interruptible(argv: list[str]) -> list[str]:
+    """`argv` (a full path first) as a command that runs it with SIGINT at its default, whatever
+    this process inherited: the same process (exec), so its pid is the one to signal."""
+    return [sys.executable, "-c", _DEFAULT_SIGINT, *argv]
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None):
     """Run the installed CLI as a user would (a subprocess), returning CompletedProcess."""
     full_env = {**os.environ, "NO_COLOR": "1", **(env or {})}
