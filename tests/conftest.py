@@ -28,6 +28,17 @@ CACHE = Path(os.environ.get("K3PATCH_WHEEL_CACHE", Path.home() / ".cache" / "k3p
 TREES = CACHE.parent / "trees"
 SLOW = pytest.mark.slow
 
+# Every vLLM release whose sites k3patch has read (shared/SITES.md), oldest first: what
+# benchmarks/verdict_sweep.py and apply_sweep.py sweep, and what `verdict_sweep.py --newest`
+# holds the registry's newest release against. A new release is added here (and, where its
+# verdicts differ, to the tests' tables) once its verdicts are checked.
+KNOWN_RELEASES = (
+    "0.12.0 0.13.0 0.14.0 0.14.1 0.15.0 0.15.1 0.16.0 0.17.0 0.17.1 0.18.0 0.18.1 0.19.0 0.19.1 "
+    "0.20.0 0.20.1 0.20.2 0.21.0 0.22.0 0.22.1 0.23.0 0.24.0 0.25.0 0.25.1 0.26.0 0.27.0 0.27.1 "
+    "0.28.0 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0 0.34.0"
+).split()
+NEWEST_RELEASE = KNOWN_RELEASES[-1]
+
 
 @contextmanager
 def _cache_lock() -> Iterator[None]:

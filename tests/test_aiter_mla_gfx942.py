@@ -17,7 +17,7 @@ from k3patch.patches.aiter_mla_gfx942 import probe as truth
 from k3patch.fingerprints import source_fingerprint
 from k3patch.verdicts import Verdict
 
-VERSIONS = ["0.29.0", "0.31.0", "0.33.0"]
+VERSIONS = ["0.29.0", "0.31.0", "0.33.0", "0.34.0"]
 ONLY = ["--only", "aiter-mla-gfx942"]
 
 
@@ -40,7 +40,9 @@ def test_full_cycle_on_real_wheel(make_tree, version):
     assert before["_rc"] == 1
     assert before["vllm"]["version"] == version
     assert before["patches"][0]["verdict"] == "pending"
-    assert before["patches"][0]["sites"][0]["shape"] == "upstream (0.12.0-0.33.0)"
+    (site_result,) = before["patches"][0]["sites"]
+    assert site_result["shape"] == aiter.UPSTREAM_BUGGY.name
+    assert "seen in vLLM" not in site_result["detail"]  # a release the shape's range covers
 
     check = run_cli("apply", "--vllm", str(site), "--check", *ONLY)
     assert check.returncode == 1

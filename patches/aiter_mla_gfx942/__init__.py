@@ -29,9 +29,11 @@ FILE = "_aiter_ops.py"
 ROCM_FILE = "platforms/rocm.py"
 SITE = "rocm_aiter_ops.is_mla_enabled"
 
-# 0.12.0-0.13.0 add a docstring, which the fingerprint ignores.
+# The same statements in every release read so far (0.12.0-0.13.0 add a docstring, which the
+# fingerprint ignores); the shape's name says which, from the range itself.
+UPSTREAM_SEEN = VersionRange("0.12.0", "0.34.0")
 UPSTREAM_BUGGY = Shape(
-    "upstream (0.12.0-0.33.0)",
+    f"upstream ({UPSTREAM_SEEN})",
     Verdict.PENDING,
     """
     @classmethod
@@ -40,7 +42,7 @@ UPSTREAM_BUGGY = Shape(
         return cls._AITER_ENABLED and cls._MLA_ENABLED
     """,
     origin="both AITER flags only; gfx942 is not excluded",
-    versions=VersionRange("0.12.0", "0.33.0"),
+    versions=UPSTREAM_SEEN,
 )
 
 POST_IMAGE = """
