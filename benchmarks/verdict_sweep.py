@@ -121,21 +121,22 @@ def report_newest(version: str, row: dict[str, dict]) -> int:
 
 def compare(old_path: str, new_path: str) -> int:
     old, new = json.loads(Path(old_path).read_text()), json.loads(Path(new_path).read_text())
-    changes = 0
+    changes = {"in one sweep only": 0, "verdict": 0, "shapes": 0}
     for version in sorted(set(old) | set(new), key=Version):
         a, b = old.get(version), new.get(version)
         if a is None or b is None:
             print(f"{version}: only in {'new' if a is None else 'old'}")
-            changes += 1
+            changes["in one sweep only"] += 1
             continue
         for pid in sorted(set(a) | set(b)):
             pa, pb = a.get(pid, {}), b.get(pid, {})
             for key in ("verdict", "shapes"):
                 if pa.get(key) != pb.get(key):
                     print(f"{version} {pid}: {key} {pa.get(key)} -> {pb.get(key)}")
-                    changes += 1
-    print(f"versions: {len(new)}; differences: {changes}")
-    return 1 if changes else 0
+                    changes[key] += 1
+    counts = "; ".join(f"{key}: {n}" for key, n in changes.items())
+    print(f"versions: {len(new)}; {counts}")
+    return 1 if any(changes.values()) else 0
 
 
 def main() -> int:

@@ -134,7 +134,7 @@ def test_semantic_mutation_is_drift_and_nothing_is_written(make_tree):
 
 @pytest.mark.wheel
 def test_missing_arch_helper_is_refused(make_tree):
-    # Before 0.15.1 there is no on_gfx942(): the fix cannot be written safely.
+    # Before 0.15.0 there is no on_gfx942(): the fix cannot be written safely.
     site = make_tree("0.31.0")
     rocm = site / "vllm" / "platforms" / "rocm.py"
     rocm.write_text(rocm.read_text().replace("def on_gfx942()", "def on_gfx942_renamed()"))

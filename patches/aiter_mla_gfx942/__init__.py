@@ -84,12 +84,12 @@ class AiterMlaGfx942(Patch):
         result = match_shapes(self.id, SITE, src, method, SHAPES)
         if result.verdict is not Verdict.PENDING:
             return [result]
-        # The post-image calls `envs.is_set` and imports `on_gfx942`; both exist from 0.15.1 on.
+        # The post-image calls `envs.is_set` and imports `on_gfx942`; both exist from 0.15.0 on.
         missing, rocm = [], sources[ROCM_FILE]
         if not astkit.module_binds(src.tree, "envs"):
             missing.append("`import vllm.envs as envs` in _aiter_ops.py")
         if not rocm.exists or astkit.find_function(rocm.tree, "on_gfx942") is None:
-            missing.append("`on_gfx942()` in vllm/platforms/rocm.py (vLLM 0.15.1 or later)")
+            missing.append("`on_gfx942()` in vllm/platforms/rocm.py (vLLM 0.15.0 or later)")
         if missing:
             detail = "known buggy shape, but the fix needs " + "; ".join(missing)
             return [result._replace(verdict=Verdict.DRIFTED, detail=detail)]
