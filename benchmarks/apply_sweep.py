@@ -5,9 +5,10 @@ hand; wheels and fork trees come from the tests' builders and cache).
     .venv/bin/python benchmarks/apply_sweep.py --compare OLD.json NEW.json [--diffs DIR]
 
 A TREE is a vLLM version (`0.31.0`) or a fork tree (`fork-a`, `fork-d`, ...); default: every
-wheel 0.14.1-0.33.0 and every fork tree. Per tree it records the status verdicts and shapes,
-apply's exit code, the sha256 and text of every file apply wrote, whether a second apply changed
-any byte, and whether revert gave back the pristine bytes. `--compare` prints every verdict,
+release the project knows from 0.14.1 on (tests/conftest.py KNOWN_RELEASES) and every fork
+tree. Per tree it records the status verdicts and shapes, apply's exit code, the sha256 and text
+of every file apply wrote, whether a second apply changed any byte, and whether revert gave back
+the pristine bytes. `--compare` prints every verdict,
 shape or exit-code difference and every file whose written bytes differ (with `--diffs DIR`, a
 unified diff of the two versions' written text per file).
 """
@@ -26,14 +27,11 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from conftest import pristine_tree
+from conftest import KNOWN_RELEASES, pristine_tree
 from forktree import BASE_VERSION, TREES, build
 
-WHEELS = (
-    "0.14.1 0.15.0 0.15.1 0.16.0 0.17.0 0.17.1 0.18.0 0.18.1 0.19.0 0.19.1 0.20.0 0.20.1 "
-    "0.20.2 0.21.0 0.22.0 0.22.1 0.23.0 0.24.0 0.25.0 0.25.1 0.26.0 0.27.0 0.27.1 0.28.0 "
-    "0.29.0 0.30.0 0.31.0 0.32.0 0.33.0"
-).split()
+# From the first release with the MoRIIO connector, where three of the four patches have sites.
+WHEELS = KNOWN_RELEASES[KNOWN_RELEASES.index("0.14.1") :]
 
 
 EMPTY_CWD = tempfile.mkdtemp(prefix="k3applysweep-cwd-")

@@ -28,6 +28,17 @@ CACHE = Path(os.environ.get("K3PATCH_WHEEL_CACHE", Path.home() / ".cache" / "k3p
 TREES = CACHE.parent / "trees"
 SLOW = pytest.mark.slow
 
+# Every vLLM release whose sites k3patch has read (shared/SITES.md), oldest first: what
+# benchmarks/verdict_sweep.py and apply_sweep.py sweep, and what `verdict_sweep.py --newest`
+# holds the registry's newest release against. A new release is added here (and, where its
+# verdicts differ, to the tests' tables) once its verdicts are checked.
+KNOWN_RELEASES = (
+    "0.12.0 0.13.0 0.14.0 0.14.1 0.15.0 0.15.1 0.16.0 0.17.0 0.17.1 0.18.0 0.18.1 0.19.0 0.19.1 "
+    "0.20.0 0.20.1 0.20.2 0.21.0 0.22.0 0.22.1 0.23.0 0.24.0 0.25.0 0.25.1 0.26.0 0.27.0 0.27.1 "
+    "0.28.0 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0 0.34.0"
+).split()
+NEWEST_RELEASE = KNOWN_RELEASES[-1]
+
 
 @contextmanager
 def _cache_lock() -> Iterator[None]:
@@ -202,6 +213,23 @@ def tree_hashes(root: Path) -> dict[str, str]:
         if path.is_file():
             out[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
     return out
+
+
+# A job that a non-interactive shell starts in the background (`pytest ... &`, nohup, some CI
+# runners) inherits SIGINT ignored; an ignored signal stays ignored across exec, and Python then
+# installs no KeyboardInterrupt handler. Right for k3patch (it keeps what it was given), but a
+# test that interrupts its child must give the child the default disposition first. Not
+# `preexec_fn`: it can deadlock a process with threads (an xdist worker has them).
+_DEFAULT_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
+def interruptible(argv: list[str]) -> list[str]:
+    """`argv` (a full path first) as a command that runs it with SIGINT at its default, whatever
+    this process inherited: the same process (exec), so its pid is the one to signal."""
+    return [sys.executable, "-c", _DEFAULT_SIGINT, *argv]
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None):

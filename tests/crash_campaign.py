@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from conftest import interruptible
+
 ENV = {**os.environ, "NO_COLOR": "1"}
 
 
@@ -37,6 +39,7 @@ def source_hashes(site: Path) -> dict[str, str]:
 class CampaignResult:
     runs: int = 0
     killed_mid_run: int = 0  # the process was still running when killed
+    stopped_by_it: int = 0  # ... and did not then finish as if never signalled (exit 0)
     mixed_after_recovery: int = 0
     status_disagreed: int = 0
     litter: int = 0
@@ -75,16 +78,19 @@ def campaign(
         site = work / f"run-{i}"
         shutil.copytree(reference_patched if op == "revert" else pristine, site)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "k3patch", op, "--vllm", str(site)],
+            # SIGINT at its default even in a background job, or a SIGINT run tests nothing.
+            interruptible([sys.executable, "-m", "k3patch", op, "--vllm", str(site)]),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env=ENV,
         )
         time.sleep(rng.uniform(0, window))
-        if proc.poll() is None:
+        signalled = proc.poll() is None
+        if signalled:
             proc.send_signal(sig)
             result.killed_mid_run += 1
-        proc.wait()
+        if proc.wait() != 0 and signalled:
+            result.stopped_by_it += 1
         result.runs += 1
         recover = k3(op, "--vllm", str(site))
         want = patched_hashes if op == "apply" else original_hashes

@@ -17,7 +17,7 @@ from k3patch.patches.aiter_mla_gfx942 import probe as truth
 from k3patch.fingerprints import source_fingerprint
 from k3patch.verdicts import Verdict
 
-VERSIONS = ["0.29.0", "0.31.0", "0.33.0"]
+VERSIONS = ["0.29.0", "0.31.0", "0.33.0", "0.34.0"]
 ONLY = ["--only", "aiter-mla-gfx942"]
 
 
@@ -40,7 +40,9 @@ def test_full_cycle_on_real_wheel(make_tree, version):
     assert before["_rc"] == 1
     assert before["vllm"]["version"] == version
     assert before["patches"][0]["verdict"] == "pending"
-    assert before["patches"][0]["sites"][0]["shape"] == "upstream (0.12.0-0.33.0)"
+    (site_result,) = before["patches"][0]["sites"]
+    assert site_result["shape"] == aiter.UPSTREAM_BUGGY.name
+    assert "seen in vLLM" not in site_result["detail"]  # a release the shape's range covers
 
     check = run_cli("apply", "--vllm", str(site), "--check", *ONLY)
     assert check.returncode == 1
@@ -132,7 +134,7 @@ def test_semantic_mutation_is_drift_and_nothing_is_written(make_tree):
 
 @pytest.mark.wheel
 def test_missing_arch_helper_is_refused(make_tree):
-    # Before 0.15.1 there is no on_gfx942(): the fix cannot be written safely.
+    # Before 0.15.0 there is no on_gfx942(): the fix cannot be written safely.
     site = make_tree("0.31.0")
     rocm = site / "vllm" / "platforms" / "rocm.py"
     rocm.write_text(rocm.read_text().replace("def on_gfx942()", "def on_gfx942_renamed()"))

@@ -137,6 +137,7 @@ TREE_VERDICTS = {
     "wheel:0.29.0": {"gather_initial_states": NA},
     "wheel:0.31.0": {"gather_initial_states": NA},
     "wheel:0.33.0": {"gather_initial_states": NA},
+    "wheel:0.34.0": {"gather_initial_states": NA},
     "fixture:kda-inlined-caller": {
         "gather_initial_states": NA,
         "chunk_kda_prefill": ("pending", "fork diagnostic"),

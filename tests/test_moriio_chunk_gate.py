@@ -110,7 +110,7 @@ def test_full_cycle_on_real_wheel(make_tree, version):
 
 
 @pytest.mark.wheel
-@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0", "0.34.0"])
 def test_upstream_fix_is_satisfied_and_nothing_is_written(make_tree, version):
     site = make_tree(version)
     before = tree_hashes(site)

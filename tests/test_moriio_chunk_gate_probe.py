@@ -126,7 +126,7 @@ def test_pending_tree_fails_the_rows_its_gate_gets_wrong_and_passes_all_applied(
 
 @pytest.mark.wheel
 @pytest.mark.verify
-@pytest.mark.parametrize("version", slow_except(["0.32.0", "0.33.0"], "0.33.0"))
+@pytest.mark.parametrize("version", slow_except(["0.32.0", "0.33.0", "0.34.0"], "0.33.0"))
 def test_verify_passes_every_row_on_upstream_fix(verified, version):
     found = verified(version)
     check = found["patches"][PATCH_ID]

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, slow_after, tree_hashes
+from conftest import run_cli, slow_after, slow_except, tree_hashes
 from k3patch.patches.moriio_group_routing import PATCH
 
 pytestmark = pytest.mark.wheel
@@ -23,6 +23,7 @@ VERDICTS = {
     "0.30.0": ("not applicable", "upstream 0.30.0 sliding-window-only HMA"),
     "0.31.0": ("satisfied", "upstream 0.31.0-0.32.0 native per-group routing"),
     "0.33.0": ("satisfied", "upstream 0.33.0+ native per-group WRITE routing"),
+    "0.34.0": ("satisfied", "upstream 0.33.0+ native per-group WRITE routing"),
 }
 
 
@@ -100,19 +101,29 @@ def must_not_touch(site: Path) -> list[str]:
     return found
 
 
+# The cases each release holds (0.34.0 splits a READ payload of several attention groups with a
+# helper: no `[0]` / `[1:]` left there).
+CASES = {
+    "0.31.0": ("[1:]", "isinstance(block_ids[0], int)"),
+    "0.33.0": (
+        "[1:]",
+        "isinstance(block_ids[0], int)",
+        "new_block_ids_to_zero",
+        "block_notify_list[0]",
+    ),
+    "0.34.0": ("isinstance(block_ids[0], int)", "new_block_ids_to_zero", "block_notify_list[0]"),
+}
+
+
 # Slow (.ci/run): a plain pytest checks the same on a fork tree (test_moriio_group_routing.py).
 @pytest.mark.slow
-@pytest.mark.parametrize("version", ["0.31.0", "0.33.0"])
+@pytest.mark.parametrize("version", sorted(CASES))
 def test_must_not_touch_cases_stay_byte_identical_after_apply(make_tree, version):
     site = make_tree(version)
     segments = must_not_touch(site)
     # The cases are really there, so the assertion below means something.
     joined = "\n".join(segments)
-    assert "[1:]" in joined
-    assert "isinstance(block_ids[0], int)" in joined
-    if version == "0.33.0":
-        assert "new_block_ids_to_zero" in joined
-        assert "block_notify_list[0]" in joined
+    assert [case for case in CASES[version] if case not in joined] == []
     # This patch alone: the whole package is untouched.
     before = package_hashes(site)
     assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
@@ -140,9 +151,10 @@ def test_probe_exercises_upstream_031_group_split(probed):
 
 
 @pytest.mark.verify
-def test_probe_exercises_upstream_033_write_plan(verified):
+@pytest.mark.parametrize("version", slow_except(["0.33.0", "0.34.0"], "0.33.0"))
+def test_probe_exercises_upstream_write_plan(verified, version):
     # Satisfied here, so verify runs it on the tree as it is (apply edits other patches' files).
-    found = verified("0.33.0")
+    found = verified(version)
     assert found["patches"][PATCH.id]["verdict"] == "satisfied", found["output"]
     probe = found["patches"][PATCH.id]["probe"]
     assert probe["ok"] is True, probe

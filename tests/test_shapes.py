@@ -151,7 +151,7 @@ def test_a_known_shape_outside_its_versions_is_reported(make_tree):
     proc = run_cli("status", "--vllm", str(site), "--json", "--only", "aiter-mla-gfx942")
     (result,) = json.loads(proc.stdout)["patches"][0]["sites"]
     assert result["verdict"] == "pending"
-    assert "seen in vLLM 0.12.0-0.33.0, not 0.40.0" in result["detail"]
+    assert "seen in vLLM 0.12.0-0.34.0, not 0.40.0" in result["detail"]
     plain = make_tree("0.31.0")
     proc = run_cli("status", "--vllm", str(plain), "--json", "--only", "aiter-mla-gfx942")
     (result,) = json.loads(proc.stdout)["patches"][0]["sites"]

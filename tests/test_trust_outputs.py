@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import run_cli, slow_after
+from conftest import interruptible, run_cli, slow_after
 from typer.testing import CliRunner
 
 from k3patch import plaintext, render, scan
@@ -106,7 +106,8 @@ def test_sigint_is_one_line_and_130(make_tree, tmp_path):
     slow.write_text("#!/bin/sh\nsleep 60\n")
     slow.chmod(0o755)
     proc = subprocess.Popen(
-        [*K3, "verify", "--vllm", str(make_tree("0.31.0")), "--python", str(slow)],
+        # With SIGINT at its default, also when this suite runs as a background job (conftest).
+        interruptible([*K3, "verify", "--vllm", str(make_tree("0.31.0")), "--python", str(slow)]),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

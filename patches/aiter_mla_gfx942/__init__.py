@@ -29,9 +29,11 @@ FILE = "_aiter_ops.py"
 ROCM_FILE = "platforms/rocm.py"
 SITE = "rocm_aiter_ops.is_mla_enabled"
 
-# 0.12.0-0.13.0 add a docstring, which the fingerprint ignores.
+# The same statements in every release read so far (0.12.0-0.13.0 add a docstring, which the
+# fingerprint ignores); the shape's name says which, from the range itself.
+UPSTREAM_SEEN = VersionRange("0.12.0", "0.34.0")
 UPSTREAM_BUGGY = Shape(
-    "upstream (0.12.0-0.33.0)",
+    f"upstream ({UPSTREAM_SEEN})",
     Verdict.PENDING,
     """
     @classmethod
@@ -40,7 +42,7 @@ UPSTREAM_BUGGY = Shape(
         return cls._AITER_ENABLED and cls._MLA_ENABLED
     """,
     origin="both AITER flags only; gfx942 is not excluded",
-    versions=VersionRange("0.12.0", "0.33.0"),
+    versions=UPSTREAM_SEEN,
 )
 
 POST_IMAGE = """
@@ -82,12 +84,12 @@ class AiterMlaGfx942(Patch):
         result = match_shapes(self.id, SITE, src, method, SHAPES)
         if result.verdict is not Verdict.PENDING:
             return [result]
-        # The post-image calls `envs.is_set` and imports `on_gfx942`; both exist from 0.15.1 on.
+        # The post-image calls `envs.is_set` and imports `on_gfx942`; both exist from 0.15.0 on.
         missing, rocm = [], sources[ROCM_FILE]
         if not astkit.module_binds(src.tree, "envs"):
             missing.append("`import vllm.envs as envs` in _aiter_ops.py")
         if not rocm.exists or astkit.find_function(rocm.tree, "on_gfx942") is None:
-            missing.append("`on_gfx942()` in vllm/platforms/rocm.py (vLLM 0.15.1 or later)")
+            missing.append("`on_gfx942()` in vllm/platforms/rocm.py (vLLM 0.15.0 or later)")
         if missing:
             detail = "known buggy shape, but the fix needs " + "; ".join(missing)
             return [result._replace(verdict=Verdict.DRIFTED, detail=detail)]
