@@ -8,6 +8,7 @@ with compile() of the .py on disk now.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -193,3 +194,37 @@ def test_help_on_lowest_typer_with_newest_click(tmp_path):
         if proc.returncode != 0 or "--vllm" not in proc.stdout:
             bad[command] = (proc.returncode, proc.stderr.strip())
     assert not bad, bad
+
+
+@pytest.mark.wheel
+def test_sourceless_tree_is_not_not_applicable(make_tree):
+    """D5: a pyc-only tree (compileall -b, .py removed) imports the unpatched bytecode; k3patch
+    calls every patch "not applicable" and exits 0 on status and apply."""
+    site = make_tree("0.31.0")
+    pkg = site / "vllm"
+    listed = run_cli("list", "--json")
+    files = sorted({f for p in json.loads(listed.stdout)["patches"] for f in p["files"]})
+    stripped = []
+    for rel in files:
+        path = pkg / rel
+        if path.is_file():
+            subprocess.run([sys.executable, "-m", "compileall", "-q", "-b", str(path)], check=True)
+            path.unlink()
+            stripped.append(rel)
+    assert AITER in stripped and MORIIO in stripped
+    finder = (
+        "import importlib.machinery as m, sys\n"
+        "f = m.FileFinder(sys.argv[1], (m.ExtensionFileLoader, m.EXTENSION_SUFFIXES),"
+        " (m.SourceFileLoader, m.SOURCE_SUFFIXES), (m.SourcelessFileLoader, m.BYTECODE_SUFFIXES))\n"
+        "print(type(f.find_spec('vllm._aiter_ops').loader).__name__)\n"
+    )
+    loader = subprocess.run(
+        [sys.executable, "-c", finder, str(pkg)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert loader == "SourcelessFileLoader", "precondition: import loads the unpatched .pyc"
+
+    status = run_cli("status", "--quiet", "--vllm", str(site))
+    apply = run_cli("apply", "--quiet", "--vllm", str(site))
+    assert status.returncode != 0 and apply.returncode != 0, (
+        f"status rc={status.returncode}: {status.stdout!r}; apply rc={apply.returncode}"
+    )
