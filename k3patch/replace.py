@@ -25,6 +25,7 @@ from k3patch.safefs import (
     open_dir,
     open_dir_if_there,
     open_regular,
+    read_file,
     read_in,
     shared_mode,
 )
@@ -172,13 +173,16 @@ def replace_checked(
     before: bytes | None,
     after: bytes | None,
     about_to_rename: Callable[[], None] = lambda: None,
+    kept: list[str] | None = None,
 ) -> list[str]:
     """Replace `root/rel`, which must hold `before` (None: absent), with `after` (None: remove
     it); returns the notes for the report (other hard links keep the old content). Raises
     ConcurrentChange, with the other writer's file in place, when the file is not `before`
     when read, is not the same file right before the rename, or was renamed in after that last
     look (seen through an atomic exchange, where the system has one). `about_to_rename` is
-    called right before the file is changed."""
+    called right before the file is changed. With `kept`, the old file is not removed but kept
+    beside it under a temp name, appended to `kept` (relative to `root`), so that a rollback is
+    a rename back and needs no space (see `put_back`)."""
     path = root / rel
     dfd = open_dir(root, os.path.dirname(rel))
     name = os.path.basename(rel)
@@ -204,10 +208,21 @@ def replace_checked(
             if tmp is not None:
                 unlink_quietly(dfd, tmp)
             raise changed(path)
+        keep = None
+        if kept is not None and old_fd is not None:
+            keep = f".{name}.k3patch-tmp.{secrets.token_hex(8)}"
         about_to_rename()
         if tmp is None:
-            os.unlink(name, dir_fd=dfd)
+            if keep is None:
+                os.unlink(name, dir_fd=dfd)
+            else:
+                os.rename(name, keep, src_dir_fd=dfd, dst_dir_fd=dfd)
         elif old_fd is None or not exchange(dfd, tmp, name):
+            if keep is not None:
+                try:  # the old inode under a second name: the rename below then frees nothing
+                    os.link(name, keep, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                except OSError:
+                    keep = None  # a rollback of this file then writes the saved copy
             os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         else:
             # Swapped: `tmp` now names what stood at `name`. Anything but the file we read
@@ -220,12 +235,22 @@ def replace_checked(
                     f"{path} was replaced by another process while k3patch replaced it; "
                     "its file was put back and nothing of k3patch's was kept, run again"
                 )
-            unlink_quietly(dfd, tmp)
+            if keep is None:
+                unlink_quietly(dfd, tmp)
+            else:
+                os.rename(tmp, keep, src_dir_fd=dfd, dst_dir_fd=dfd)
+        if kept is not None and keep is not None:
+            kept.append(os.path.join(os.path.dirname(rel), keep))
         os.fsync(dfd)
         if old_fd is not None and _snapshot(os.fstat(old_fd)) != seen:
             # An edit landed on the old file in the last instant: put it back, report it.
-            tmp = write_temp(dfd, name, _contents(old_fd), old_fd)
-            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            if keep is not None:
+                os.replace(keep, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # the old inode itself
+                assert kept is not None
+                kept.pop()
+            else:
+                tmp = write_temp(dfd, name, _contents(old_fd), old_fd)
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             os.fsync(dfd)
             raise ConcurrentChange(
                 f"{path} was written by another process while k3patch replaced it; its "
@@ -238,3 +263,25 @@ def replace_checked(
             os.close(old_fd)
         os.close(dfd)
     return notes
+
+
+def put_back(root: Path, rel: str, keep: str, now: bytes | None) -> None:
+    """Undo a `replace_checked` that kept the old file as `keep`: rename it back over `rel`,
+    which must still hold `now` (what k3patch wrote; None: k3patch removed it). A rename needs
+    no space, so a rollback on a full disk cannot fail half way for the want of it."""
+    path = root / rel
+    dfd = open_dir(root, os.path.dirname(rel))
+    name = os.path.basename(rel)
+    try:
+        try:
+            current = read_file(name, dir_fd=dfd)
+        except NotRegular:
+            raise not_plain(path) from None
+        if current != now:
+            raise changed(path)
+        os.replace(os.path.basename(keep), name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        os.fsync(dfd)
+    except OSError as exc:
+        raise env_error("write", path, exc) from None
+    finally:
+        os.close(dfd)
