@@ -1,0 +1,209 @@
+"""The write path against the classes of issue 26 item 2: a full disk at every fill level, a
+status racing a live apply, a killed run's journal on a node that otherwise reads clean, a hand
+edit under a re-apply, and a tree whose owner is not the user who runs k3patch."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib.util
+import json
+import os
+import py_compile
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_cli, tree_hashes
+from test_bad_input import ROOT_ONLY
+
+pytestmark = pytest.mark.wheel
+AITER = "_aiter_ops.py"
+CONNECTOR = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
+
+
+def everything(root: Path) -> dict[str, str]:
+    """Every file's hash and every directory: nothing may appear, vanish or change."""
+    out = tree_hashes(root)
+    out.update({f"{p.relative_to(root)}/": "dir" for p in root.rglob("*") if p.is_dir()})
+    return out
+
+
+# -- A full disk, at every fill level ----------------------------------------------------------
+
+
+@ROOT_ONLY
+def test_a_full_disk_at_any_fill_level_leaves_the_tree_whole(make_tree, tmp_path):
+    """A small tmpfs holding a 0.31.0 tree with unchecked-hash pycs of both files apply
+    changes, filled so that only `headroom` KiB are free, for every headroom from 0 up to
+    the first that lets the apply through: each refused apply exits 3 with one line, leaves
+    every source byte for byte as it was, no journal, no record, no temp file; and the
+    stale pycs are gone or the sources unchanged (never patched source under old bytecode).
+    On main, at about 480 KiB, the rollback itself ran out of space: one file patched, one
+    rolled back, a journal and a new record left, exit 3."""
+    src = make_tree("0.31.0")
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
+    try:
+        site = mnt / "site"
+        shutil.copytree(src, site)
+        pycs = []
+        for rel in (AITER, CONNECTOR):
+            source = site / "vllm" / rel
+            pyc = importlib.util.cache_from_source(str(source))
+            unchecked = py_compile.PycInvalidationMode.UNCHECKED_HASH
+            py_compile.compile(str(source), cfile=pyc, invalidation_mode=unchecked)
+            pycs.append(Path(pyc))
+        sources = {k: v for k, v in everything(site).items() if "__pycache__" not in k}
+        filler = mnt / "filler"
+        outcomes = []
+        for headroom_kb in range(0, 2048, 24):
+            filler.unlink(missing_ok=True)
+            free = shutil.disk_usage(mnt).free
+            with open(filler, "wb") as handle:
+                handle.write(b"\0" * max(free - headroom_kb * 1024, 0))
+            proc = run_cli("apply", "--vllm", str(site))
+            outcomes.append((headroom_kb, proc.returncode))
+            if proc.returncode == 0:
+                break
+            assert proc.returncode == 3, (headroom_kb, proc.stdout, proc.stderr)
+            assert len(proc.stderr.splitlines()) == 1, proc.stderr
+            assert "no space left" in proc.stderr, proc.stderr
+            now = everything(site)
+            assert {k: v for k, v in now.items() if "__pycache__" not in k} == sources, headroom_kb
+            assert not [k for k in now if ".k3patch-tmp." in k], (headroom_kb, now)
+        assert outcomes[-1][1] == 0, outcomes
+        assert len(outcomes) > 3, f"the sweep never ran out of space: {outcomes}"
+        assert not any(pyc.exists() for pyc in pycs)
+        assert not (site / "vllm/.k3patch/journal.json").exists()
+        status = run_cli("status", "--quiet", "--vllm", str(site))
+        assert status.returncode == 0, status.stdout
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+# -- status and a live apply -------------------------------------------------------------------
+
+PAUSED_APPLY = """
+import os, sys, time
+from k3patch import engine
+from k3patch.tree import locate
+site, paused, go_on = sys.argv[1:]
+def hook(step):
+    if step == "replaced:_aiter_ops.py":  # one file written, the other not yet
+        open(paused, "w").close()
+        while not os.path.exists(go_on):
+            time.sleep(0.01)
+engine.apply(locate(site), fault=hook)
+"""
+
+
+def test_status_during_a_live_apply_reports_what_that_apply_left(make_tree, tmp_path):
+    """An apply holds the lock and has written one of its two files; a status started now
+    reads only after that apply is done: every patch applied, the final digest. On main it read
+    both files first (one patched, one not), then found the journal and waited, and reported
+    what it had read: one patch applied, one pending, a digest of no committed state."""
+    site = make_tree("0.31.0")
+    paused, go_on = tmp_path / "paused", tmp_path / "go-on"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", PAUSED_APPLY, str(site), str(paused), str(go_on)]
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not paused.exists():
+            assert writer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        env = {**os.environ, "NO_COLOR": "1"}
+        status = subprocess.Popen(
+            [sys.executable, "-m", "k3patch", "status", "--json", "--vllm", str(site)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        time.sleep(3)  # status is well into its run: on main it has read both files by now
+        go_on.touch()
+        out, _ = status.communicate(timeout=120)
+        assert writer.wait(timeout=120) == 0
+    finally:
+        go_on.touch()
+        writer.kill()
+    data = json.loads(out)
+    verdicts = {p["id"]: p["verdict"] for p in data["patches"]}
+    assert verdicts["aiter-mla-gfx942"] == "applied", verdicts
+    assert verdicts["moriio-chunk-gate"] == "applied", verdicts
+    assert data["exit_code"] == 0 and data["interrupted"] is None
+    final = run_cli("status", "--digest", "--vllm", str(site)).stdout.strip()
+    assert data["digest"] == final
+
+
+# -- A killed run's journal shows in the digest and the Slurm preflight -------------------------
+
+
+def test_a_journal_left_by_a_killed_run_changes_the_digest_and_fails_the_preflight(
+    make_tree, tmp_path
+):
+    """Killed after every file was written, before its journal was removed: each file is what
+    a clean node has, but this node's own status exits 1 and its next apply rolls back. Its
+    digest differs from a clean node's, and the preflight names it (exit 4); when every node
+    is so, they agree but need attention (exit 1). On main both passed."""
+    from test_slurm import Cluster
+
+    cluster = Cluster(tmp_path, make_tree, 2)
+    clean = cluster.digest(cluster.nodes[0])
+    odd = cluster.nodes[1]
+    killed = cluster.trees[odd]
+    assert run_cli("revert", "--vllm", str(killed)).returncode == 0
+    env = {"K3PATCH_TEST_CRASH_AT": "kept-removed"}
+    assert run_cli("apply", "--vllm", str(killed), env=env).returncode == 137
+    assert (killed / "vllm/.k3patch/journal.json").exists()
+    reference = cluster.trees[cluster.nodes[0]]
+    source = {k: v for k, v in tree_hashes(reference).items() if "/.k3patch/" not in k}
+    assert {k: v for k, v in tree_hashes(killed).items() if "/.k3patch/" not in k} == source
+    assert cluster.digest(odd) != clean
+    proc = cluster.preflight("--expect", clean)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert f"FAILED: {odd} differs" in proc.stderr
+    # Every node killed the same way: they agree, and still need attention.
+    first = cluster.trees[cluster.nodes[0]]
+    assert run_cli("revert", "--vllm", str(first)).returncode == 0
+    assert run_cli("apply", "--vllm", str(first), env=env).returncode == 137
+    both = cluster.preflight()
+    assert both.returncode == 1, both.stdout + both.stderr
+    assert "interrupted apply" in both.stderr
+
+
+# -- A hand edit under a re-apply ----------------------------------------------------------------
+
+
+def test_a_re_apply_over_a_hand_edit_records_the_file_as_it_is_now(make_tree):
+    """An operator adds a line to a patched file and puts one gate back: revert refuses (the
+    file is neither k3patch's nor the original). apply re-patches the gate; a later revert
+    gives back the file as the operator left it (their line kept, the gate as they put it), not
+    the wheel's original. On main that revert deleted the operator's line, exit 0."""
+    site = make_tree("0.31.0")
+    target = site / "vllm" / CONNECTOR
+    original = target.read_text()
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    patched = target.read_text()
+    # The operator's edit: the last gate put back as the wheel has it, and a line added.
+    a, b = original.splitlines(keepends=True), patched.splitlines(keepends=True)
+    matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    _, i1, i2, j1, j2 = [op for op in matcher.get_opcodes() if op[0] != "equal"][-1]
+    hand = "".join(b[:j1] + a[i1:i2] + b[j2:]) + "# operator: keep this line\n"
+    target.write_text(hand)
+    assert run_cli("status", "--quiet", "--vllm", str(site)).returncode == 1  # a gate pending
+    refused = run_cli("revert", "--vllm", str(site))
+    assert refused.returncode == 1 and target.read_text() == hand
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    assert target.read_text() == patched + "# operator: keep this line\n"
+    back = run_cli("revert", "--vllm", str(site))
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert target.read_text() == hand, "revert lost the operator's edit"
+    assert (
+        hashlib.sha256((site / "vllm" / AITER).read_bytes()).hexdigest()
+        == hashlib.sha256((make_tree("0.31.0") / "vllm" / AITER).read_bytes()).hexdigest()
+    )
