@@ -839,7 +839,14 @@ class Campaign:
         # what comes next: after a kill, or when the run left the files as it found them.
         excused = journal and (killed or file_hashes(site) == file_hashes(snap))
         found["half-patched"] += self.half(site, ref, journal_excuses=excused)
-        temps = [p.relative_to(site).as_posix() for p in site.rglob("*") if TEMP.search(p.name)]
+        # A temp file the killed run before this one left is the recovery's to remove, and is
+        # held to it after the run with the fault lifted; here only this run's own count.
+        before = {p.relative_to(snap).as_posix() for p in snap.rglob("*") if TEMP.search(p.name)}
+        temps = [
+            p.relative_to(site).as_posix()
+            for p in site.rglob("*")
+            if TEMP.search(p.name) and p.relative_to(site).as_posix() not in before
+        ]
         if not killed:
             failed_removal = expect["func"] in ("os.unlink", "os.remove", "libc.unlinkat")
             excused = expect["path"] if failed_removal else None
@@ -1010,9 +1017,39 @@ def call_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+METHOD = """\
+## Fault injection: every filesystem call fails in turn (issue 26)
+
+`benchmarks/faults.py` records every filesystem call `apply`, `revert` and the recovery of an
+interrupted run make on a real tree (each `os` call, `open` and its file objects' read, write,
+flush and close, `fcntl.flock`, libc `renameat2` through ctypes; a call counts when its path,
+its `dir_fd` or its descriptor is under the tree), then runs the command again once per call
+with that call failing: ENOSPC, a disk that stays full from that call on (ENOSPC for every later
+call that needs space, rollback included), EIO, EACCES/EPERM, or SIGKILL right before it. Rows:
+`apply` on a fresh tree; `revert` on an applied one; `recover-apply` / `recover-revert`: the
+tree an apply / revert killed right after its first target was swapped in left (journal, saved
+copies, one file written), then `apply` / `revert`. Trees: vLLM 0.31.0 (the real wheel's files,
+unchecked-hash pycs, another interpreter's pyc, a user xattr, owned by uid 1000 while root runs
+k3patch) and fork tree a (real 0.28.0 + the recipe's scripts; timestamp pycs and a checked-hash
+opt-1 pyc; all four patches pending, two of them in one file).
+
+A run fails as **half-patched** when a target file is neither its original nor its patched
+bytes, or the files are split between the two (apply is one transaction; only a journal after a
+kill, or one the run found and could not get past, excuses a split until the next run), or a
+pyc the interpreter would load holds other code than its source; **unrecoverable journal** when
+the command run again with the fault lifted does not exit 0 past the journal the faulted run
+left; **leftovers** when a `*.k3patch-tmp.*` file is left (anywhere, `__pycache__` included) by
+the faulted run (unless its failed call was that file's removal) or after the run again, or
+saved copies no record needs, or a `.k3patch` after a revert; **wrong exit code** when a faulted
+run exits other than 3 with one stderr line (or 0 having reached its end state anyway); **wrong
+end state** when the run again does not end applied (apply: patched files, pycs in line, the
+reference's `status`, exactly the originals' saved copies) or original (revert: no `.k3patch`).
+"""
+
+
 def write_report(section: str) -> None:
     text = RESULTS.read_text() if RESULTS.exists() else ""
-    block = f"{BEGIN}\n{section}\n{FINISH}\n"
+    block = f"{BEGIN}\n{METHOD}\n{section}\n{FINISH}\n"
     if BEGIN in text and FINISH in text:
         before, rest = text.split(BEGIN, 1)
         after = rest.split(FINISH, 1)[1].lstrip("\n")
@@ -1020,6 +1057,54 @@ def write_report(section: str) -> None:
     else:
         text = block + "\n" + text
     RESULTS.write_text(text)
+
+
+def report(paths: list[str], write: bool) -> int:
+    """The tables of earlier runs' --json files, side by side (one campaign in several
+    processes: a tree each, say)."""
+    rows, seen, samples, commits, seconds = [], [], set(), set(), 0.0
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        commits.add(data["commit"])
+        seconds = max(seconds, data["seconds"])
+        sample = data.get("sample", {})
+        samples.add(
+            f"every {sample.get('every', '?')}th call from call {sample.get('offset', 0) + 1}"
+        )
+        for raw in data["rows"]:
+            row = Row(raw["command"], raw["tree"], raw["calls"], raw["space_calls"])
+            row.runs.update(raw["runs"])
+            row.failures.update(raw["failures"])
+            row.mismatched = raw["mismatched"]
+            row.call_kinds.update(raw["call_kinds"])
+            row.seconds = raw.get("seconds", 0.0)
+            rows.append(row)
+            seen += [(row, e) for e in raw["examples"] if e.get("problems")]
+    kinds = [k for k in KINDS if any(r.runs[k] for r in rows)]
+    header = (
+        f"Fault injection (`benchmarks/faults.py`) on the code of {', '.join(sorted(commits))}, "
+        f"{time.strftime('%Y-%m-%d')}, {seconds / 60:.0f} min wall; sample: "
+        + "; ".join(sorted(samples))
+    )
+    text = table(rows, kinds, header)
+    sites: Counter[tuple[str, str, str]] = Counter()
+    for row, example in seen:
+        for what in example["problems"]:
+            where = example.get("where", "").split(" ")[-1]
+            sites[
+                (
+                    what,
+                    f"{row.command} {row.tree}",
+                    f"{example['kind']} at {example.get('func', '')} ({where})",
+                )
+            ] += 1
+    if sites:
+        text += "\n\n| failure | row | fault at (k3patch function) | runs |\n|---|---|---|---:|\n"
+        text += "\n".join(f"| {w} | {r} | {c} | {n} |" for (w, r, c), n in sorted(sites.items()))
+    print(text)
+    if write:
+        write_report(text + "\n\nCalls recorded, by function:\n\n" + call_table(rows))
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1033,12 +1118,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--call", type=int, default=None, help="run call N only (a repro)")
     parser.add_argument("--funcs", nargs="+", default=None, help="only calls of these functions")
     parser.add_argument("--k3patch", default=None, help="a k3patch source dir to run instead")
+    parser.add_argument("--commit", default=None, help="name the code run (default: git)")
     parser.add_argument("--work", default=None, help="scratch dir (default: a new temp dir)")
     parser.add_argument("--json", default=None, help="write rows and failures as JSON here")
     parser.add_argument("--write", action="store_true", help="write the table to RELIABILITY.md")
     parser.add_argument("--calls", action="store_true", help="print every recorded call")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--report", nargs="+", default=None, help="tables from --json files")
     args = parser.parse_args(argv)
+    if args.report:
+        return report(args.report, args.write)
 
     source = ROOT
     if args.k3patch:
@@ -1089,7 +1178,7 @@ def main(argv: list[str] | None = None) -> int:
                 for n, c in enumerate(recorded.calls, 1):
                     print(f"{n:4d} {c['func']:<16} {c['path']:<70} {c['where']} < {c['chain']}")
     elapsed = time.perf_counter() - started
-    commit = commit_of(source)
+    commit = args.commit or commit_of(source)
     header = (
         f"Fault injection (`benchmarks/faults.py`), on the code of {commit}, "
         f"{time.strftime('%Y-%m-%d')}, {elapsed / 60:.0f} min"
@@ -1101,6 +1190,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps(
                 {
                     "commit": commit,
+                    "sample": {"every": args.every, "offset": args.offset, "kinds": args.kinds},
                     "seconds": elapsed,
                     "rows": [
                         {
@@ -1113,6 +1203,7 @@ def main(argv: list[str] | None = None) -> int:
                             "mismatched": r.mismatched,
                             "examples": r.examples,
                             "call_kinds": dict(r.call_kinds),
+                            "seconds": r.seconds,
                         }
                         for r in rows
                     ],
