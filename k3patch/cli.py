@@ -283,6 +283,7 @@ def apply(
         render.emit_json("apply", code, payload)
     else:
         render.print_apply(outcome, quiet=quiet, diff=diff, every_site=sites)
+    render.warning_lines(outcome.pycache)
     render.bug_line(outcome)
     return code
 
@@ -312,6 +313,7 @@ def revert(vllm: VllmOpt = None, as_json: JsonOpt = False, lock_timeout: LockOpt
         render.emit_json("revert", code, payload)
     else:
         render.print_revert(payload)
+    render.warning_lines(outcome.pycache)
     return code
 
 

@@ -241,12 +241,12 @@ def apply(
             before, after = sources[rel].data, sources[rel].encode(text)
             edits.append(FileEdit(rel, before, after))
             after_hashes[rel] = sha256(after)
-            now = None if before is None else sha256(before)
+            current = None if before is None else sha256(before)
             prior = files.get(rel)
-            if prior is None or prior.applied != now:
+            if prior is None or prior.applied != current:
                 # Never written by k3patch, or edited by hand since: the file as it is now is
                 # what a revert must give back (the wheel's original would drop that edit).
-                prior = FileState(now, None, ())
+                prior = FileState(current, None, ())
             touched = {r.patch_id for r in rewritten if r.file == rel} | set(prior.patches)
             files[rel] = FileState(prior.original, after_hashes[rel], tuple(sorted(touched)))
         results = _recorded_results(full, the_plan)

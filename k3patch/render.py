@@ -54,6 +54,14 @@ def error_line(message: str, *, prefix: str = "k3patch: error:") -> None:
     emit([plaintext.error(prefix, f" {message}")], stderr=True, width=sys.maxsize)
 
 
+def warning_lines(notes: Iterable[str]) -> None:
+    """A warning among a commit's notes (a group that could not be kept) is one line on stderr
+    as well, where scripts and logs look for what needs a look."""
+    for note in notes:
+        if note.startswith("warning: "):
+            error_line(note.removeprefix("warning: "), prefix="k3patch: warning:")
+
+
 def apply_payload(outcome: ApplyOutcome) -> dict[str, Any]:
     """`apply`'s JSON, inside the envelope; its human report is made from it too."""
     payload = outcome.report.to_json()

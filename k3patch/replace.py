@@ -21,6 +21,7 @@ from k3patch.errors import ConcurrentChange, EnvironmentProblem
 from k3patch.safefs import (
     NotRegular,
     env_error,
+    give_to_owner_of,
     not_plain,
     open_dir,
     open_dir_if_there,
@@ -42,17 +43,25 @@ def _copy_xattrs(src_fd: int, dst_fd: int) -> None:
                 os.setxattr(dst_fd, name, os.getxattr(src_fd, name))
 
 
-def _keep_owner(fd: int, like: os.stat_result, name: str) -> None:
+def _keep_owner(fd: int, like: os.stat_result, name: str) -> str | None:
     """Give the temp file `fd` the owner and group of `like`, changing only what differs (in a
-    setgid directory there may be nothing to change, and no chown to be refused)."""
+    setgid directory there may be nothing to change, and no chown to be refused). A group this
+    process may not give a file it owns is not kept, as pip or an editor would not keep it
+    either: returned as a warning. Any other chown refused is an EnvironmentProblem."""
     have = os.fstat(fd)
     uid = like.st_uid if like.st_uid != have.st_uid else -1
     gid = like.st_gid if like.st_gid != have.st_gid else -1
     if uid == gid == -1:
-        return
+        return None
     try:
         os.fchown(fd, uid, gid)
     except PermissionError:
+        if uid == -1 and like.st_uid == os.geteuid():
+            return (
+                f"warning: the files k3patch replaced could not keep their group {gid} (uid "
+                f"{os.geteuid()} is not in it); they now have group {have.st_gid}, as pip or "
+                "an editor would leave them"
+            )
         who = f"uid {os.geteuid()} (groups {', '.join(map(str, os.getgroups()))})"
         raise EnvironmentProblem(
             f"cannot keep the owner and group {like.st_uid}:{like.st_gid} of {name}: {who} "
@@ -60,11 +69,15 @@ def _keep_owner(fd: int, like: os.stat_result, name: str) -> None:
             f"{' (not one of its groups)' if uid == -1 else ''}. Run as root or as a member of "
             "that group, or make the directory setgid to that group"
         ) from None
+    return None
 
 
-def write_temp(dfd: int, name: str, data: bytes, like_fd: int | None) -> str:
+def write_temp(
+    dfd: int, name: str, data: bytes, like_fd: int | None, notes: list[str] | None = None
+) -> str:
     """A new temp file beside `name` in `dfd` holding `data`, fsynced, with the owner, mode and
-    xattrs of `like_fd` (or the directory's read bits, see shared_mode); returns its name."""
+    xattrs of `like_fd` (or the directory's owner and read bits, see shared_mode); returns its
+    name. A group that could not be kept is a warning appended to `notes`."""
     tmp = f".{name}.k3patch-tmp.{secrets.token_hex(8)}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
@@ -74,11 +87,14 @@ def write_temp(dfd: int, name: str, data: bytes, like_fd: int | None) -> str:
         if like_fd is not None:
             like = os.fstat(like_fd)
             # Owner first: chown clears setuid/setgid, so the mode goes on after it.
-            _keep_owner(fd, like, name)
+            warning = _keep_owner(fd, like, name)
+            if warning and notes is not None and warning not in notes:
+                notes.append(warning)
             os.fchmod(fd, stat.S_IMODE(like.st_mode))
             _copy_xattrs(like_fd, fd)
         else:
             # A new file is readable by whoever can read its directory, whatever the umask.
+            give_to_owner_of(fd, dfd)
             os.fchmod(fd, shared_mode(dfd, 0o644))
         os.fsync(fd)
     except BaseException:
@@ -197,13 +213,13 @@ def replace_checked(
         seen = None if old is None else _snapshot(old)
         if (None if old_fd is None else _contents(old_fd)) != before:
             raise changed(path)
-        notes = []
+        notes: list[str] = []
         if old is not None and old.st_nlink > 1:
             notes.append(
                 f"note: vllm/{rel} had {old.st_nlink} hard links; the other names keep the old "
                 "content"
             )
-        tmp = None if after is None else write_temp(dfd, name, after, old_fd)
+        tmp = None if after is None else write_temp(dfd, name, after, old_fd, notes)
         if _look(dfd, name) != seen:  # the last look: another writer's edit must be kept
             if tmp is not None:
                 unlink_quietly(dfd, tmp)

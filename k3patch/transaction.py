@@ -109,7 +109,7 @@ class Transaction:
             raise
         unlink_in(self.package_dir, state.JOURNAL_REL)
         self.fault("journal-removed")
-        return actions + notes
+        return list(dict.fromkeys(actions + notes))  # a warning about a group: once
 
     def _replace(self, edit: FileEdit, written: list[FileEdit], kept: dict[str, str]) -> list[str]:
         def about_to_rename() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli, tree_hashes
-from test_bad_input import ROOT_ONLY
+from test_bad_input import ROOT_ONLY, run_as_nobody, shared_site
 
 pytestmark = pytest.mark.wheel
 AITER = "_aiter_ops.py"
@@ -207,3 +207,44 @@ def test_a_re_apply_over_a_hand_edit_records_the_file_as_it_is_now(make_tree):
         hashlib.sha256((site / "vllm" / AITER).read_bytes()).hexdigest()
         == hashlib.sha256((make_tree("0.31.0") / "vllm" / AITER).read_bytes()).hexdigest()
     )
+
+
+# -- The tree's owner, whoever runs k3patch ------------------------------------------------------
+
+
+@ROOT_ONLY
+def test_root_applying_on_a_users_tree_leaves_the_state_to_its_owner(make_tree):
+    """sudo on a user's venv: `.k3patch` and every file in it belong to the tree's owner, who
+    can then revert and apply again. On main they were root's and the owner got exit 3."""
+    with shared_site(make_tree) as site:
+        for path in [site, *site.rglob("*")]:
+            os.chown(path, 65534, 65534, follow_symlinks=False)
+        pristine = tree_hashes(site)
+        assert run_cli("apply", "--vllm", str(site)).returncode == 0  # as root
+        state = site / "vllm" / ".k3patch"
+        owners = {(p.stat().st_uid, p.stat().st_gid) for p in [state, *state.rglob("*")]}
+        assert owners == {(65534, 65534)}, owners
+        for args in (["revert"], ["apply"], ["revert"]):
+            code, stdout, stderr = run_as_nobody([*args, "--vllm", str(site)])
+            assert code == 0, (args, stdout, stderr)
+        assert tree_hashes(site) == pristine
+
+
+@ROOT_ONLY
+def test_an_owner_outside_the_files_group_applies_with_one_warning(make_tree):
+    """`chown -R user` leaves group root: the owner may replace those files (pip or an editor
+    would), only not keep group root. apply and revert succeed, each says so in one warning
+    line on stderr. On main the owner could not apply at all (exit 3)."""
+    with shared_site(make_tree) as site:
+        for path in [site, *site.rglob("*")]:
+            os.chown(path, 65534, 0, follow_symlinks=False)
+        pristine = tree_hashes(site)
+        code, stdout, stderr = run_as_nobody(["apply", "--vllm", str(site)])
+        assert code == 0, (stdout, stderr)
+        assert len(stderr.splitlines()) == 1, stderr
+        (warning,) = stderr.splitlines()
+        assert warning.startswith("k3patch: warning:") and "group 0" in warning, stderr
+        assert (site / "vllm" / AITER).stat().st_gid == 65534
+        code, stdout, stderr = run_as_nobody(["revert", "--vllm", str(site)])
+        assert code == 0, (stdout, stderr)
+        assert tree_hashes(site) == pristine
