@@ -278,8 +278,8 @@ def apply(
     code = exitcodes.for_apply(outcome)
     if as_json:
         payload = render.apply_payload(outcome)
-        if diff and outcome.plan is not None:
-            payload["diff"] = outcome.plan.diff()
+        if diff:
+            payload["diff"] = outcome.plan.diff() if outcome.plan is not None else ""
         render.emit_json("apply", code, payload)
     else:
         render.print_apply(outcome, quiet=quiet, diff=diff, every_site=sites)

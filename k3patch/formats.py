@@ -92,9 +92,11 @@ def apply_fields(
     written: Sequence[str] = (),
     recovered: Sequence[str] = (),
     bytecode: Sequence[str] = (),
+    bugs: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """What `apply --json` adds to the report (defaults: a run that had nothing to do)."""
     return {
+        "bugs": dict(bugs or {}),
         "check": check,
         "refused": bool(refused_patches),
         "refused_patches": list(refused_patches),
