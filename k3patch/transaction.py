@@ -144,8 +144,9 @@ class Transaction:
                 )
         for keep in kept.values():
             unlink_in(self.package_dir, keep)
-        unlink_in(self.package_dir, state.JOURNAL_REL)
         self._prune_to_record()
+        self.remove_litter()  # an old file kept where a look after the exchange failed
+        unlink_in(self.package_dir, state.JOURNAL_REL)
 
     def remove_state_dir(self) -> None:
         """The record, an empty blobs/ and `.k3patch` itself; anything else is left where it is."""
@@ -168,9 +169,13 @@ class Transaction:
             for entry in journal["files"]:
                 if self._roll_back(entry):
                     done.append(f"rolled back {entry['path']}")
-            unlink_in(self.package_dir, state.JOURNAL_REL)
+            # The journal goes last: a run that dies before it is done leaves the journal,
+            # and the next run finishes the clean-up (saved copies without a record would
+            # otherwise stop revert for good).
             self._prune_to_record()
-        done += self.remove_litter(journal)
+        done += self.remove_litter()
+        if journal is not None:
+            unlink_in(self.package_dir, state.JOURNAL_REL)
         return done
 
     def _roll_back(self, entry: dict[str, Any]) -> bool:
@@ -201,15 +206,17 @@ class Transaction:
         files = record.files.values() if record else []
         self.blobs.prune({fs.original for fs in files if fs.original})
 
-    def remove_litter(self, journal: dict[str, Any] | None) -> list[str]:
-        """Temp files left by a killed run (regular files named so) next to the state files and
-        the journalled files, and in their `__pycache__` (where an earlier k3patch, killed while it
-        wrote bytecode, left them); a directory that cannot be opened is passed over."""
+    def remove_litter(self) -> list[str]:
+        """Temp files left by a killed or failed run (regular files named so) next to the state
+        files and beside every registered target, and in its `__pycache__` (where an earlier
+        k3patch, killed while it wrote bytecode, left them), journal or not: a run that died
+        after its journal was gone must not leave an old file's copy there for good. Runs under
+        the lock, so no live run's temp file is there. A directory that cannot be opened, or a
+        file that cannot be removed, is left for the next run."""
         dirs = {".k3patch", f".k3patch/{BLOBS}"}
-        if journal is not None:
-            for entry in journal["files"]:
-                folder = os.path.dirname(entry["path"])
-                dirs.update((folder, os.path.join(folder, "__pycache__")))
+        for target in self.allowed - {state.STATE_REL}:
+            folder = os.path.dirname(target)
+            dirs.update((folder, os.path.join(folder, "__pycache__")))
         removed = []
         for rel_dir in sorted(dirs):
             with contextlib.suppress(EnvironmentProblem):

@@ -248,3 +248,26 @@ def test_an_owner_outside_the_files_group_applies_with_one_warning(make_tree):
         code, stdout, stderr = run_as_nobody(["revert", "--vllm", str(site)])
         assert code == 0, (stdout, stderr)
         assert tree_hashes(site) == pristine
+
+
+# -- Litter that outlived its journal (FAULTS-FOUND F1) ---------------------------------------
+
+
+@pytest.mark.parametrize("command", ["apply", "revert"])
+def test_a_temp_file_beside_a_target_without_a_journal_is_removed(make_tree, command):
+    """A run that died (or whose unlink failed) after its journal was gone left the old file's
+    copy beside the target: the next locked run removes it, journal or not. On main only the
+    directories a journal named were looked at, so it stayed for good."""
+    site = make_tree("0.31.0")
+    if command == "revert":
+        assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    litter = [
+        site / "vllm" / "._aiter_ops.py.k3patch-tmp.0123456789abcdef",
+        site / "vllm" / os.path.dirname(CONNECTOR) / ".moriio_connector.py.k3patch-tmp.00ff",
+    ]
+    for path in litter:
+        path.write_bytes(b"a copy of an old file")
+    proc = run_cli(command, "--vllm", str(site))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not [p for p in litter if p.exists()]
+    assert not [p for p in site.rglob("*") if ".k3patch-tmp." in p.name]
