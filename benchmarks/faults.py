@@ -312,7 +312,9 @@ def _wrap_open(owner: Any) -> None:
         if rel is None:
             return real(file, mode, *args, **kwargs)
         writes = any(c in mode for c in "wax+")
-        err = _gate("open", rel, "w" in mode or "x" in mode or "a" in mode)
+        # A new file by name needs space; an open of a descriptor allocates nothing.
+        creates = not isinstance(file, int) and any(c in mode for c in "wxa")
+        err = _gate("open", rel, creates)
         if err is not None:
             _raise(err, path)
         return _File(real(file, mode, *args, **kwargs), rel, writes)
