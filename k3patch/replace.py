@@ -82,6 +82,18 @@ def write_temp(
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
     try:
+        _fill(fd, dfd, name, data, like_fd, notes)
+    except BaseException:
+        unlink_quietly(dfd, tmp)  # a close that fails (EIO, ENOSPC on NFS) included
+        raise
+    return tmp
+
+
+def _fill(
+    fd: int, dfd: int, name: str, data: bytes, like_fd: int | None, notes: list[str] | None
+) -> None:
+    """write_temp's work on the new file `fd`, which it closes."""
+    try:
         with open(fd, "wb", closefd=False) as file:
             file.write(data)
         if like_fd is not None:
@@ -97,12 +109,8 @@ def write_temp(
             give_to_owner_of(fd, dfd)
             os.fchmod(fd, shared_mode(dfd, 0o644))
         os.fsync(fd)
-    except BaseException:
-        unlink_quietly(dfd, tmp)
-        raise
     finally:
         os.close(fd)
-    return tmp
 
 
 def unlink_quietly(dfd: int, name: str) -> None:
@@ -227,34 +235,43 @@ def replace_checked(
         keep = None
         if kept is not None and old_fd is not None:
             keep = f".{name}.k3patch-tmp.{secrets.token_hex(8)}"
-        about_to_rename()
-        if tmp is None:
-            if keep is None:
-                os.unlink(name, dir_fd=dfd)
+        ours = [n for n in (tmp,) if n]  # this run's temp names, until the rename settles them
+        try:
+            about_to_rename()
+            if tmp is None:
+                if keep is None:
+                    os.unlink(name, dir_fd=dfd)
+                else:
+                    os.rename(name, keep, src_dir_fd=dfd, dst_dir_fd=dfd)
+            elif old_fd is None or not exchange(dfd, tmp, name):
+                if keep is not None:
+                    try:  # the old inode under a second name: the rename then frees nothing
+                        os.link(name, keep, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                        ours.append(keep)
+                    except OSError:
+                        keep = None  # a rollback of this file then writes the saved copy
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                ours = []
             else:
-                os.rename(name, keep, src_dir_fd=dfd, dst_dir_fd=dfd)
-        elif old_fd is None or not exchange(dfd, tmp, name):
-            if keep is not None:
-                try:  # the old inode under a second name: the rename below then frees nothing
-                    os.link(name, keep, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
-                except OSError:
-                    keep = None  # a rollback of this file then writes the saved copy
-            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        else:
-            # Swapped: `tmp` now names what stood at `name`. Anything but the file we read
-            # means another writer renamed its own file in after our last look.
-            if _look(dfd, tmp) != seen:
-                exchange(dfd, tmp, name)  # theirs back in place, ours out again
-                unlink_quietly(dfd, tmp)
-                os.fsync(dfd)
-                raise ConcurrentChange(
-                    f"{path} was replaced by another process while k3patch replaced it; "
-                    "its file was put back and nothing of k3patch's was kept, run again"
-                )
-            if keep is None:
-                unlink_quietly(dfd, tmp)
-            else:
-                os.rename(tmp, keep, src_dir_fd=dfd, dst_dir_fd=dfd)
+                ours = []  # swapped: `tmp` now names what stood at `name`
+                # Anything but the file we read means another writer renamed its own file in
+                # after our last look.
+                if _look(dfd, tmp) != seen:
+                    exchange(dfd, tmp, name)  # theirs back in place, ours out again
+                    unlink_quietly(dfd, tmp)
+                    os.fsync(dfd)
+                    raise ConcurrentChange(
+                        f"{path} was replaced by another process while k3patch replaced it; "
+                        "its file was put back and nothing of k3patch's was kept, run again"
+                    )
+                if keep is None:
+                    unlink_quietly(dfd, tmp)
+                else:
+                    os.rename(tmp, keep, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            for leftover in ours:  # the new file never took its place: none of it stays
+                unlink_quietly(dfd, leftover)
+            raise
         if kept is not None and keep is not None:
             kept.append(os.path.join(os.path.dirname(rel), keep))
         os.fsync(dfd)

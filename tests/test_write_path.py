@@ -271,3 +271,52 @@ def test_a_temp_file_beside_a_target_without_a_journal_is_removed(make_tree, com
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not [p for p in litter if p.exists()]
     assert not [p for p in site.rglob("*") if ".k3patch-tmp." in p.name]
+
+
+# -- A replacement whose rename or close fails (FAULTS-FOUND F2) -------------------------------
+
+
+@pytest.mark.parametrize("call", ["os.replace", "os.close"])
+def test_a_failed_rename_or_close_leaves_no_temp_file(make_tree, monkeypatch, call):
+    """ENOSPC from the rename of a saved copy into place, or EIO from closing a temp file (NFS
+    reports a failed write there): exit 3 (an environment problem), the tree whole, and not
+    one temp file left. On main the run's own temp file stayed."""
+    import errno
+
+    from k3patch import engine
+    from k3patch.errors import EnvironmentProblem
+    from k3patch.tree import locate
+
+    site = make_tree("0.31.0")
+    before = tree_hashes(site)
+    real_replace, real_open, real_close = os.replace, os.open, os.close
+    temps: set[int] = set()
+
+    def failing_replace(src, dst, *args, **kwargs):
+        if ".k3patch-tmp." in str(src) and len(os.path.basename(str(dst))) == 64:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_replace(src, dst, *args, **kwargs)
+
+    def tracking_open(path, flags, mode=0o777, *, dir_fd=None):
+        fd = real_open(path, flags, mode, dir_fd=dir_fd)
+        if ".k3patch-tmp." in str(path):
+            temps.add(fd)
+        return fd
+
+    def failing_close(fd):
+        real_close(fd)
+        if fd in temps:
+            temps.discard(fd)
+            raise OSError(errno.EIO, "Input/output error")
+
+    if call == "os.replace":
+        monkeypatch.setattr(os, "replace", failing_replace)
+    else:
+        monkeypatch.setattr(os, "open", tracking_open)
+        monkeypatch.setattr(os, "close", failing_close)
+    with pytest.raises(EnvironmentProblem):
+        engine.apply(locate(site))
+    monkeypatch.undo()
+    assert not [p for p in site.rglob("*") if ".k3patch-tmp." in p.name]
+    assert tree_hashes(site) == before
+    assert not (site / "vllm/.k3patch").exists()
