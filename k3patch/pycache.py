@@ -126,19 +126,25 @@ def remove_bytecode(source: Path) -> list[str]:
     for where, dfd in _open_places(source):
         try:
             for name in _pycs(dfd, source.stem):
+                # Beside the source its name says where it was; under the prefix, the path.
+                shown = name if where.parent == source.parent else str(where / name)
                 try:
                     os.unlink(name, dir_fd=dfd)  # a link or FIFO goes unopened, never followed
-                    actions.append(f"{source.name}: removed {where / name}")
+                    actions.append(f"{source.name}: removed {shown}")
                 except FileNotFoundError:
                     pass
                 except OSError as exc:
                     flags = _flags(_header(name, dfd))
                     if exc.errno not in _MAY_NOT or flags == _UNCHECKED:
                         raise env_error("remove the bytecode", where / name, exc) from None
-                    why = _MODES.get(flags, "unreadable") if flags is not None else "unreadable"
+                    why = (
+                        "nor read it, so its Python cannot load it"
+                        if flags is None
+                        else f"{_MODES.get(flags, 'other')} bytecode, which Python checks "
+                        "against the source"
+                    )
                     actions.append(
-                        f"{source.name}: left {where / name} (this user may not remove it; "
-                        f"{why}: Python checks it against the source)"
+                        f"{source.name}: left {shown} (this user may not remove it; {why})"
                     )
             os.fsync(dfd)
         except OSError as exc:
