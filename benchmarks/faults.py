@@ -893,6 +893,7 @@ class Campaign:
         offset: int = 0,
         only_call: int | None = None,
         funcs: set[str] | None = None,
+        replay: list[dict[str, Any]] | None = None,
     ) -> Row:
         start = time.perf_counter()
         snap = snaps[START[command]]
@@ -908,9 +909,15 @@ class Campaign:
             row.failures["wrong end state"] += 1
             problems = {"wrong end state": [f"exit {recorded.code}", *wrong, *left]}
             row.examples.append({"kind": "none", "call": 0, "problems": problems})
+        # --replay: the failing runs of an earlier campaign, found again by what the call was
+        # (function, path, k3patch function and callers), since numbers move with the code.
+        wanted = {(e["kind"], _identity(e)) for e in replay or []}
         for kind in kinds:
             for n, call in enumerate(calls, 1):
-                if only_call is not None and n != only_call:
+                if replay is not None:
+                    if (kind, _identity(call)) not in wanted:
+                        continue
+                elif only_call is not None and n != only_call:
                     continue
                 if only_call is None and (n - 1 - offset) % every:
                     continue
@@ -930,6 +937,11 @@ class Campaign:
                     print(_describe(row, example), file=sys.stderr, flush=True)
         row.seconds = time.perf_counter() - start
         return row
+
+
+def _identity(call: dict[str, Any]) -> tuple[str, str, str, str]:
+    function = call.get("where", "").rpartition(" ")[2]
+    return call.get("func", ""), call.get("path", ""), function, call.get("chain", "")
 
 
 def _mid_commit(calls: list[dict[str, Any]], changed: list[str]) -> int:
@@ -1126,6 +1138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="write the table to RELIABILITY.md")
     parser.add_argument("--calls", action="store_true", help="print every recorded call")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--replay", nargs="+", default=None, help="rerun these --json failures")
     parser.add_argument("--report", nargs="+", default=None, help="tables from --json files")
     args = parser.parse_args(argv)
     if args.report:
@@ -1147,6 +1160,11 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     os.chdir(work)  # python -m k3patch from an empty directory, as apply_sweep does
     campaign = Campaign(work, verbose=args.verbose)
+    replayed: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for path in args.replay or []:
+        for raw in json.loads(Path(path).read_text())["rows"]:
+            failing = [e for e in raw["examples"] if e.get("problems") and e.get("func")]
+            replayed.setdefault((raw["command"], raw["tree"]), []).extend(failing)
     rows = []
     started = time.perf_counter()
     for tree in args.trees:
@@ -1162,6 +1180,7 @@ def main(argv: list[str] | None = None) -> int:
                 offset=args.offset,
                 only_call=args.call,
                 funcs=set(args.funcs) if args.funcs else None,
+                replay=replayed.get((command, tree), []) if args.replay else None,
             )
             rows.append(row)
             print(
