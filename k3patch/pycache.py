@@ -62,15 +62,16 @@ def _open_places(source: Path) -> list[tuple[Path, int]]:
     return places
 
 
-def _pycs(dfd: int, stem: str) -> dict[str, bool]:
-    """Each pyc of the source named `stem` in the directory `dfd`: name -> a regular file?"""
-    return {
-        entry.name: entry.is_file(follow_symlinks=False)
+def _pycs(dfd: int, stem: str) -> list[str]:
+    """The name of each pyc of the source named `stem` in the directory `dfd` (anything but a
+    directory so named)."""
+    return [
+        entry.name
         for entry in sorted(os.scandir(dfd), key=lambda e: e.name)
         if (match := _PYC_NAME.match(entry.name))
         and match["stem"] == stem
         and not entry.is_dir(follow_symlinks=False)
-    }
+    ]
 
 
 def _header(path: str, dir_fd: int | None = None) -> bytes:
@@ -96,20 +97,16 @@ def _flags(head: bytes) -> int | None:
 
 
 def check_cache_dir(source: Path) -> None:
-    """Before the first write: a `__pycache__` that is a symlink or not a directory, or a pyc
-    of `source` that is a FIFO, socket, device or link is no bytecode k3patch handles; and an
-    unchecked-hash pyc this user may not remove would keep the old code running."""
+    """Before the first write: a `__pycache__` that is a symlink or not a directory would have
+    k3patch remove files outside the tree, and an unchecked-hash pyc this user may not remove
+    would keep the old code running; both refused. (A FIFO, socket, device or link named like a
+    pyc is removed like any pyc, never opened.)"""
     for where, dfd in _open_places(source):
         try:
-            writable = os.access(where, os.W_OK | os.X_OK)
-            for name, regular in _pycs(dfd, source.stem).items():
-                if not regular and where.name == "__pycache__":
-                    raise EnvironmentProblem(
-                        f"{where / name} is not a regular file (a symlink, FIFO, socket or "
-                        "device); k3patch removes only real bytecode files. Remove it and run "
-                        "again"
-                    )
-                if not writable and _flags(_header(name, dfd)) == _UNCHECKED:
+            if os.access(where, os.W_OK | os.X_OK):
+                continue
+            for name in _pycs(dfd, source.stem):
+                if _flags(_header(name, dfd)) == _UNCHECKED:
                     raise EnvironmentProblem(
                         f"cannot remove {where / name}: permission denied, and it is "
                         "unchecked-hash bytecode that Python would run instead of the changed "

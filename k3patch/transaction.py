@@ -122,7 +122,8 @@ class Transaction:
                 self.package_dir, edit.rel, edit.before, edit.after, about_to_rename, keep
             )
         except ConcurrentChange:
-            written.remove(edit)  # the other writer's file is in place: not ours to undo
+            if edit in written:  # the other writer's file is in place: not ours to undo
+                written.remove(edit)
             raise
         finally:
             if keep:
