@@ -320,3 +320,18 @@ def test_a_failed_rename_or_close_leaves_no_temp_file(make_tree, monkeypatch, ca
     assert not [p for p in site.rglob("*") if ".k3patch-tmp." in p.name]
     assert tree_hashes(site) == before
     assert not (site / "vllm/.k3patch").exists()
+
+
+# -- An I/O error while finding the tree (FAULTS-FOUND F3) --------------------------------------
+
+
+@ROOT_ONLY
+def test_a_tree_this_user_may_not_search_is_an_environment_problem_not_a_wrong_path(make_tree):
+    """`os.path.exists` and friends turn every failure into False: a directory this user may not
+    search read as "not a vLLM tree" (exit 2, usage). It is permission denied (exit 3)."""
+    with shared_site(make_tree) as site:
+        os.chmod(site, 0o700)  # root's: nobody may not look inside
+        for args in (["status"], ["apply"], ["revert"]):
+            code, stdout, stderr = run_as_nobody([*args, "--vllm", str(site)])
+            assert code == 3, (args, stdout, stderr)
+            assert len(stderr.splitlines()) == 1 and "permission denied" in stderr, stderr
