@@ -47,6 +47,7 @@ an unrecoverable journal; a temp file after it, or a saved copy no record names,
 from __future__ import annotations
 
 import argparse
+import ast
 import builtins
 import ctypes
 import errno
@@ -1073,12 +1074,49 @@ def write_report(section: str) -> None:
     RESULTS.write_text(text)
 
 
+_ROW_LINE = re.compile(
+    r"^(\S+) on (\S+): (\d+) calls, runs (\{.*\}), failures (\{.*\}), (\d+)s$", re.M
+)
+_FAIL_LINE = re.compile(
+    r"^(\S+) on (\S+): (.+?) at call (\d+) (\S+) (.*?) \((\S+ \S+)(?: < (.*))?\)$"
+)
+
+
+def _from_log(text: str) -> dict[str, Any]:
+    """The finished rows of a run's log (its stderr), for a campaign stopped before its end:
+    each row's summary line, and each failing run's lines."""
+    meta = re.search(r"^# faults\.py (.*)$", text, re.M)
+    data: dict[str, Any] = json.loads(meta.group(1)) if meta else {"commit": "?", "seconds": 0}
+    data["rows"] = []
+    examples: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    current: dict[str, Any] | None = None
+    for line in text.splitlines():
+        if found := _FAIL_LINE.match(line):
+            cmd, tree, kind, n, func, path, where, chain = found.groups()
+            current = {"kind": kind, "call": int(n), "func": func, "path": path}
+            current.update({"where": where, "chain": chain or "", "problems": {}})
+            examples.setdefault((cmd, tree), []).append(current)
+        elif current is not None and line.startswith("    ") and ": " in line:
+            what, _, detail = line.strip().partition(": ")
+            if what in FAILURE_KINDS:
+                current["problems"][what] = [detail]
+    for found in _ROW_LINE.finditer(text):
+        cmd, tree, calls, runs, fails, seconds = found.groups()
+        row = {"command": cmd, "tree": tree, "calls": int(calls), "space_calls": 0}
+        row.update({"runs": ast.literal_eval(runs), "failures": ast.literal_eval(fails)})
+        row.update({"mismatched": 0, "call_kinds": {}, "seconds": float(seconds)})
+        row["examples"] = examples.get((cmd, tree), [])
+        data["rows"].append(row)
+    return data
+
+
 def report(paths: list[str], write: bool) -> int:
     """The tables of earlier runs' --json files, side by side (one campaign in several
     processes: a tree each, say)."""
     rows, seen, samples, commits, seconds = [], [], set(), set(), 0.0
     for path in paths:
-        data = json.loads(Path(path).read_text())
+        text = Path(path).read_text()
+        data = json.loads(text) if text.lstrip().startswith("{") else _from_log(text)
         commits.add(data["commit"])
         seconds = max(seconds, data["seconds"])
         sample = data.get("sample", {})
@@ -1167,6 +1205,9 @@ def main(argv: list[str] | None = None) -> int:
             replayed.setdefault((raw["command"], raw["tree"]), []).extend(failing)
     rows = []
     started = time.perf_counter()
+    sample = {"every": args.every, "offset": args.offset, "kinds": args.kinds}
+    meta = {"commit": args.commit or commit_of(source), "seconds": 0, "sample": sample}
+    print(f"# faults.py {json.dumps(meta)}", file=sys.stderr, flush=True)
     for tree in args.trees:
         snaps, ref = campaign.prepare(tree, args.commands)
         for command in args.commands:
