@@ -1005,7 +1005,7 @@ def table(rows: list[Row], kinds: list[str], header: str) -> str:
         runs = " / ".join(str(r.runs[k]) for k in kinds)
         fails = " | ".join(str(r.failures[k]) for k in FAILURE_KINDS)
         lines.append(
-            f"| {r.command} | {r.tree} | {r.calls} ({r.space_calls}) | {runs} | {fails} | "
+            f"| {r.command} | {r.tree} | {r.calls} ({r.space_calls or '?'}) | {runs} | {fails} | "
             f"{r.seconds:.0f} |"
         )
     total_runs = sum(sum(r.runs.values()) for r in rows)
@@ -1111,8 +1111,16 @@ def _from_log(text: str) -> dict[str, Any]:
 
 
 def report(paths: list[str], write: bool) -> int:
-    """The tables of earlier runs' --json files, side by side (one campaign in several
-    processes: a tree each, say)."""
+    """The tables of earlier runs' --json files (or logs), side by side (one campaign in
+    several processes: a tree each, say)."""
+    text, rows = report_text(paths)
+    print(text)
+    if write:
+        write_report(text + "\n\nCalls recorded, by function:\n\n" + call_table(rows))
+    return 0
+
+
+def report_text(paths: list[str]) -> tuple[str, list[Row]]:
     rows, seen, samples, commits, seconds = [], [], set(), set(), 0.0
     for path in paths:
         text = Path(path).read_text()
@@ -1153,10 +1161,7 @@ def report(paths: list[str], write: bool) -> int:
     if sites:
         text += "\n\n| failure | row | fault at (k3patch function) | runs |\n|---|---|---|---:|\n"
         text += "\n".join(f"| {w} | {r} | {c} | {n} |" for (w, r, c), n in sorted(sites.items()))
-    print(text)
-    if write:
-        write_report(text + "\n\nCalls recorded, by function:\n\n" + call_table(rows))
-    return 0
+    return text, rows
 
 
 # ---------------------------------------------------------------------------------------------
