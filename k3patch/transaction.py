@@ -132,19 +132,26 @@ class Transaction:
     def _undo(self, written: list[FileEdit], kept: dict[str, str]) -> None:
         """Put back, last first, each file this run replaced: the kept old file renamed back
         over the new one (no space needed), or where none was kept the saved copy written. Then
-        the journal goes, and the blobs no record needs."""
+        the journal goes, and the blobs no record needs. A file that fails (a directory fsync
+        on a full disk) does not stop the others; the journal then stays, for the next run."""
+        failed: Exception | None = None
         for edit in reversed(written):
-            current = read_in(self.package_dir, edit.rel)
-            if current == edit.before:
-                continue  # the rename never happened
-            if edit.rel in kept:
-                put_back(self.package_dir, edit.rel, kept.pop(edit.rel), edit.after)
-            else:
-                self._roll_back(
-                    {"path": edit.rel, "before": _hash(edit.before), "after": _hash(edit.after)}
-                )
+            try:
+                current = read_in(self.package_dir, edit.rel)
+                if current == edit.before:
+                    continue  # the rename never happened
+                if edit.rel in kept:
+                    put_back(self.package_dir, edit.rel, kept.pop(edit.rel), edit.after)
+                else:
+                    entry = {"path": edit.rel, "before": _hash(edit.before)}
+                    self._roll_back({**entry, "after": _hash(edit.after)})
+            except Exception as exc:
+                failed = failed or exc
         for keep in kept.values():
-            unlink_in(self.package_dir, keep)
+            with contextlib.suppress(EnvironmentProblem):
+                unlink_in(self.package_dir, keep)
+        if failed is not None:
+            raise failed
         self._prune_to_record()
         self.remove_litter()  # an old file kept where a look after the exchange failed
         unlink_in(self.package_dir, state.JOURNAL_REL)

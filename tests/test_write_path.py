@@ -335,3 +335,47 @@ def test_a_tree_this_user_may_not_search_is_an_environment_problem_not_a_wrong_p
             code, stdout, stderr = run_as_nobody([*args, "--vllm", str(site)])
             assert code == 3, (args, stdout, stderr)
             assert len(stderr.splitlines()) == 1 and "permission denied" in stderr, stderr
+
+
+# -- A rollback on a full disk where fsync fails too (FAULTS-FOUND F4) ---------------------------
+
+
+def test_a_rollback_whose_fsyncs_fail_puts_back_every_file(make_tree, monkeypatch):
+    """The disk fills up at the record's temp file, the last of the commit, and from then on
+    every fsync fails too (ext4 reports a full disk there). Every file already replaced is put
+    back all the same (a rename each); the next run, with space, ends in the applied tree. On
+    the code before, the first failed fsync stopped the rollback: one patch applied, one not."""
+    import errno
+
+    from k3patch import engine
+    from k3patch.errors import EnvironmentProblem
+    from k3patch.tree import locate
+
+    site = make_tree("0.31.0")
+    sources = {k: v for k, v in tree_hashes(site).items() if "/.k3patch/" not in k}
+    real_open, real_fsync = os.open, os.fsync
+    full = []
+
+    def open_on_a_full_disk(path, flags, mode=0o777, *, dir_fd=None):
+        if ".state.json.k3patch-tmp." in str(path):
+            full.append(True)
+        if full and flags & os.O_CREAT:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    def fsync_on_a_full_disk(fd):
+        if full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "open", open_on_a_full_disk)
+    monkeypatch.setattr(os, "fsync", fsync_on_a_full_disk)
+    with pytest.raises(EnvironmentProblem):
+        engine.apply(locate(site))
+    monkeypatch.undo()
+    assert full, "the fault never fired"
+    now = {k: v for k, v in tree_hashes(site).items() if "/.k3patch/" not in k}
+    assert now == sources, "the rollback stopped half way"
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    assert not [p for p in site.rglob("*") if ".k3patch-tmp." in p.name]
+    assert run_cli("status", "--quiet", "--vllm", str(site)).returncode == 0
