@@ -1069,8 +1069,9 @@ def write_report(section: str) -> None:
         before, rest = text.split(BEGIN, 1)
         after = rest.split(FINISH, 1)[1].lstrip("\n")
         text = before + block + ("\n" + after if after else "")
-    else:
-        text = block + "\n" + text
+    else:  # below the page's title
+        title, _, rest = text.partition("\n\n") if text.startswith("# ") else ("", "", text)
+        text = (title + "\n\n" if title else "") + block + "\n" + rest
     RESULTS.write_text(text)
 
 
