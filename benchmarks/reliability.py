@@ -65,7 +65,8 @@ def step_kills(pristine: Path, work: Path) -> tuple[int, int]:
         "blobs-written",
         *(f"replaced:{r}" for r in plan.new_texts),
         "replaced:.k3patch/state.json",
-        "pycache-synced",
+        "bytecode-removed",
+        "kept-removed",
         "journal-removed",
     ]
     ref = fresh(pristine, work, "ref")

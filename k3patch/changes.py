@@ -18,9 +18,11 @@ def file_diff(rel: str, before: str | bytes | None, now: str | bytes | None) -> 
 
     def lines(data: str | bytes | None) -> list[str]:
         text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data or ""
-        found = text.splitlines(keepends=True)
-        if found and not found[-1].endswith("\n"):
-            found[-1] += "\n\\ No newline at end of file\n"
+        # Lines as `patch` and `diff` count them: ended by "\n" alone, never by a form feed
+        # or another character str.splitlines() also breaks at.
+        *found, last = [f"{piece}\n" for piece in text.split("\n")]
+        if last != "\n":
+            found.append(last + "\\ No newline at end of file\n")
         return found
 
     return list(

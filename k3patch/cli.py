@@ -360,11 +360,12 @@ def apply(
     code = exitcodes.for_apply(outcome)
     if as_json:
         payload = render.apply_payload(outcome)
-        if diff and outcome.plan is not None:
-            payload["diff"] = outcome.plan.diff()
+        if diff:
+            payload["diff"] = outcome.plan.diff() if outcome.plan is not None else ""
         render.emit_json("apply", code, payload)
     else:
         render.print_apply(outcome, quiet=quiet, diff=diff, every_site=sites)
+    render.warning_lines(outcome.pycache)
     render.bug_line(outcome)
     return code
 
@@ -394,6 +395,7 @@ def revert(vllm: VllmOpt = None, as_json: JsonOpt = False, lock_timeout: LockOpt
         render.emit_json("revert", code, payload)
     else:
         render.print_revert(payload)
+    render.warning_lines(outcome.pycache)
     return code
 
 

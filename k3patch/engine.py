@@ -13,6 +13,7 @@ from k3patch.changes import file_diff
 from k3patch.errors import EnvironmentProblem, PatchBug
 from k3patch.lock import locked
 from k3patch.patch import Patch
+from k3patch.pycache import remove_bytecode
 from k3patch.registry import all_patches
 from k3patch.replace import write_atomically
 from k3patch.scan import Report, classify, file_hashes, patch_meta, scan, target_files
@@ -69,6 +70,7 @@ def plan(report: Report, refused: Collection[str] = ()) -> Plan:
     and no other verdict changed (so the `refused`, drifted, patches are untouched). A patch that
     fails this (a k3patch bug) is left out and named in `Plan.bugs`, its edits dropped so they
     cannot poison another patch's edit of a shared file, and the others go on."""
+    report = report.source_verdicts()  # a stale pyc is removed, never rewritten
     sources = report.sources or Sources(report.tree.read, report.tree.version)
     changes: dict[str, str] = {}
     current = sources
@@ -211,15 +213,22 @@ def apply(
     txn = Transaction(tree.package_dir, fault)
     with locked(tree.package_dir, lock_timeout):
         recovered = txn.recover()
+        # Bytecode that Python runs instead of the source: removed (no journal needed).
+        cleared = [a for rel in first.stale_bytecode for a in remove_bytecode(tree.path(rel))]
         # Another run may have finished the work while we waited for the lock (its record then
         # matches every file); if no file changed since our first look, that look stands.
         now = file_hashes(Sources(tree.read), target_files(all_patches()))
-        full = first if now == first.hashes and not recovered else scan(tree, all_patches())
+        same = now == first.hashes and not recovered and not cleared
+        full = first if same else scan(tree, all_patches())
         full.interrupted = None  # recovered above, under the lock: no journal is left
-        outcome = _planned(full.selected(patches), all_or_nothing, recovered=recovered)
+        outcome = _planned(
+            full.selected(patches), all_or_nothing, recovered=recovered, pycache=cleared
+        )
         the_plan = outcome.plan
         if the_plan is None or not the_plan.new_texts:
             outcome.plan = None  # nothing is written: there is no plan to show
+            if cleared and not full.pending() and not full.drifted:
+                _refresh_record(tree, lock_timeout)
             return outcome
         sources = the_plan.sources
         # Damaged or of another schema: stop (exit 3) before its saved originals are pruned.
@@ -232,9 +241,12 @@ def apply(
             before, after = sources[rel].data, sources[rel].encode(text)
             edits.append(FileEdit(rel, before, after))
             after_hashes[rel] = sha256(after)
-            prior = files.get(rel) or FileState(
-                None if before is None else sha256(before), None, ()
-            )
+            current = None if before is None else sha256(before)
+            prior = files.get(rel)
+            if prior is None or prior.applied != current:
+                # Never written by k3patch, or edited by hand since: the file as it is now is
+                # what a revert must give back (the wheel's original would drop that edit).
+                prior = FileState(current, None, ())
             touched = {r.patch_id for r in rewritten if r.file == rel} | set(prior.patches)
             files[rel] = FileState(prior.original, after_hashes[rel], tuple(sorted(touched)))
         results = _recorded_results(full, the_plan)
@@ -243,7 +255,8 @@ def apply(
         pycache = _commit(txn, edits, "apply", old)
         txn.blobs.prune({fs.original for fs in files.values() if fs.original})
         final = Report(tree, patches, the_plan.after_results, after_hashes)
-        return replace(outcome, report=final, written=list(the_plan.new_texts), pycache=pycache)
+        written = list(the_plan.new_texts)
+        return replace(outcome, report=final, written=written, pycache=cleared + pycache)
 
 
 def _planned(report: Report, all_or_nothing: bool, **fields: Any) -> ApplyOutcome:

@@ -28,11 +28,18 @@ def patch_set_digest(patches_dir: str) -> str:
 
 
 def state_digest(
-    version: str | None, hashes: Mapping[str, str | None], results: Iterable[Mapping[str, Any]]
+    version: str | None,
+    hashes: Mapping[str, str | None],
+    results: Iterable[Mapping[str, Any]],
+    interrupted: str | None = None,
 ) -> str:
-    """One value two nodes can compare: vLLM version, every target file's hash, the verdicts."""
+    """One value two nodes can compare: vLLM version, every target file's hash, the verdicts,
+    and the op of a journal left by a killed run (its next apply rolls back: not the same state
+    as a clean node's, though every file may be)."""
     h = hashlib.sha256()
     h.update(f"vllm={version}\n".encode())
+    if interrupted is not None:
+        h.update(f"interrupted={interrupted}\n".encode())
     for rel, digest in sorted(hashes.items()):
         h.update(f"{rel}={digest}\n".encode())
     for r in sorted(results, key=lambda r: (r["patch"], r["site"], r["file"])):
@@ -85,9 +92,11 @@ def apply_fields(
     written: Sequence[str] = (),
     recovered: Sequence[str] = (),
     bytecode: Sequence[str] = (),
+    bugs: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """What `apply --json` adds to the report (defaults: a run that had nothing to do)."""
     return {
+        "bugs": dict(bugs or {}),
         "check": check,
         "refused": bool(refused_patches),
         "refused_patches": list(refused_patches),

@@ -55,21 +55,22 @@ def _take(key: str, mode: int, deadline: float, timeout: float) -> int:
         raise
 
 
-def wait_if_busy(package_dir: Path | str, timeout: float) -> bool:
-    """True when another live run holds the lock (we waited, shared, until it let go, at most
-    `timeout`): its journal is work in progress, not an interrupted run's."""
+@contextlib.contextmanager
+def shared(package_dir: Path | str, timeout: float) -> Iterator[bool]:
+    """Hold the tree's lock shared for a block of reads (status), so that no writer is half way
+    through a commit while they run: a live writer is waited for first, at most `timeout`.
+    Yields whether the lock is held (False: a writer kept it longer, or the directory cannot be
+    opened by this user; the reads go on and a journal then reads as interrupted)."""
     key = os.path.abspath(package_dir)
-    if key in _held:
-        return False
+    fd = None
+    if key not in _held:
+        with contextlib.suppress(EnvironmentProblem):  # Busy among them
+            fd = _take(key, fcntl.LOCK_SH, time.monotonic() + timeout, timeout)
     try:
-        os.close(_take(key, fcntl.LOCK_SH, 0.0, timeout))
-        return False
-    except Busy:
-        with contextlib.suppress(EnvironmentProblem):
-            os.close(_take(key, fcntl.LOCK_SH, time.monotonic() + timeout, timeout))
-        return True
-    except EnvironmentProblem:
-        return False
+        yield key in _held or fd is not None
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def hold(package_dir: Path | str, timeout: float) -> None:

@@ -30,6 +30,15 @@ _CONTROLS = {
 }
 
 
+# Stands for a space inside a path while a line is wrapped (`whole`), then is a space again.
+_PATH_SPACE = "\ue000"
+
+
+def whole(path: str) -> str:
+    """`path` as one word for `wrap`: a path is never broken at a space in it."""
+    return path.replace(" ", _PATH_SPACE)
+
+
 def line(text: str, hang: int = 4, style: str = "", start: int = 0, end: int = 0) -> Line:
     return (text.translate(_CONTROLS), hang, style, start, end)
 
@@ -59,9 +68,9 @@ def wrap(text: str, width: int, hang: int = 4) -> list[str]:
     by `hang`. A word is never split: a line's indent shrinks so that its first word fits, and a
     word longer than the width stands whole on its own line. A negative `hang` is code: cut."""
     if hang < 0:
-        return _cut(text, width, -1 - hang)
+        return [cut.replace(_PATH_SPACE, " ") for cut in _cut(text, width, -1 - hang)]
     if len(text) <= width:
-        return [text]
+        return [text.replace(_PATH_SPACE, " ")]
     lines: list[str] = []
     current = ""
     for chunk in re.findall(r" *[^ ]+| +", text):  # each: its leading spaces and one word
@@ -75,7 +84,7 @@ def wrap(text: str, width: int, hang: int = 4) -> list[str]:
     stripped = lines[0].lstrip(" ")
     if len(lines[0]) > width and len(stripped) <= width:
         lines[0] = " " * (width - len(stripped)) + stripped
-    return lines
+    return [out.replace(_PATH_SPACE, " ") for out in lines]
 
 
 def as_text(lines: Iterable[Line], width: int = LOG_WIDTH) -> str:
@@ -84,7 +93,8 @@ def as_text(lines: Iterable[Line], width: int = LOG_WIDTH) -> str:
 
 def header(vllm: Mapping[str, Any]) -> Line:
     version = vllm["version"] or "unknown version"
-    where = f"({vllm['kind']}, version from {vllm['version_source']}) at {vllm['package_dir']}"
+    where = f"({vllm['kind']}, version from {vllm['version_source']}) at "
+    where += whole(vllm["package_dir"])
     return line(f"vLLM {version} {where}", 2)
 
 
@@ -223,6 +233,8 @@ def apply_lines(
         out.append(line("would apply: " + ", ".join(pending) + " (--check: nothing written)"))
     elif written:  # never under --check
         out += files_lines("wrote:", written, report["bytecode"])
+    elif report["bytecode"]:  # bytecode Python ran instead of the source, removed
+        out += [line(f"bytecode: {step}") for step in report["bytecode"]]
     elif not held:
         out.append(line("nothing to do"))
     return out

@@ -1,112 +1,169 @@
-"""Brings `__pycache__` in line with an edited source file.
+"""Bytecode of a file k3patch changes is removed before the source changes.
 
 Images built with `compileall --invalidation-mode unchecked-hash` keep running the old code after
-the source changes (pip's timestamp pycs notice it). Each pyc of an edited file is recompiled in
-the mode it had when it is this interpreter's, and removed otherwise (another cache tag or magic
-number), so that interpreter reads the new source. Both go through safefs and replace.py, never
-`py_compile`, which opens the source blocking and writes the pyc through a link.
+the source changes (a timestamp pyc notices the change, an unchecked-hash one never does). So
+every pyc of a file about to change is unlinked first, wherever an interpreter looks for it:
+`__pycache__` beside the source (every cache tag and optimization level) and this interpreter's
+`sys.pycache_prefix` (`PYTHONPYCACHEPREFIX`), where Python then looks instead. An unlink needs no
+space and no journal (a missing pyc is only a recompile), so bytecode can never make a commit or
+its rollback fail half way; the interpreter compiles the new source and writes a timestamp pyc
+where it may (a read-only tree just runs from source). A pyc this user may not remove (root ran
+`import vllm` once) is left when its interpreter sees it is stale by itself (timestamp,
+checked-hash); an unchecked-hash one is refused before anything is removed or written.
+`stale_bytecode` is status's side: an unchecked-hash pyc this interpreter would load that does not
+hold the code of the file beside it.
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import importlib.util
-import marshal
 import os
 import re
-import struct
 import sys
 from pathlib import Path
 
 from k3patch.errors import EnvironmentProblem
-from k3patch.replace import write_atomically
-from k3patch.safefs import env_error, open_dir_if_there, read_in
+from k3patch.safefs import DIR_FLAGS, NotRegular, env_error, open_dir_if_there, open_regular
 
 _PYC_NAME = re.compile(r"^(?P<stem>.+?)\.(?P<tag>[^.]+)(?:\.opt-(?P<opt>\d+))?\.pyc$")
 
 # PEP 552's flags word, as `py_compile.PycInvalidationMode` names the modes.
-_MODES = {0: "timestamp", 1: "unchecked_hash", 3: "checked_hash"}
+_MODES = {0: "timestamp", 1: "unchecked-hash", 3: "checked-hash"}
+_UNCHECKED = 1
+_MAY_NOT = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
-def _pycs(source: Path) -> dict[str, bool]:
-    """Each pyc of `source` in its `__pycache__` (a link or non-directory there is refused):
-    its name -> whether it is a regular file."""
-    dfd = open_dir_if_there(source.parent, "__pycache__")
-    if dfd is None:
-        return {}
+def _prefix_dir(source: Path) -> Path | None:
+    """Where this interpreter keeps `source`'s bytecode under `sys.pycache_prefix`, if set."""
+    if not sys.pycache_prefix:
+        return None
+    return Path(importlib.util.cache_from_source(os.path.abspath(source))).parent
+
+
+def _open_places(source: Path) -> list[tuple[Path, int]]:
+    """(directory, fd) of every place `source` may have bytecode. The `__pycache__` in the tree
+    is opened without following a link (a link or non-directory there is refused); the prefix is
+    the environment's own choice, outside the tree."""
+    places = []
+    fd = open_dir_if_there(source.parent, "__pycache__")
+    if fd is not None:
+        places.append((source.parent / "__pycache__", fd))
+    prefix = _prefix_dir(source)
+    if prefix is not None:
+        try:
+            places.append((prefix, os.open(prefix, DIR_FLAGS)))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            for _, opened in places:
+                os.close(opened)
+            raise env_error("open the bytecode directory", prefix, exc) from None
+    return places
+
+
+def _pycs(dfd: int, stem: str) -> list[str]:
+    """The name of each pyc of the source named `stem` in the directory `dfd` (anything but a
+    directory so named)."""
+    return [
+        entry.name
+        for entry in sorted(os.scandir(dfd), key=lambda e: e.name)
+        if (match := _PYC_NAME.match(entry.name))
+        and match["stem"] == stem
+        and not entry.is_dir(follow_symlinks=False)
+    ]
+
+
+def _header(path: str, dir_fd: int | None = None) -> bytes:
+    """The first 16 bytes (PEP 552's header) of the regular file at `path`; b"" when it is
+    absent, not a regular file or cannot be read (no interpreter of this user loads it then)."""
     try:
-        return {
-            entry.name: entry.is_file(follow_symlinks=False)
-            for entry in sorted(os.scandir(dfd), key=lambda e: e.name)
-            if (match := _PYC_NAME.match(entry.name))
-            and match["stem"] == source.stem
-            and not entry.is_dir()
-        }
+        fd = open_regular(path, dir_fd=dir_fd)
+    except (NotRegular, OSError):
+        return b""
+    if fd is None:
+        return b""
+    try:
+        return os.pread(fd, 16, 0)
+    except OSError:
+        return b""
     finally:
-        os.close(dfd)
+        os.close(fd)
+
+
+def _flags(head: bytes) -> int | None:
+    """The PEP 552 flags of a pyc (any interpreter's since 3.7), None when there is no header."""
+    return int.from_bytes(head[4:8], "little") if len(head) >= 16 else None
 
 
 def check_cache_dir(source: Path) -> None:
-    """A `__pycache__` that is a symlink or not a directory would have k3patch write pycs
-    outside the tree, and a pyc of `source` that is a FIFO, socket, device or link is no
-    bytecode k3patch can read or rebuild: both refused before the first write."""
-    for name, regular in _pycs(source).items():
-        if not regular:
-            raise EnvironmentProblem(
-                f"{source.parent / '__pycache__' / name} is not a regular file (a symlink, FIFO, "
-                "socket or device); k3patch reads and rebuilds only real bytecode files. Remove "
-                "it and run again"
-            )
+    """Before the first write: a `__pycache__` that is a symlink or not a directory would have
+    k3patch remove files outside the tree, and an unchecked-hash pyc this user may not remove
+    would keep the old code running; both refused. (A FIFO, socket, device or link named like a
+    pyc is removed like any pyc, never opened.)"""
+    for where, dfd in _open_places(source):
+        try:
+            if os.access(where, os.W_OK | os.X_OK):
+                continue
+            for name in _pycs(dfd, source.stem):
+                if _flags(_header(name, dfd)) == _UNCHECKED:
+                    raise EnvironmentProblem(
+                        f"cannot remove {where / name}: permission denied, and it is "
+                        "unchecked-hash bytecode that Python would run instead of the changed "
+                        "source. Remove it as its owner (or run as the owner of its directory) "
+                        "and run again; nothing was written"
+                    )
+        finally:
+            os.close(dfd)
 
 
-def pyc_bytes(data: bytes, source: Path, flags: int, opt: int) -> bytes:
-    """What `py_compile.compile` writes for `source` holding `data` in the mode `flags` (PEP
-    552's header, then the code)."""
-    code = compile(data, str(source), "exec", dont_inherit=True, optimize=opt)
-    if flags == 0:
-        st = os.stat(source)
-        key = struct.pack("<II", int(st.st_mtime) & 0xFFFFFFFF, st.st_size & 0xFFFFFFFF)
-    else:
-        key = importlib.util.source_hash(data)
-    return importlib.util.MAGIC_NUMBER + flags.to_bytes(4, "little") + key + marshal.dumps(code)
-
-
-def _readable(root: Path, rel: str) -> bytes | None:
-    """None when the file cannot be read (another user's 0600 pyc, say): its pycs are then
-    removed, which needs only the directory, and the interpreter compiles the source anew."""
-    try:
-        return read_in(root, rel)
-    except EnvironmentProblem:
-        return None
-
-
-def sync_pycache(source: Path) -> list[str]:
-    """Recompile or remove every pyc of `source`; returns one line per action, for reports."""
-    cache = source.parent / "__pycache__"
+def remove_bytecode(source: Path) -> list[str]:
+    """Remove every pyc of `source` (see the module); one line per action, for reports."""
     actions = []
-    pycs = _pycs(source)
-    data = _readable(source.parent, source.name) if pycs else None
-    try:
-        for name, regular in pycs.items():
-            match = _PYC_NAME.match(name)
-            assert match is not None
-            old = None
-            if regular and match["tag"] == sys.implementation.cache_tag:
-                old = _readable(source.parent, f"__pycache__/{name}")
-            flags = -1
-            if old is not None and len(old) >= 8 and old[:4] == importlib.util.MAGIC_NUMBER:
-                flags = int.from_bytes(old[4:8], "little")
-            new = None
-            if data is not None and flags in _MODES:
-                # A source that does not compile: its interpreter reads it anew.
-                with contextlib.suppress(SyntaxError, ValueError):
-                    new = pyc_bytes(data, source, flags, int(match["opt"] or 0))
-            if new is not None:
-                write_atomically(cache / name, new, root=source.parent)
-                actions.append(f"{source.name}: recompiled {name} ({_MODES[flags]})")
-            else:
-                os.unlink(cache / name)  # a link or FIFO goes unopened, never followed
-                actions.append(f"{source.name}: removed {name}")
-    except OSError as exc:
-        raise env_error("update the bytecode of", source, exc) from None
+    for where, dfd in _open_places(source):
+        try:
+            for name in _pycs(dfd, source.stem):
+                # Beside the source its name says where it was; under the prefix, the path.
+                shown = name if where.parent == source.parent else str(where / name)
+                try:
+                    os.unlink(name, dir_fd=dfd)  # a link or FIFO goes unopened, never followed
+                    actions.append(f"{source.name}: removed {shown}")
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    flags = _flags(_header(name, dfd))
+                    if exc.errno not in _MAY_NOT or flags == _UNCHECKED:
+                        raise env_error("remove the bytecode", where / name, exc) from None
+                    why = (
+                        "nor read it, so its Python cannot load it"
+                        if flags is None
+                        else f"{_MODES.get(flags, 'other')} bytecode, which Python checks "
+                        "against the source"
+                    )
+                    actions.append(
+                        f"{source.name}: left {shown} (this user may not remove it; {why})"
+                    )
+            os.fsync(dfd)
+        except OSError as exc:
+            raise env_error("remove the bytecode of", source, exc) from None
+        finally:
+            os.close(dfd)
     return actions
+
+
+def stale_bytecode(source: Path, data: bytes | None) -> str | None:
+    """The path of an unchecked-hash pyc this interpreter would load for `source` (holding
+    `data`; None: absent) that was compiled from other bytes, or None. Python never checks such a
+    pyc against its source: it runs the code in it, whatever the file says."""
+    if data is None:
+        return None
+    want = None
+    for opt in ("", 1, 2):
+        path = importlib.util.cache_from_source(os.path.abspath(source), optimization=opt)
+        head = _header(path)
+        if head[:4] != importlib.util.MAGIC_NUMBER or _flags(head) != _UNCHECKED:
+            continue
+        want = want or importlib.util.source_hash(data)
+        if head[8:16] != want:
+            return path
+    return None

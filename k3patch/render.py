@@ -35,6 +35,8 @@ def emit(lines: Iterable[Line], *, stderr: bool = False, width: int | None = Non
     from rich.text import Text
 
     console = Console(file=stream, highlight=False)
+    if console.width < 1:  # COLUMNS=0: Rich would print nothing at all, errors included
+        console = Console(file=stream, highlight=False, width=plaintext.LOG_WIDTH)
     for text, hang, style, start, end in lines:
         for i, part in enumerate(plaintext.wrap(text, width or console.width, hang)):
             out = Text(part)
@@ -54,6 +56,14 @@ def error_line(message: str, *, prefix: str = "k3patch: error:") -> None:
     emit([plaintext.error(prefix, f" {message}")], stderr=True, width=sys.maxsize)
 
 
+def warning_lines(notes: Iterable[str]) -> None:
+    """A warning among a commit's notes (a group that could not be kept) is one line on stderr
+    as well, where scripts and logs look for what needs a look."""
+    for note in notes:
+        if note.startswith("warning: "):
+            error_line(note.removeprefix("warning: "), prefix="k3patch: warning:")
+
+
 def apply_payload(outcome: ApplyOutcome) -> dict[str, Any]:
     """`apply`'s JSON, inside the envelope; its human report is made from it too."""
     payload = outcome.report.to_json()
@@ -65,10 +75,9 @@ def apply_payload(outcome: ApplyOutcome) -> dict[str, Any]:
             written=outcome.written,
             recovered=outcome.recovered,
             bytecode=outcome.pycache,
+            bugs=outcome.bugs,
         )
     )
-    if outcome.bugs:
-        payload["bugs"] = outcome.bugs
     return payload
 
 
@@ -136,7 +145,7 @@ def _module_line(prefix: str, module: ModuleCheck) -> Line:
 def print_verify(report: VerifyReport) -> None:
     lines = [
         plaintext.header(report.report.tree.info),
-        line(f"imports with {report.python} (Python {report.python_version})"),
+        line(f"imports with {plaintext.whole(report.python)} (Python {report.python_version})"),
     ]
     id_width = max([len(c.patch_id) for c in report.patches] or [0])
     ran = [c.patch_id for c in report.patches if c.probe_ok is not None]

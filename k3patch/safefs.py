@@ -93,6 +93,17 @@ def shared_mode(dir_fd: int, most: int) -> int:
     return stat.S_IMODE(os.fstat(dir_fd).st_mode) & most | (most & 0o600)
 
 
+def give_to_owner_of(fd: int, dir_fd: int) -> None:
+    """A file or directory k3patch made takes the owner and group of the directory it is in,
+    so that `.k3patch` and its files belong to the tree's owner whoever runs k3patch (root on
+    a user's venv): the owner can revert and apply again. Only root can give a file away; for
+    anyone else what the system allows is kept."""
+    have, want = os.fstat(fd), os.fstat(dir_fd)
+    if (have.st_uid, have.st_gid) != (want.st_uid, want.st_gid):
+        with contextlib.suppress(PermissionError):
+            os.fchown(fd, want.st_uid, want.st_gid)
+
+
 def open_dir_if_there(root: Path | str, rel_dir: str, *, create: bool = False) -> int | None:
     """An fd of the directory `root/rel_dir`, every component opened without following a
     symlink; None when one is absent. With `create`, the directories missing on the way
@@ -110,8 +121,10 @@ def open_dir_if_there(root: Path | str, rel_dir: str, *, create: bool = False) -
                         made = True
                 nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
                 if made:
-                    # Whoever can read the tree reads k3patch's state too: a `umask 077` apply
-                    # must not hide the record from the users who run vLLM.
+                    # The tree's owner owns k3patch's state, whoever runs it (root on a user's
+                    # venv); whoever can read the tree reads it too: a `umask 077` apply must
+                    # not hide the record from the users who run vLLM.
+                    give_to_owner_of(nxt, fd)
                     os.fchmod(nxt, shared_mode(fd, 0o755))
             finally:
                 os.close(fd)

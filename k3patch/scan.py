@@ -6,13 +6,15 @@ from __future__ import annotations
 import ast
 import os
 from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from k3patch import formats
+from k3patch import formats, lock
 from k3patch.astkit import AmbiguousDefinition
 from k3patch.errors import EnvironmentProblem
 from k3patch.patch import Patch
+from k3patch.pycache import stale_bytecode
 from k3patch.registry import all_patches
 from k3patch.sources import SourceError, Sources
 from k3patch.state import RecordProblem, fresh, load
@@ -35,6 +37,12 @@ class Report:
     # journal not a regular file or unreadable by this user): the verdicts still come from the
     # code, but apply could not run, and status says so (exit 3).
     state_problem: str | None = None
+    # Target files whose unchecked-hash pyc (where this interpreter loads it) holds other code:
+    # rel -> that pyc. Python runs that code, so no site of such a file reads applied or
+    # satisfied; apply removes the pyc.
+    stale_bytecode: dict[str, str] = field(default_factory=dict)
+    # The sites read pending for that reason alone: (patch, site, file) -> the source's verdict.
+    run_from_bytecode: dict[tuple[str, str, str], Verdict] = field(default_factory=dict)
     # The files as read for this report, parsed trees cached: plan() reuses them.
     sources: Sources | None = field(default=None, repr=False, compare=False)
 
@@ -43,6 +51,19 @@ class Report:
         wanted = {p.id for p in patches}
         results = [r for r in self.results if r.patch_id in wanted]
         return replace(self, patches=patches, results=results)
+
+    def source_verdicts(self) -> Report:
+        """The classification of the source alone (the bytecode Python runs left aside): what
+        a rewrite works from."""
+        if not self.run_from_bytecode:
+            return self
+        results = [
+            r._replace(verdict=v, detail="")
+            if (v := self.run_from_bytecode.get((r.patch_id, r.site, r.file)))
+            else r
+            for r in self.results
+        ]
+        return replace(self, results=results, run_from_bytecode={})
 
     def for_patch(self, patch_id: str) -> list[SiteResult]:
         return [r for r in self.results if r.patch_id == patch_id]
@@ -65,7 +86,7 @@ class Report:
     def digest(self) -> str:
         """One value two nodes can compare: vLLM version, every target file's hash, verdicts."""
         results = [r.to_json() for r in self.results]
-        return formats.state_digest(self.tree.version, self.hashes, results)
+        return formats.state_digest(self.tree.version, self.hashes, results, self.interrupted)
 
     def to_json(self) -> dict[str, Any]:
         payload = formats.report_json(
@@ -158,22 +179,44 @@ def scan(
 ) -> Report:
     """Classify every site of `patches` (default: all). With a state record whose file hashes
     all match, its classification is reused without parsing anything. `wait_for_live`: seconds
-    to wait for a live run whose journal is there (status), instead of reporting it interrupted."""
+    to wait for a live run (status): every file is read after it, under the lock, shared."""
     patches = all_patches() if patches is None else patches
     sources = Sources(tree.read, tree.version)
-    hashes = file_hashes(sources, target_files(all_patches()))
-    interrupted, problem = _interrupted(tree, wait_for_live)
-    record = None
-    try:
-        record = load(tree.state_dir)
-    except RecordProblem:
-        pass  # damaged or of another schema: a cache only; apply and revert say so
-    except EnvironmentProblem as exc:
-        problem = problem or str(exc)
+    targets = target_files(all_patches())
+    # A live writer first, then every read: a status must never report files read half way
+    # through another run's commit, nor that run's journal as an interrupted one.
+    with lock.shared(tree.package, wait_for_live) if wait_for_live > 0 else nullcontext():
+        interrupted, problem = _interrupted(tree)
+        hashes = file_hashes(sources, targets)
+        stale = {
+            rel: pyc
+            for rel in targets
+            if (pyc := stale_bytecode(tree.package_dir / rel, sources[rel].data)) is not None
+        }
+        record = None
+        try:
+            record = load(tree.state_dir)
+        except RecordProblem:
+            pass  # damaged or of another schema: a cache only; apply and revert say so
+        except EnvironmentProblem as exc:
+            problem = problem or str(exc)
     cached = record if use_record and not os.environ.get("K3PATCH_NO_FASTPATH") else None
-    if cached is not None and interrupted is None and problem is None and fresh(cached, hashes):
+    quiet = interrupted is None and problem is None and not stale
+    if cached is not None and quiet and fresh(cached, hashes):
         return Report(tree, patches, cached.results, hashes, from_record=True).selected(patches)
-    results = [r for patch in patches for r in classify(patch, sources)]
+    results = []
+    run_from: dict[tuple[str, str, str], Verdict] = {}
+    for result in (r for patch in patches for r in classify(patch, sources)):
+        if result.file in stale and result.verdict in (Verdict.APPLIED, Verdict.SATISFIED):
+            # A good site whose file Python does not run: status must not call it good.
+            run_from[(result.patch_id, result.site, result.file)] = result.verdict
+            result = result._replace(
+                verdict=Verdict.PENDING,
+                detail=f"{result.verdict.value} in the source, but Python runs the "
+                f"unchecked-hash bytecode {stale[result.file]}, compiled from other code; "
+                "`k3patch apply` removes it",
+            )
+        results.append(result)
     return Report(
         tree,
         patches,
@@ -182,20 +225,16 @@ def scan(
         interrupted=interrupted,
         sources=sources,
         state_problem=problem,
+        stale_bytecode=stale,
+        run_from_bytecode=run_from,
     )
 
 
-def _interrupted(tree: VllmTree, wait: float) -> tuple[str | None, str | None]:
+def _interrupted(tree: VllmTree) -> tuple[str | None, str | None]:
     """The op of an interrupted commit's journal (or None), and why no journal could be read
-    (or None). A journal that a live run holding the lock is writing right now is not an
-    interrupted one: wait for that run to finish."""
-    from k3patch import lock
-
-    txn = Transaction(tree.package_dir)
+    (or None)."""
     try:
-        journal = txn.pending_journal()
-        if journal is not None and wait > 0 and lock.wait_if_busy(tree.package, wait):
-            journal = txn.pending_journal()
+        journal = Transaction(tree.package_dir).pending_journal()
     except RecordProblem:
         return "unknown (damaged journal)", None
     except EnvironmentProblem as exc:

@@ -11,6 +11,7 @@ every path it names must be a registered target. This module imports no patch (t
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import re
@@ -20,6 +21,7 @@ from typing import Any, NamedTuple
 
 from k3patch import __version__, formats, safefs
 from k3patch.errors import EnvironmentProblem
+from k3patch.pycache import stale_bytecode
 from k3patch.verdicts import SiteResult
 
 STATE_FILE = "state.json"
@@ -256,16 +258,21 @@ def check_record(package_dir: str) -> tuple[StateRecord | None, str, str]:
     if record is None:
         return None, "absent", f"no state record in {state_dir}"
     try:
-        hashes = {
-            rel: safefs.file_sha256(os.path.join(package_dir, rel))
+        data = {
+            rel: safefs.read_file(os.path.join(package_dir, rel))
             for rel in sorted(registered_targets())
         }
     except safefs.NotRegular as exc:
         return None, "target unreadable", f"a target file is not a regular file ({exc.kind})"
     except OSError as exc:
         return None, "target unreadable", f"cannot read a target: {exc.strerror or exc}"
+    hashes = {rel: None if d is None else hashlib.sha256(d).hexdigest() for rel, d in data.items()}
     if not fresh(record, hashes):
         return None, "stale", "the files differ from the record"
+    for rel, d in data.items():
+        pyc = stale_bytecode(Path(package_dir) / rel, d)
+        if pyc is not None:
+            return None, "stale bytecode", f"Python runs {pyc}, not the code of vllm/{rel}"
     return record, "fresh", ""
 
 

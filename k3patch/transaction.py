@@ -1,10 +1,13 @@
 """The journalled commit: the only code that writes into a vLLM tree.
 
-A commit writes a journal (each file's before and after hash), stores every before-image as a
-blob, replaces each file after checking that it still holds its before-image (replace.py),
-brings `__pycache__` in line, and removes the journal. A run that dies in between
-leaves the journal; the next run, under the tree's lock, rolls every journalled file (the state
-record among them) back to its before-image (`recover`) before its own work. Nothing on disk is
+A commit first removes the bytecode of every source it changes (pycache.py: an unlink needs no
+space and no journal), then writes a journal (each file's before and after hash), stores every
+before-image as a blob, replaces each file after checking that it still holds its before-image
+(replace.py), keeping the old file under a temp name until every file is in place, and removes
+the journal. A commit that fails puts the kept files back by renaming them (no space needed, so
+a full disk cannot stop the rollback half way). A run that dies in between leaves the journal;
+the next run, under the tree's lock, rolls every journalled file (the state record among them)
+back to its before-image from the blobs (`recover`) before its own work. Nothing on disk is
 trusted: a journal naming anything but a registered target is damaged, never obeyed.
 """
 
@@ -22,8 +25,8 @@ from typing import Any
 from k3patch import state
 from k3patch.blobs import BLOBS, Blobs
 from k3patch.errors import ConcurrentChange, EnvironmentProblem
-from k3patch.pycache import check_cache_dir, sync_pycache
-from k3patch.replace import LITTER, replace_checked, unlink_in, write_atomically
+from k3patch.pycache import check_cache_dir, remove_bytecode
+from k3patch.replace import LITTER, put_back, replace_checked, unlink_in, write_atomically
 from k3patch.safefs import open_dir, read_in, regular_files
 
 FaultHook = Callable[[str], None]
@@ -59,7 +62,7 @@ class Transaction:
 
     # -- commit --------------------------------------------------------------------------
     def commit(self, edits: list[FileEdit], op: str) -> list[str]:
-        """Apply all edits or none. Returns the pycache actions taken (and notes)."""
+        """Apply all edits or none. Returns the bytecode actions taken (and notes)."""
         for edit in edits:
             if edit.rel not in self.allowed:
                 raise EnvironmentProblem(f"refusing to write {edit.rel!r}: not a k3patch target")
@@ -70,6 +73,12 @@ class Transaction:
                 os.close(open_dir(self.package_dir, os.path.dirname(edit.rel)))
             if edit.rel.endswith(".py"):
                 check_cache_dir(self.package_dir / edit.rel)
+        # Bytecode first, before any source changes: nothing to journal, nothing to roll back.
+        actions: list[str] = []
+        for edit in edits:
+            if edit.rel.endswith(".py"):
+                actions += remove_bytecode(self.package_dir / edit.rel)
+        self.fault("bytecode-removed")
         # Write-ahead: the journal goes first, so that a run killed while storing blobs leaves
         # a journal whose recovery prunes them; saved copies with no journal and no record
         # can then only be originals whose record was lost, and revert keeps them.
@@ -78,43 +87,74 @@ class Transaction:
         ]
         journal = state.journal_data(op, entries, os.getpid(), time.time())
         write_atomically(self.package_dir / state.JOURNAL_REL, journal, root=self.package_dir)
-        actions: list[str] = []
         notes: list[str] = []
-        written: set[str] = set()
+        written: list[FileEdit] = []
+        kept: dict[str, str] = {}  # rel -> the temp name its old file is kept under
         try:
             self.fault("journal-written")
             for edit in edits:
-                if edit.before is not None:  # what a rollback puts back
+                if edit.before is not None:  # what a rollback by the next run puts back
                     self.blobs.store(edit.before)
             self.fault("blobs-written")
             for edit in edits:
-                notes += self._replace(edit, written)
+                notes += self._replace(edit, written, kept)
                 self.fault(f"replaced:{edit.rel}")
-            for edit in edits:
-                if edit.rel.endswith(".py"):
-                    actions += sync_pycache(self.package_dir / edit.rel)
-            self.fault("pycache-synced")
+            for rel in list(kept):
+                unlink_in(self.package_dir, kept.pop(rel))
+            self.fault("kept-removed")
         except BaseException:
             # Roll back what this run wrote; if that fails too the journal stays for the next run.
             with contextlib.suppress(Exception):
-                self.recover(only=written)
+                self._undo(written, kept)
             raise
         unlink_in(self.package_dir, state.JOURNAL_REL)
         self.fault("journal-removed")
-        return actions + notes
+        return list(dict.fromkeys(actions + notes))  # a warning about a group: once
 
-    def _replace(self, edit: FileEdit, written: set[str]) -> list[str]:
+    def _replace(self, edit: FileEdit, written: list[FileEdit], kept: dict[str, str]) -> list[str]:
         def about_to_rename() -> None:
             self.fault(f"renaming:{edit.rel}")
-            written.add(edit.rel)
+            written.append(edit)
 
+        keep: list[str] = []
         try:
             return replace_checked(
-                self.package_dir, edit.rel, edit.before, edit.after, about_to_rename
+                self.package_dir, edit.rel, edit.before, edit.after, about_to_rename, keep
             )
         except ConcurrentChange:
-            written.discard(edit.rel)  # the other writer's file is in place: not ours to undo
+            if edit in written:  # the other writer's file is in place: not ours to undo
+                written.remove(edit)
             raise
+        finally:
+            if keep:
+                kept[edit.rel] = keep[0]
+
+    def _undo(self, written: list[FileEdit], kept: dict[str, str]) -> None:
+        """Put back, last first, each file this run replaced: the kept old file renamed back
+        over the new one (no space needed), or where none was kept the saved copy written. Then
+        the journal goes, and the blobs no record needs. A file that fails (a directory fsync
+        on a full disk) does not stop the others; the journal then stays, for the next run."""
+        failed: Exception | None = None
+        for edit in reversed(written):
+            try:
+                current = read_in(self.package_dir, edit.rel)
+                if current == edit.before:
+                    continue  # the rename never happened
+                if edit.rel in kept:
+                    put_back(self.package_dir, edit.rel, kept.pop(edit.rel), edit.after)
+                else:
+                    entry = {"path": edit.rel, "before": _hash(edit.before)}
+                    self._roll_back({**entry, "after": _hash(edit.after)})
+            except Exception as exc:
+                failed = failed or exc
+        for keep in kept.values():
+            with contextlib.suppress(EnvironmentProblem):
+                unlink_in(self.package_dir, keep)
+        if failed is not None:
+            raise failed
+        self._prune_to_record()
+        self.remove_litter()  # an old file kept where a look after the exchange failed
+        unlink_in(self.package_dir, state.JOURNAL_REL)
 
     def remove_state_dir(self) -> None:
         """The record, an empty blobs/ and `.k3patch` itself; anything else is left where it is."""
@@ -128,24 +168,22 @@ class Transaction:
         """The journal of an interrupted commit, checked entry by entry (state.load_journal)."""
         return state.load_journal(self.package_dir, self.allowed)
 
-    def recover(self, only: set[str] | None = None) -> list[str]:
-        """Roll an interrupted commit back to its before-images. Returns what was done.
-        `only`: the files this process wrote (an in-process rollback leaves the others alone)."""
+    def recover(self) -> list[str]:
+        """Roll an interrupted commit back to its before-images. Returns what was done. Its
+        bytecode was removed before the first file changed: nothing to do there."""
         journal = self.pending_journal()
         done: list[str] = []
         if journal is not None:
-            files = [e for e in journal["files"] if only is None or e["path"] in only]
-            for entry in files:
+            for entry in journal["files"]:
                 if self._roll_back(entry):
                     done.append(f"rolled back {entry['path']}")
-            # Bytecode only once every file is back: a sync that fails then leaves the sources
-            # whole (and the journal, to finish with the next run), never half rolled back.
-            for entry in files:
-                if entry["path"].endswith(".py"):
-                    sync_pycache(self.package_dir / entry["path"])
-            unlink_in(self.package_dir, state.JOURNAL_REL)
+            # The journal goes last: a run that dies before it is done leaves the journal,
+            # and the next run finishes the clean-up (saved copies without a record would
+            # otherwise stop revert for good).
             self._prune_to_record()
-        done += self.remove_litter(journal)
+        done += self.remove_litter()
+        if journal is not None:
+            unlink_in(self.package_dir, state.JOURNAL_REL)
         return done
 
     def _roll_back(self, entry: dict[str, Any]) -> bool:
@@ -176,12 +214,17 @@ class Transaction:
         files = record.files.values() if record else []
         self.blobs.prune({fs.original for fs in files if fs.original})
 
-    def remove_litter(self, journal: dict[str, Any] | None) -> list[str]:
-        """Temp files left by a killed run (regular files named so) next to the state files and
-        the journalled files; a directory that cannot be opened is passed over."""
+    def remove_litter(self) -> list[str]:
+        """Temp files left by a killed or failed run (regular files named so) next to the state
+        files and beside every registered target, and in its `__pycache__` (where an earlier
+        k3patch, killed while it wrote bytecode, left them), journal or not: a run that died
+        after its journal was gone must not leave an old file's copy there for good. Runs under
+        the lock, so no live run's temp file is there. A directory that cannot be opened, or a
+        file that cannot be removed, is left for the next run."""
         dirs = {".k3patch", f".k3patch/{BLOBS}"}
-        if journal is not None:
-            dirs.update(os.path.dirname(e["path"]) for e in journal["files"])
+        for target in self.allowed - {state.STATE_REL}:
+            folder = os.path.dirname(target)
+            dirs.update((folder, os.path.join(folder, "__pycache__")))
         removed = []
         for rel_dir in sorted(dirs):
             with contextlib.suppress(EnvironmentProblem):

@@ -6,6 +6,7 @@ import base64
 import csv
 import os
 import re
+import stat
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -81,8 +82,28 @@ class VllmTree(NamedTuple):
             raise TreeError(f"{path}: cannot read it: {exc.strerror}", usage=False) from None
 
 
+def _stat(path: str) -> os.stat_result | None:
+    """None when nothing is there. Any other failure (EIO, a directory this user may not
+    search) is the environment's, never "a wrong path" (os.path.exists would say False)."""
+    try:
+        return os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except PermissionError:
+        raise TreeError(
+            f"cannot look at {path}: permission denied; run as the tree's owner", usage=False
+        ) from None
+    except OSError as exc:
+        raise TreeError(f"cannot look at {path}: {exc.strerror or exc}", usage=False) from None
+
+
+def _is_file(path: str) -> bool:
+    found = _stat(path)
+    return found is not None and stat.S_ISREG(found.st_mode)
+
+
 def _looks_like_vllm(package_dir: str) -> bool:
-    return all(os.path.isfile(os.path.join(package_dir, f)) for f in ("__init__.py", "envs.py"))
+    return all(_is_file(os.path.join(package_dir, f)) for f in ("__init__.py", "envs.py"))
 
 
 def _search_path() -> list[str]:
@@ -112,9 +133,10 @@ def locate(path: str | os.PathLike[str] | None = None) -> VllmTree:
         package_dir = str(next(iter(spec.submodule_search_locations)))
     else:
         given = os.fspath(path)
-        if not os.path.exists(given):
+        found = _stat(given)
+        if found is None:
             raise TreeError(f"{given}: no such directory", usage=True)
-        if not os.path.isdir(given):
+        if not stat.S_ISDIR(found.st_mode):
             raise TreeError(f"{given}: not a directory; pass the vllm package dir", usage=True)
         given = given.rstrip(os.sep) or os.sep
         leftovers = (os.path.join(given, ".k3patch"), os.path.join(given, "vllm", ".k3patch"))

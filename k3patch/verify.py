@@ -8,13 +8,16 @@ original, a failure raised inside a patched file is the patch's, any other the e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,20 +115,26 @@ def _run_child(python: str, tree: VllmTree, args: dict[str, Any]) -> dict[str, A
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
-        proc = subprocess.run(
-            [python, _verify_child.__file__, json.dumps(args)],
-            capture_output=True,
-            # A module may print anything while it imports: odd bytes are shown, never fatal.
-            encoding="utf-8",
-            errors="replace",
-            env=env,
-            cwd=tempfile.gettempdir(),
-            timeout=600,
-        )
+        with _terminated_as_an_exception():
+            proc = subprocess.run(
+                [python, _verify_child.__file__, json.dumps(args)],
+                capture_output=True,
+                # A module may print anything while it imports: odd bytes are shown, never fatal.
+                encoding="utf-8",
+                errors="replace",
+                env=env,
+                cwd=tempfile.gettempdir(),
+                timeout=600,
+            )
     except FileNotFoundError:
         raise VerifyError(f"{python}: no such interpreter; pass --python PATH") from None
     except subprocess.TimeoutExpired:
         raise VerifyError(f"importing the patched modules with {python} took over 600 s") from None
+    except _Terminated:
+        # subprocess.run killed the child on the way out; now end as SIGTERM would have.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(_verify_child.MARKER):
             try:
@@ -135,6 +144,29 @@ def _run_child(python: str, tree: VllmTree, args: dict[str, Any]) -> dict[str, A
             return _checked(result, python, args)
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
     raise VerifyError(f"the verify child under {python} exited {proc.returncode}: {tail[0]}")
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while the verify child ran."""
+
+
+@contextlib.contextmanager
+def _terminated_as_an_exception() -> Iterator[None]:
+    """SIGTERM (docker stop, a job's time limit) raises inside the block, so that the child
+    is killed with its parent instead of running on (SIGINT does the same by KeyboardInterrupt).
+    Outside the main thread no handler can be set: the signal then acts as it always does."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum: int, frame: object) -> None:
+        raise _Terminated
+
+    before = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _not_a_result(python: str, what: str) -> VerifyError:

@@ -645,8 +645,8 @@ def after_the_temp_file(monkeypatch, act) -> None:
     check, before the last look and the rename."""
     real = replace.write_temp
 
-    def racing(dfd: int, name: str, data: bytes, like_fd: int | None) -> str:
-        tmp = real(dfd, name, data, like_fd)
+    def racing(dfd: int, name: str, data: bytes, like_fd: int | None, *notes: list[str]) -> str:
+        tmp = real(dfd, name, data, like_fd, *notes)
         if name == AITER:
             act()
         return tmp

@@ -161,7 +161,7 @@ def test_cold_quiet_apply_reports_drift_like_the_cli(make_tree):
 
 def test_fast_path_declines_journals(make_tree):
     site = make_tree("0.31.0")
-    run_cli("apply", "--vllm", str(site), env={"K3PATCH_TEST_CRASH_AT": "pycache-synced"})
+    run_cli("apply", "--vllm", str(site), env={"K3PATCH_TEST_CRASH_AT": "kept-removed"})
     assert (site / "vllm" / ".k3patch" / "journal.json").exists()
     assert fast("status", "--vllm", str(site))[0] is None
 

@@ -30,6 +30,7 @@ NO_OP = {
     "k3patch.lock",
     "k3patch.patches",  # the package's own __init__: the TARGETS table, no patch
     "k3patch.plaintext",
+    "k3patch.pycache",  # finds an unchecked-hash pyc that Python would run instead of a target
     "k3patch.safefs",
     "k3patch.state",
     "k3patch.tree",

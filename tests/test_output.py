@@ -217,12 +217,12 @@ def test_status_diff_shows_a_later_edit_of_a_patched_file(make_tree):
 def test_revert_prints_its_bytecode_lines(make_tree):
     site = make_tree("0.31.0")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    subprocess.run(
+    assert run_cli("apply", "--quiet", "--vllm", str(site)).returncode == 0
+    subprocess.run(  # the patched code's bytecode, which revert removes
         [sys.executable, "-m", "compileall", "-q", str(site / "vllm" / "_aiter_ops.py")],
         check=True,
         env=env,
     )
-    assert run_cli("apply", "--quiet", "--vllm", str(site)).returncode == 0
     proc = run_cli("revert", "--vllm", str(site))
     assert proc.returncode == 0, proc.stderr
     assert "\n  vllm/_aiter_ops.py\n" in proc.stdout

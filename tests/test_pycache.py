@@ -1,62 +1,54 @@
-"""Stale bytecode in every invalidation mode: after apply (and after revert) each pyc of a changed
-file holds the code of the new source, in the mode it had; a pyc of another interpreter is
-removed. Checked by loading the code object from the pyc itself, as the interpreter would."""
+"""Stale bytecode, wherever this interpreter looks for it: apply and revert remove every pyc of a
+changed file before the source changes (an unlink needs no space; Python compiles the new
+source), so an unchecked-hash pyc can never keep the old code running; `status` never calls a site
+good while an unchecked-hash pyc this interpreter would load holds other code (issue 26 item 2,
+issue 27 item 3)."""
 
 from __future__ import annotations
 
 import importlib.util
-import marshal
+import json
+import os
 import py_compile
+import shutil
+import subprocess
 import sys
-import types
+from pathlib import Path
 
 import pytest
-from conftest import run_cli, slow_after
+from conftest import run_cli, slow_after, tree_hashes
+from test_bad_input import ROOT_ONLY, run_as_nobody, shared_site
 
 pytestmark = pytest.mark.wheel
 MODES = {
-    "timestamp": (py_compile.PycInvalidationMode.TIMESTAMP, 0),
-    "checked-hash": (py_compile.PycInvalidationMode.CHECKED_HASH, 3),
-    "unchecked-hash": (py_compile.PycInvalidationMode.UNCHECKED_HASH, 1),
+    "timestamp": py_compile.PycInvalidationMode.TIMESTAMP,
+    "checked-hash": py_compile.PycInvalidationMode.CHECKED_HASH,
+    "unchecked-hash": py_compile.PycInvalidationMode.UNCHECKED_HASH,
 }
+AITER = "_aiter_ops.py"
 
 
-def names_in(code: types.CodeType) -> set[str]:
-    out = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            out |= names_in(const)
-    return out
+def compile_pyc(source: Path, mode: str = "unchecked-hash", optimize: int = 0) -> Path:
+    """The pyc this interpreter would load for `source` (sys.pycache_prefix included)."""
+    pyc = importlib.util.cache_from_source(str(source), optimization=optimize or "")
+    py_compile.compile(str(source), cfile=pyc, optimize=optimize, invalidation_mode=MODES[mode])
+    return Path(pyc)
 
 
-def pyc_code(path) -> tuple[int, types.CodeType]:
-    data = path.read_bytes()
-    assert data[:4] == importlib.util.MAGIC_NUMBER
-    return int.from_bytes(data[4:8], "little"), marshal.loads(data[16:])
+def with_prefix(prefix: Path | None) -> dict[str, str]:
+    return {"PYTHONPYCACHEPREFIX": str(prefix)} if prefix else {}
 
 
 @pytest.mark.parametrize("mode", slow_after(list(MODES)))
 @pytest.mark.parametrize("optimize", slow_after([0, 1]))
-def test_pycs_follow_apply_and_revert_in_their_mode(make_tree, mode, optimize):
+def test_pycs_are_removed_by_apply_and_revert_in_every_mode(make_tree, mode, optimize):
     site = make_tree("0.31.0")
-    source = site / "vllm" / "_aiter_ops.py"
-    pyc = importlib.util.cache_from_source(str(source), optimization=optimize or "")
-    invalidation, flags = MODES[mode]
-    py_compile.compile(str(source), cfile=pyc, optimize=optimize, invalidation_mode=invalidation)
-    from pathlib import Path
-
-    pyc = Path(pyc)
-    assert "is_set" not in names_in(pyc_code(pyc)[1])
-
+    pyc = compile_pyc(site / "vllm" / AITER, mode, optimize)
     assert run_cli("apply", "--vllm", str(site)).returncode == 0
-    got_flags, code = pyc_code(pyc)
-    assert got_flags == flags, "the invalidation mode changed"
-    assert "is_set" in names_in(code), "the pyc still holds the old code"
-
+    assert not pyc.exists(), "apply left the old bytecode"
+    compile_pyc(site / "vllm" / AITER, mode, optimize)  # the patched code, compiled
     assert run_cli("revert", "--vllm", str(site)).returncode == 0
-    got_flags, code = pyc_code(pyc)
-    assert got_flags == flags
-    assert "is_set" not in names_in(code), "after revert the pyc still holds the patched code"
+    assert not pyc.exists(), "revert left the patched bytecode"
 
 
 def test_foreign_interpreter_pyc_is_removed(make_tree):
@@ -71,3 +63,141 @@ def test_foreign_interpreter_pyc_is_removed(make_tree):
     assert run_cli("apply", "--vllm", str(site)).returncode == 0
     assert not foreign.exists()
     assert unrelated.read_bytes() == b"untouched"
+
+
+def test_apply_removes_the_pyc_under_pycacheprefix(make_tree, tmp_path, monkeypatch):
+    """PYTHONPYCACHEPREFIX set for k3patch and vLLM alike: Python reads the bytecode under the
+    prefix (never `__pycache__`); an unchecked-hash pyc there must go with the apply."""
+    site = make_tree("0.31.0")
+    prefix = tmp_path / "prefix"
+    monkeypatch.setattr(sys, "pycache_prefix", str(prefix))
+    pyc = compile_pyc(site / "vllm" / AITER)
+    assert str(pyc).startswith(str(prefix))
+    proc = run_cli("apply", "--vllm", str(site), env=with_prefix(prefix))
+    assert proc.returncode == 0, proc.stderr
+    assert not pyc.exists(), "the unchecked-hash pyc under the prefix keeps the old code"
+    assert str(pyc) in proc.stdout, proc.stdout  # the bytecode line names what it removed
+
+
+@pytest.mark.parametrize("where", slow_after(["prefix", "__pycache__"]))
+def test_status_never_says_applied_while_python_runs_other_bytecode(
+    make_tree, tmp_path, monkeypatch, where
+):
+    """An unchecked-hash pyc of the original code that this interpreter would load (under the
+    prefix after an apply run without it; or compiled back into `__pycache__` from the wheel's
+    file): status reads pending (exit 1) and names it, on the no-op path too; the digest
+    differs; apply removes it and nothing else; then status reads applied again."""
+    site = make_tree("0.31.0")
+    prefix = tmp_path / "prefix" if where == "prefix" else None
+    original = site.parent / "original.py"
+    shutil.copy2(site / "vllm" / AITER, original)
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    clean = json.loads(run_cli("status", "--json", "--vllm", str(site)).stdout)["digest"]
+    # The original code's bytecode where this interpreter looks for the patched file's.
+    monkeypatch.setattr(sys, "pycache_prefix", str(prefix) if prefix else None)
+    pyc = Path(importlib.util.cache_from_source(str(site / "vllm" / AITER)))
+    pyc.parent.mkdir(parents=True, exist_ok=True)
+    py_compile.compile(str(original), cfile=str(pyc), invalidation_mode=MODES["unchecked-hash"])
+    env = with_prefix(prefix)
+    quiet = run_cli("status", "--quiet", "--vllm", str(site), env=env)
+    assert quiet.returncode == 1, quiet.stdout
+    assert "aiter-mla-gfx942: pending" in quiet.stdout
+    full = json.loads(run_cli("status", "--json", "--vllm", str(site), env=env).stdout)
+    assert full["exit_code"] == 1 and full["digest"] != clean
+    detail = full["patches"][0]["sites"][0]["detail"]
+    assert str(pyc) in detail and "unchecked-hash" in detail, detail
+    before = tree_hashes(site)
+    fixed = run_cli("apply", "--vllm", str(site), env=env)
+    assert fixed.returncode == 0, (fixed.stdout, fixed.stderr)
+    assert not pyc.exists()
+    assert tree_hashes(site) == {k: v for k, v in before.items() if "__pycache__" not in k}
+    again = json.loads(run_cli("status", "--json", "--vllm", str(site), env=env).stdout)
+    assert again["exit_code"] == 0 and again["digest"] == clean
+
+
+# -- A `__pycache__` the tree's owner cannot write ----------------------------------------------
+
+
+def nobodys(site: Path) -> None:
+    for path in [site, *site.rglob("*")]:
+        os.chown(path, 65534, 65534, follow_symlinks=False)
+
+
+@ROOT_ONLY
+def test_roots_pycache_does_not_stop_the_owner(make_tree):
+    """Root ran `python -c 'import vllm'` once in the owner's tree: `__pycache__` and its
+    timestamp pycs are root's. The owner's apply and revert succeed (the pycs are left, noted:
+    Python sees they are stale), no journal is left, and every later run works."""
+    with shared_site(make_tree) as site:
+        nobodys(site)
+        pyc = compile_pyc(site / "vllm" / AITER, "timestamp")  # root's, in root's directory
+        assert pyc.parent.stat().st_uid == 0
+        for args in (["apply"], ["revert"], ["apply"], ["revert"]):
+            code, stdout, stderr = run_as_nobody([*args, "--vllm", str(site)])
+            assert code == 0, (args, stdout, stderr)
+            assert not (site / "vllm/.k3patch/journal.json").exists()
+        assert pyc.exists() and "left" in stdout and pyc.name in stdout
+
+
+@ROOT_ONLY
+def test_an_unchecked_hash_pyc_the_owner_cannot_remove_is_refused_before_any_write(make_tree):
+    with shared_site(make_tree) as site:
+        nobodys(site)
+        pyc = compile_pyc(site / "vllm" / AITER, "unchecked-hash")
+        before = tree_hashes(site)
+        code, stdout, stderr = run_as_nobody(["apply", "--vllm", str(site)])
+        assert code == 3, (stdout, stderr)
+        assert len(stderr.splitlines()) == 1 and "unchecked-hash" in stderr, stderr
+        assert str(pyc) in stderr
+        assert tree_hashes(site) == before
+        assert not (site / "vllm/.k3patch").exists()
+
+
+def test_a_temp_file_left_in_pycache_by_a_killed_run_is_removed(make_tree):
+    """A run killed while it wrote bytecode (k3patch before this design wrote pycs through a
+    temp file) left `.NAME.pyc.k3patch-tmp.HEX` in `__pycache__`: the next run's recovery
+    removes it."""
+    site = make_tree("0.31.0")
+    env = {"K3PATCH_TEST_CRASH_AT": f"replaced:{AITER}"}
+    assert run_cli("apply", "--vllm", str(site), env=env).returncode == 137
+    cache = site / "vllm" / "__pycache__"
+    cache.mkdir(exist_ok=True)
+    litter = (
+        cache / f".{AITER[:-3]}.{sys.implementation.cache_tag}.pyc.k3patch-tmp.0123456789abcdef"
+    )
+    litter.write_bytes(b"half a pyc")
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    assert not litter.exists()
+
+
+KILL_IN_PYCACHE = """
+import os, sys
+real_open = os.open
+def open_then_die(path, flags, mode=0o777, *, dir_fd=None):
+    fd = real_open(path, flags, mode, dir_fd=dir_fd)
+    if ".k3patch-tmp." in str(path) and dir_fd is not None:
+        if os.readlink(f"/proc/self/fd/{dir_fd}").endswith("__pycache__"):
+            os._exit(137)  # kill -9 while a pyc is being written
+    return fd
+os.open = open_then_die
+sys.argv = ["k3patch", *sys.argv[1:]]
+from k3patch.__main__ import main
+main()
+"""
+
+
+@pytest.mark.parametrize("command", slow_after(["apply", "revert"]))
+def test_no_run_writes_a_temp_file_into_pycache(make_tree, command):
+    """Killed the instant a temp file appears in `__pycache__`: no run ever makes one (the
+    bytecode is removed, never written), so none can be left."""
+    site = make_tree("0.31.0")
+    if command == "revert":
+        assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    compile_pyc(site / "vllm" / AITER)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_IN_PYCACHE, command, "--vllm", str(site)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
+    assert not [p for p in site.rglob("*") if ".k3patch-tmp." in p.name]

@@ -168,30 +168,33 @@ def test_1_a_fifo_anywhere_k3patch_reads_is_refused_never_blocked_on(make_tree, 
             refusals.append(name)
             continue
         if name == "status" and where == "pyc":
-            assert result is None  # status reads no bytecode
+            assert result is None  # status reads no bytecode but a regular file's header
         elif name == "status":
             assert result is not None, f"status on a FIFO {where}: no problem named"
             refusals.append(name)
-        elif name == "revert" and where == "pyc":
-            # Nothing recorded: revert has nothing to read there (no record, no journal).
-            assert isinstance(result, engine.RevertOutcome) and result.nothing_recorded
+        elif where == "pyc":
+            # A pyc of a file to change is removed before the change, whatever it is: the
+            # FIFO is unlinked, never opened; revert then restores the files.
+            assert not os.path.lexists(fifo)
+            done = result.written if name == "apply" else result.restored
+            assert done, (name, result)
         else:
             pytest.fail(f"{name} went on past a FIFO {where}: {result!r}")
-    assert ({"apply"} if where == "pyc" else {"status", "apply"}) <= set(refusals), refusals
+    if where == "pyc":
+        return
+    assert {"status", "apply"} <= set(refusals), refusals
     problem = bounded(lambda: plugin.preflight_problem(pkg), [fifo])
-    if where != "pyc":  # the plugin reads no bytecode
-        assert problem is not None and "regular" in problem, problem
+    assert problem is not None and "regular" in problem, problem
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # refused, never replaced or removed
 
 
-@pytest.mark.parametrize("where", slow_after(WHERE))
+# A pyc FIFO is removed unopened (test_1_a_fifo_anywhere_k3patch_reads...): no refusal.
+@pytest.mark.parametrize("where", slow_after([w for w in WHERE if w != "pyc"]))
 def test_1_the_cli_exits_3_on_a_fifo_with_one_line(make_tree, where):
     site = make_tree("0.31.0")
     plant(site, where)
     before = tree_hashes(site)
     for args in (["status"], ["apply", "--quiet"]):
-        if where == "pyc" and args == ["status"]:
-            continue  # status reads no bytecode
         proc = cli(*args, "--vllm", str(site))
         assert proc.returncode == 3, (args, proc.stdout, proc.stderr)
         lines = proc.stderr.splitlines()
@@ -210,8 +213,9 @@ def test_1_recovery_of_an_interrupted_apply_never_blocks_on_a_pyc_fifo(make_tree
     assert not os.path.lexists(fifo)  # a pyc of the rolled-back file: removed, never opened
 
 
-def test_1_bytecode_is_rebuilt_from_the_bytes_read_not_a_blocking_open(make_tree, monkeypatch):
-    """py_compile opens the source with a blocking open(): never used on the tree."""
+def test_1_bytecode_is_removed_never_compiled_with_a_blocking_open(make_tree, monkeypatch):
+    """py_compile opens the source with a blocking open(): never used on the tree (the
+    bytecode of a changed file is removed, and Python compiles the new source itself)."""
     import py_compile
 
     site = make_tree("0.31.0")
@@ -228,10 +232,7 @@ def test_1_bytecode_is_rebuilt_from_the_bytes_read_not_a_blocking_open(make_tree
 
     monkeypatch.setattr(py_compile, "compile", refuse)
     engine.apply(locate(site))
-    new = (site / "vllm" / AITER).read_bytes()
-    import importlib.util
-
-    assert pyc.read_bytes()[8:16] == importlib.util.source_hash(new)
+    assert not pyc.exists()
 
 
 # -- 4: the installed version decides --------------------------------------------------------
@@ -408,21 +409,24 @@ def test_6_no_chown_when_the_owner_and_group_are_already_the_files(make_tree, mo
 
 
 @ROOT_ONLY
-def test_6_a_refused_chown_that_is_needed_names_the_group(make_tree, monkeypatch):
+def test_6_a_refused_chown_of_a_file_this_process_does_not_own_names_the_owner(
+    make_tree, monkeypatch
+):
+    """Another user's file: its owner cannot be kept, which is a refusal (a group alone, of a
+    file this process owns, is a warning: test_write_path)."""
     site = make_tree("0.31.0")
     target = site / "vllm" / AITER
-    os.chown(target, -1, 1)
+    os.chown(target, 1234, 1)
     before = tree_hashes(site)
 
     def refuse(fd: int, uid: int, gid: int) -> None:
-        assert uid == -1 and gid == 1  # only the group differs
         raise PermissionError(errno.EPERM, "Operation not permitted")
 
     monkeypatch.setattr(os, "fchown", refuse)
     with pytest.raises(EnvironmentProblem) as caught:
         engine.apply(locate(site))
     message = str(caught.value)
-    assert "group 1" in message and "not one of its groups" in message, message
+    assert "owner 1234" in message, message
     assert "run as the tree's owner" not in message
     assert tree_hashes(site) == before
 

@@ -181,7 +181,10 @@ def parse_task(lines: list[str]) -> tuple[str | None, dict[str, Any] | None, str
 
 
 def verdicts(data: dict[str, Any]) -> tuple[tuple[str, str], ...]:
-    return tuple((p["id"], p["verdict"]) for p in data.get("patches", []))
+    """Each patch's verdict, and a journal a killed run left (that node's next apply rolls
+    back, so it needs attention even where every file reads applied)."""
+    journal = [("journal", f"interrupted {data['interrupted']}")] if data.get("interrupted") else []
+    return tuple((p["id"], p["verdict"]) for p in data.get("patches", [])) + tuple(journal)
 
 
 def describe(data: dict[str, Any]) -> str:

@@ -1,0 +1,122 @@
+"""A fixed sample of the fault-injection campaign (benchmarks/faults.py; the whole campaign and
+its table are in benchmarks/RELIABILITY.md), and proof that the harness can fail: run against a
+copy of k3patch whose file replacement is not atomic, it must report half-patched trees.
+
+The campaign forks children that interpose on `os`, `open`, `fcntl` and ctypes, so it runs as
+its own process, never inside the pytest worker."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FAULTS = ROOT / "benchmarks" / "faults.py"
+
+pytestmark = [pytest.mark.wheel, pytest.mark.slow]
+
+
+def campaign(tmp_path: Path, *args: str, k3patch: Path | None = None) -> dict:
+    out = tmp_path / "faults.json"
+    cmd = [sys.executable, str(FAULTS), "--work", str(tmp_path / "work"), "--json", str(out)]
+    cmd += [*args, *(["--k3patch", str(k3patch)] if k3patch else [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=1200)
+    assert out.exists(), proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    data["log"] = proc.stderr
+    return data
+
+
+def failures(data: dict) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for row in data["rows"]:
+        for kind, count in row["failures"].items():
+            total[kind] = total.get(kind, 0) + count
+    return total
+
+
+def runs(data: dict) -> int:
+    return sum(sum(row["runs"].values()) for row in data["rows"])
+
+
+# Every 41st call of each command under each fault (41 is prime to the 5-7 calls that open,
+# read and close one file, so the sample walks across call kinds), and a kill before every
+# replacement and removal: the moments a half-patched tree would come from.
+SAMPLE = ["--every", "41", "--offset", "7"]
+
+
+@pytest.mark.parametrize("command", ["apply", "revert", "recover-apply"])
+def test_sample_of_every_fault_leaves_a_whole_tree(tmp_path, command):
+    data = campaign(tmp_path, "--trees", "0.31.0", "--commands", command, *SAMPLE)
+    row = data["rows"][0]
+    assert row["calls"] > 100, "the recording saw the calls on the tree"
+    assert all(row["runs"].get(kind, 0) > 0 for kind in ("ENOSPC", "EIO", "EACCES/EPERM", "kill"))
+    assert row["mismatched"] == 0, "the failing call is the recorded one in every run"
+    assert failures(data) == {}, data["log"][-4000:]
+
+
+def test_kill_before_every_rename_and_unlink_of_a_fork_tree_apply(tmp_path):
+    data = campaign(
+        tmp_path,
+        "--trees",
+        "fork-a",
+        "--commands",
+        "apply",
+        "--kinds",
+        "kill",
+        "--funcs",
+        "os.replace",
+        "os.rename",
+        "libc.renameat2",
+        "os.unlink",
+    )
+    assert runs(data) >= 8
+    assert failures(data) == {}, data["log"][-4000:]
+
+
+PLANTED = """
+
+# Planted by tests/test_faults.py: a replacement that is not atomic (the old file is removed,
+# then the new one renamed in; no exchange), which only a fault between the two can show.
+import os as _real_os
+
+
+class _NotAtomic:
+    def __getattr__(self, name):
+        return getattr(_real_os, name)
+
+    def replace(self, src, dst, *, src_dir_fd=None, dst_dir_fd=None):
+        try:
+            _real_os.unlink(dst, dir_fd=dst_dir_fd)
+        except FileNotFoundError:
+            pass
+        _real_os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+
+
+os = _NotAtomic()
+
+
+def exchange(dfd, a, b):
+    return False
+"""
+
+
+def test_the_harness_reports_a_planted_non_atomic_write(tmp_path):
+    """Without this the campaign could pass by checking nothing."""
+    planted = tmp_path / "planted"
+    shutil.copytree(ROOT / "k3patch", planted / "k3patch")
+    shutil.copytree(ROOT / "patches", planted / "patches")
+    replace = planted / "k3patch" / "replace.py"
+    source = replace.read_text()
+    assert "os.replace(" in source and "def exchange(" in source, "update the planted defect"
+    replace.write_text(source + PLANTED)
+    args = ["--trees", "0.31.0", "--commands", "apply", "--kinds", "kill"]
+    data = campaign(tmp_path, *args, "--funcs", "os.rename", k3patch=planted)
+    found = failures(data)
+    assert found.get("half-patched", 0) > 0, data["log"][-4000:]
+    assert found.get("unrecoverable journal", 0) > 0, data["log"][-4000:]
