@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import slurm_cluster
-from conftest import run_cli
+from conftest import run_cli, tree_hashes
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFLIGHT = ROOT / "examples" / "slurm" / "k3patch_preflight.py"
@@ -220,6 +220,37 @@ def test_the_same_everywhere_but_pending_needs_attention(pending_nodes):
 
 
 @pytest.mark.slow
+def test_a_node_whose_apply_was_killed_before_its_journal_went_is_named(nodes):
+    """Killed after every file was written, before its journal was removed: each file is what
+    a clean node has, but this node's own status exits 1 and its next apply rolls back. Its
+    digest differs from a clean node's, and the preflight names it (exit 4); when every node
+    is so, they agree but need attention (exit 1). Before, both passed."""
+    clean = nodes.digest(NODES[0])
+    odd = NODES[1]
+    killed = nodes.site(odd)
+    crash = {"K3PATCH_TEST_CRASH_AT": "kept-removed"}
+
+    def kill_apply(site: Path) -> None:
+        assert run_cli("revert", "--vllm", str(site)).returncode == 0
+        assert run_cli("apply", "--vllm", str(site), env=crash).returncode == 137
+        assert (site / "vllm/.k3patch/journal.json").exists()
+
+    kill_apply(killed)
+    source = {k: v for k, v in tree_hashes(nodes.site(NODES[0])).items() if "/.k3patch/" not in k}
+    assert {k: v for k, v in tree_hashes(killed).items() if "/.k3patch/" not in k} == source
+    assert nodes.digest(odd) != clean
+    proc = nodes.preflight("--expect", clean)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert f"FAILED: {odd} differs" in proc.stderr
+    # Every node killed the same way: they agree, and still need attention.
+    for node in NODES:
+        if node != odd:
+            kill_apply(nodes.site(node))
+    both = nodes.preflight()
+    assert both.returncode == 1, both.stdout + both.stderr
+    assert "interrupted apply" in both.stderr
+
+
 def test_outside_an_allocation(nodes, slurm):
     proc = nodes.preflight(allocation=False)
     assert proc.returncode == 2, proc.stdout + proc.stderr
