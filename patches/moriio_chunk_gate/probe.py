@@ -256,6 +256,7 @@ def _vllm_scheduler(
     pool: int = 64,
     prefix_caching: bool = False,
     reserve: bool = True,
+    cap: int = 0,
 ) -> Any:
     """vLLM's Scheduler with a MoRIIO producer, keyword arguments as this release takes them:
     `block`-token blocks, `budget` tokens a step, `pool` blocks."""
@@ -265,7 +266,7 @@ def _vllm_scheduler(
     scheduler = importlib.import_module("vllm.v1.core.sched.scheduler")
     structured_output = importlib.import_module("vllm.v1.structured_output")
     extra = {"host_ip": "127.0.0.1", "handshake_port": 6301, "notify_port": 6401}
-    sched = dict(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=MAX_LEN)
+    sched = dict(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=MAX_LEN)
     cache = dict(block_size=block, gpu_memory_utilization=0.9, cache_dtype="auto")
     config = vc.VllmConfig(
         model_config=vc.ModelConfig(
@@ -277,6 +278,7 @@ def _vllm_scheduler(
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
             scheduler_reserve_full_isl=reserve,
+            long_prefill_token_threshold=cap,
         ),
         cache_config=call_accepted(vc.CacheConfig, **cache, enable_prefix_caching=prefix_caching),
         kv_transfer_config=vc.KVTransferConfig(
@@ -445,7 +447,7 @@ def probe_chunk_gate() -> ProbeOutcome:
 # random prompts and chunk budgets, shared prefixes (cache hits), pools small enough to preempt,
 # requests that sit out steps. The generator is seeded standard-library `random`: the same seed
 # is the same workload on every machine.
-WORKLOADS = 8  # seeds 0..WORKLOADS-1 in verify
+WORKLOADS = 40  # seeds 0..WORKLOADS-1 in verify
 SHRINK_RUNS = 24  # at most this many re-runs to shrink the first failing workload
 
 
@@ -491,10 +493,14 @@ class Workload:
     # scheduler_reserve_full_isl (vLLM 0.28.0+): admit a request only when its whole prompt fits;
     # False admits it chunk by chunk, so a full pool preempts requests in mid-prefill.
     reserve: bool = True
+    # long_prefill_token_threshold: at most this many tokens per request a step (0: no cap), so
+    # several prompts share a step's budget chunk by chunk.
+    cap: int = 0
 
     def describe(self) -> str:
         head = f"block {self.block}, budget {self.budget}, pool {self.pool} blocks"
         head += "" if self.reserve else ", prompts admitted chunk by chunk"
+        head += f", at most {self.cap} tokens a request a step" if self.cap else ""
         return head + "; " + "; ".join(f"r{i}: {a.describe()}" for i, a in enumerate(self.asks))
 
 
@@ -522,8 +528,12 @@ def generate(seed: int) -> Workload:
         asks.append(ask)
     need = max(-(-(a.prompt + a.decode) // block) for a in asks) + 1
     total = sum(-(-(a.prompt + a.decode) // block) for a in asks)
-    pool = rng.randint(need, max(need, total // 2)) if rng.random() < 0.6 else total + 4
-    return Workload(seed, block, budget, pool, tuple(asks), rng.random() < 0.5)
+    # A tight pool, prompts admitted chunk by chunk and a cap that keeps several prompts growing
+    # at once: preemption in mid-prefill.
+    tight = rng.random() < 0.6
+    pool = rng.randint(need, need + total // 4) if tight else total + 4
+    cap = rng.randrange(budget // 4, budget) if rng.random() < 0.5 else 0
+    return Workload(seed, block, budget, pool, tuple(asks), tight and rng.random() < 0.3, cap)
 
 
 @dataclass
@@ -552,7 +562,7 @@ def run_workload(w: Workload, model_dir: str) -> tuple[dict[str, Seen], str | No
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
 
-    scheduler = _vllm_scheduler(model_dir, w.block, w.budget, w.pool, True, w.reserve)
+    scheduler = _vllm_scheduler(model_dir, w.block, w.budget, w.pool, True, w.reserve, w.cap)
     hasher = _block_hasher(w.block)
     connector = scheduler.connector.connector_scheduler
     names = [router_id(f"w-r{i}") for i in range(len(w.asks))]
@@ -695,7 +705,7 @@ def shrink(w: Workload, fails: Any) -> Workload:
 
     def fit(asks: tuple[Ask, ...]) -> Workload:
         need = max(-(-(a.prompt + a.decode) // w.block) for a in asks) + 1
-        return Workload(None, w.block, w.budget, max(w.pool, need), asks, w.reserve)
+        return replace(w, seed=None, pool=max(w.pool, need), asks=asks)
 
     i = len(w.asks) - 1
     while i >= 0 and len(w.asks) > 1:
