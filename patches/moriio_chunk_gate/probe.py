@@ -8,12 +8,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import itertools
+import json
 import logging
 import random
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 from k3patch.patch import ProbeOutcome
@@ -674,9 +675,7 @@ def judge_workload(w: Workload, seen: dict[str, Seen], stall: str | None) -> lis
             continue
         if steps != [s.due[0]]:
             when = f"at step(s) {steps}" if steps else "never"
-            wrong.append(
-                f"r{i} saved {when}, expected once at step {s.due[0]} ({_timeline(s)})"
-            )
+            wrong.append(f"r{i} saved {when}, expected once at step {s.due[0]} ({_timeline(s)})")
         elif s.saves[0][1] != s.due[1]:
             sent, want = s.saves[0][1], s.due[1]
             wrong.append(f"r{i} sent blocks {sent}, expected its own {want} ({_timeline(s)})")
@@ -689,6 +688,14 @@ def _timeline(s: Seen) -> str:
     ran = ", ".join(f"step {st}: {before}+{n}" for st, before, n in s.ran)
     pre = f"; preempted at step(s) {s.preempted}" if s.preempted else ""
     return f"prompt {s.prompt}; computed+scheduled {ran}{pre}"
+
+
+# One simplification of a request at a time: no external tokens, no shared prefix, no delay.
+_PLAINER = (
+    lambda ask: replace(ask, external=0),
+    lambda ask: replace(ask, shared=0),
+    lambda ask: replace(ask, arrives=1),
+)
 
 
 def shrink(w: Workload, fails: Any) -> Workload:
@@ -714,9 +721,10 @@ def shrink(w: Workload, fails: Any) -> Workload:
             w = smaller
         i -= 1
     for i, ask in enumerate(w.asks):
-        for change in (dict(external=0), dict(shared=0), dict(arrives=1)):
-            if any(getattr(ask, k) != v for k, v in change.items()):
-                simpler = fit(w.asks[:i] + (replace(ask, **change),) + w.asks[i + 1 :])
+        for plainer in _PLAINER:
+            plain = plainer(ask)
+            if plain != ask:
+                simpler = fit((*w.asks[:i], plain, *w.asks[i + 1 :]))
                 if tries(simpler):
                     w, ask = simpler, simpler.asks[i]
     return w
@@ -754,3 +762,21 @@ def probe_workloads(model_dir: str, checks: Checks, seeds: Any = range(WORKLOADS
             f"smallest failing case of seed {first.seed}: {small.describe()} -> "
             + "; ".join(wrong or ["(no longer fails)"])
         )
+
+
+def workload_from(data: dict[str, Any]) -> Workload:
+    """A Workload from its `dataclasses.asdict` form (JSON)."""
+    asks = tuple(Ask(**ask) for ask in data["asks"])
+    return Workload(**{**data, "asks": asks})
+
+
+def serve_workloads(lines: Iterator[str], answer: Any) -> None:
+    """The oracle for a test driver (hypothesis draws the workloads, its own interpreter has
+    no vLLM): per JSON workload read from `lines`, `answer` gets the JSON list of what went
+    wrong. Runs under the same setting as the probe."""
+    mc = importlib.import_module(CONNECTOR)
+    with Swap() as swap, scheduler_setting(mc) as model:
+        swap.attr(mc, "get_role", lambda: mc.ROLE.PRODUCER)
+        for line in lines:
+            w = workload_from(json.loads(line))
+            answer(json.dumps(judge_workload(w, *run_workload(w, model))))
