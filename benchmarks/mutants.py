@@ -489,6 +489,94 @@ VARIANTS: tuple[Variant, ...] = (
 )
 
 
+# ---- issue 28: the classes the oracles were built for (rows of the oracles branch, kept
+# together here; the lead merges them with the table of new wrong fixes written elsewhere).
+KDA_NO_LOWER_BOUND = KDA_UNCLAMP.replace(
+    "indices.to(torch.int64), ", "indices.to(torch.int64).clamp(max=_n_state_blocks - 1), "
+)
+ROUTING_CACHE = """geometry_key = (task.layer_name, *_get_write_geometry_key(layer_cache))
+offsets = request_info.transfer_offsets.get(geometry_key)
+"""
+# The request's offsets dict swapped for one the worker keeps (the first request's, shared).
+ROUTING_CACHE_PER_WORKER = ROUTING_CACHE.replace(
+    "offsets = ",
+    "request_info.transfer_offsets = vars(self.worker).setdefault(\n"
+    '    "_k3patch_offsets", request_info.transfer_offsets\n)\noffsets = ',
+)
+ORACLE_VARIANTS: tuple[Variant, ...] = (
+    Variant(
+        "chunk-g1-step-total",
+        CHUNK,
+        "G1 counts the whole step's scheduled tokens (`total_num_scheduled_tokens`), not this "
+        "request's: the save leaves a chunk early whenever other requests share the step",
+        _g1(
+            G1_PROGRESS,
+            G1_PROGRESS.replace(
+                "num_scheduled_tokens.get(req_id, 0)", "total_num_scheduled_tokens"
+            ),
+        ),
+        CHUNK_TREES,
+    ),
+    Variant(
+        "chunk-g2-step-total",
+        CHUNK,
+        "G2 counts the whole step's scheduled tokens, not this request's",
+        (
+            Sub(
+                CHUNK_DECL,
+                G2_PROGRESS,
+                G2_PROGRESS.replace(
+                    "num_scheduled_tokens.get(req_id, 0)", "total_num_scheduled_tokens"
+                ),
+            ),
+        ),
+        CHUNK_TREES,
+    ),
+    Variant(
+        "chunk-g2-ignores-computed",
+        CHUNK,
+        "G2 ignores tokens already computed (a prefix-cache hit at the first step defers the "
+        "save and, with one output token, it never leaves)",
+        (Sub(CHUNK_DECL, "    req.num_computed_tokens\n" + G2_PROGRESS, "    0\n" + G2_PROGRESS),),
+        CHUNK_TREES,
+    ),
+    _routing(
+        "routing-growth-first-request",
+        "the per-chunk growth reads the first request's new blocks for every request of the batch",
+        Sub(ROUTING_FORMS, "new_block_ids[_k3patch_index]", "new_block_ids[0]"),
+    ),
+    _routing(
+        "routing-cache-per-worker",
+        "the offsets cache kept on the worker, not per request: later requests write into the "
+        "first one's decode blocks",
+        Sub(ROUTING_FORMS, ROUTING_CACHE, ROUTING_CACHE_PER_WORKER),
+    ),
+    _aiter(
+        "aiter-explicit-few-spellings",
+        '"set explicitly" judged by a few spellings: `=True` on gfx942 is overridden',
+        'if envs.is_set("VLLM_ROCM_USE_AITER_MLA"):',
+        'if os.environ.get("VLLM_ROCM_USE_AITER_MLA") in ("0", "1", "true", "false"):',
+    ),
+    _kda(
+        "kda-clamp-no-lower-bound",
+        "the guard's clamp loses its lower bound: a negative index reaches the kernel",
+        Sub(
+            KDA_DECL,
+            "    indices.to(torch.int64).CLAMP(0, _n_state_blocks - 1),",
+            "    HOLE_safe_index,",
+        ),
+        Sub(KDA_DECL, KDA_NEST, KDA_NEST + KDA_NO_LOWER_BOUND),
+    ),
+    _kda(
+        "kda-constant-changed",
+        "the patch's own variable name changes (K3_KDA_LOG): a probe that reads the constant "
+        "sets the same wrong name and passes",
+        Sub("kda_gather_diagnostic/syncs.py", 'ENV = "K3_KDA_GATHER_LOG"', 'ENV = "K3_KDA_LOG"'),
+    ),
+)
+VARIANTS += ORACLE_VARIANTS
+
+
 # --------------------------------------------------------------------------------------------
 # The table against today's declarations (also what tests/test_mutants_table.py checks).
 
