@@ -199,7 +199,7 @@ def table() -> list[tuple[str, bool, bool]]:
         (
             truth.variable_case(aiter_variable, variable, gpu),
             want,
-            aiter_variable == "1" and truth.parsed_mla_flag(variable),
+            truth.parsed_aiter_flag(aiter_variable) and truth.parsed_mla_flag(variable),
         )
         for aiter_variable, variable, gpu, want in truth.VARIABLE_ROWS
     ]
@@ -207,7 +207,11 @@ def table() -> list[tuple[str, bool, bool]]:
 
 
 def test_the_table_is_every_combination_with_the_rules_value():
-    assert len(truth.FLAG_ROWS) == 3 * 3 * 2 * 2 and len(truth.VARIABLE_ROWS) == 2 * 4 * 3
+    spellings = len(truth.VALUES)
+    assert len(truth.FLAG_ROWS) == spellings * 3 * 2 * 2
+    assert len(truth.VARIABLE_ROWS) == len(truth.AITER_VALUES) * spellings * 3
+    # Every case of "true" is an explicit "on" as "1" is (a fix judging a few spellings fails).
+    assert {"1", "true", "True", "TRUE", "tRuE", "", "yes"} <= set(truth.VALUES)
     assert len({label for label, _, _ in table()}) == len(table())
     rows = {(v, gpu, a, m): want for v, gpu, a, m, want in truth.FLAG_ROWS}
     # SITES.md section 4: unset on gfx942 off; =1 on gfx942 on; =0 (its flag off) off
@@ -221,6 +225,7 @@ def test_the_table_is_every_combination_with_the_rules_value():
     assert [label for label, want, old in table() if want != old] == [
         "VLLM_ROCM_USE_AITER_MLA=unset gfx942 aiter=1 mla=1",
         "from the variables: VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MLA=unset gfx942",
+        "from the variables: VLLM_ROCM_USE_AITER=True VLLM_ROCM_USE_AITER_MLA=unset gfx942",
     ]
 
 
