@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -317,3 +318,17 @@ def test_seeded_workloads_are_the_same_everywhere():
     ]
     assert workload_from(dataclasses.asdict(generate(3))) == generate(3)
     assert len({generate(seed) for seed in range(WORKLOADS)}) == WORKLOADS
+
+
+@pytest.mark.wheel
+@pytest.mark.verify
+def test_unpatched_fork_fails_generated_workloads_naming_seed_and_case(probed, verified):
+    before = probed("fork:a", PATCH_ID)
+    assert re.search(r"workload seed \d+: r\d+ saved at step", before["summary"])
+    assert "smallest failing case of seed " in before["summary"]
+    after = verified("fork:a")["patches"][PATCH_ID]["probe"]["checks"]
+    lines = [c for c in after if c.startswith("workload seed ")]
+    assert len(lines) == WORKLOADS and all(c.endswith(": ok") for c in lines), lines
+    # The workloads reach what they are for: preemption, cache hits and several prompts a step.
+    assert sum("0 preemption(s)" not in c for c in lines) >= 3
+    assert sum(", 0 starting with" not in c for c in lines) >= 10

@@ -11,6 +11,7 @@ On upstream 0.31.0+ it checks the group split and, 0.33.0+, the MLA plan.
 from __future__ import annotations
 
 import importlib
+import json
 import random
 import threading
 import weakref
@@ -682,3 +683,14 @@ def shrink_batch(batch: Batch) -> Batch:
                 break
             batch = replace(batch, seed=None, chunks=cut)
     return batch
+
+
+def serve_batches(lines: Any, answer: Any) -> None:
+    """The batch oracle for a test driver (hypothesis draws the batches): per JSON batch read
+    from `lines`, `answer` gets the JSON list of what went wrong."""
+    importlib.import_module(CONNECTOR)
+    for line in lines:
+        data = json.loads(line)
+        data["chunks"] = tuple(tuple(c) for c in data["chunks"])
+        batch = Batch(**{**data, "growing": tuple(data["growing"])})
+        answer(json.dumps(judge_batch(batch, *drive_batch(batch))))
