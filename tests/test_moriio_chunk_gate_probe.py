@@ -295,17 +295,24 @@ def test_oracle_holds_on_the_patched_fork(oracles, w):
 @pytest.mark.wheel
 @pytest.mark.verify
 def test_oracle_finds_and_shrinks_the_unpatched_gate(oracles):
-    # hypothesis's own search and shrinking: the smallest workload the unpatched fork gets
-    # wrong is one remote request whose final chunk the block count calls early.
+    # hypothesis's own search and shrinking finds a workload the unpatched fork gets wrong (a
+    # save that leaves before the step computing the prompt's last token) and the patched
+    # fork gets right.
     oracle = oracles("a", False)
     found = find(
         workloads(),
         lambda w: bool(oracle.judge(w)),
         settings=settings(max_examples=200, deadline=None, database=None),
     )
-    wrong = oracle.judge(found)
-    assert len(found.asks) == 1 and found.asks[0].remote, found
-    assert wrong and wrong[0].startswith("r0 saved at step(s) [1], expected once at step 2"), wrong
+    early = [
+        m
+        for m in (
+            re.match(r"r\d+ saved at step\(s\) \[(\d+)\], expected once at step (\d+)", w)
+            for w in oracle.judge(found)
+        )
+        if m
+    ]
+    assert any(int(m[1]) < int(m[2]) for m in early), (found, oracle.judge(found))
     assert oracles("a", True).judge(found) == []
 
 
