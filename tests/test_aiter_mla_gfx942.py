@@ -201,7 +201,7 @@ def table() -> list[tuple[str, bool, bool]]:
         (
             truth.variable_case(aiter_variable, variable, gpu),
             want,
-            aiter_variable == "1" and truth.parsed_mla_flag(variable),
+            truth.parsed_aiter_flag(aiter_variable) and truth.parsed_mla_flag(variable),
         )
         for aiter_variable, variable, gpu, want in truth.VARIABLE_ROWS
     ]
@@ -209,7 +209,11 @@ def table() -> list[tuple[str, bool, bool]]:
 
 
 def test_the_table_is_every_combination_with_the_rules_value():
-    assert len(truth.FLAG_ROWS) == 3 * 3 * 2 * 2 and len(truth.VARIABLE_ROWS) == 2 * 4 * 3
+    spellings = len(truth.VALUES)
+    assert len(truth.FLAG_ROWS) == spellings * 3 * 2 * 2
+    assert len(truth.VARIABLE_ROWS) == len(truth.AITER_VALUES) * spellings * 3
+    # Every case of "true" is an explicit "on" as "1" is (a fix judging a few spellings fails).
+    assert {"1", "true", "True", "TRUE", "tRuE", "", "yes"} <= set(truth.VALUES)
     assert len({label for label, _, _ in table()}) == len(table())
     rows = {(v, gpu, a, m): want for v, gpu, a, m, want in truth.FLAG_ROWS}
     # SITES.md section 4: unset on gfx942 off; =1 on gfx942 on; =0 (its flag off) off
@@ -223,6 +227,7 @@ def test_the_table_is_every_combination_with_the_rules_value():
     assert [label for label, want, old in table() if want != old] == [
         "VLLM_ROCM_USE_AITER_MLA=unset gfx942 aiter=1 mla=1",
         "from the variables: VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MLA=unset gfx942",
+        "from the variables: VLLM_ROCM_USE_AITER=True VLLM_ROCM_USE_AITER_MLA=unset gfx942",
     ]
 
 
@@ -241,7 +246,7 @@ def test_truth_table_fails_unpatched_and_holds_applied(probed, verified, tree):
     spec = tree.replace("fork-", "fork:")
     before = probed(spec, aiter.PATCH.id)
     assert before["ok"] is False
-    assert before["checks"] == [line(label, old, want) for label, want, old in table()]
+    assert rows_of(before) == [line(label, old, want) for label, want, old in table()]
 
     found = verified(spec)
     assert found["apply_rc"] == 0, found["output"]
@@ -249,4 +254,11 @@ def test_truth_table_fails_unpatched_and_holds_applied(probed, verified, tree):
     assert check["verdict"] == "applied", check
     assert [m["status"] for m in check["modules"]] == ["ok"] * len(check["modules"]), check
     assert check["probe"]["ok"] is True, check["probe"]["summary"]
-    assert check["probe"]["checks"] == [line(label, want, want) for label, want, _ in table()]
+    assert rows_of(check["probe"]) == [line(label, want, want) for label, want, _ in table()]
+
+
+def rows_of(probe: dict) -> list[str]:
+    """The probe's table rows; its one other line says the tree's envs.py parses as assumed."""
+    (parsing,) = [c for c in probe["checks"] if c.startswith("envs.py reads ")]
+    assert parsing.endswith(f"for {len(truth.VALUES)} spellings: ok"), parsing
+    return [c for c in probe["checks"] if c != parsing]

@@ -9,11 +9,34 @@ that the tree's gate gets wrong, and only those; applied, and on upstream's fix,
 
 from __future__ import annotations
 
-import pytest
-from conftest import built_fork_tree, slow_except
-from k3patch.patches.moriio_chunk_gate.probe import SCHEDULED, TABLE, Prefill
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
+import pytest
+from conftest import built_fork_tree, run_cli, slow_except
+from hypothesis import HealthCheck, find, given, settings
+from hypothesis import strategies as st
+from k3patch.patches.moriio_chunk_gate.probe import (
+    K3_BLOCK,
+    MAX_LEN,
+    SCHEDULED,
+    TABLE,
+    WORKLOADS,
+    Ask,
+    Prefill,
+    Workload,
+    generate,
+    workload_from,
+)
+
+import k3patch
 from k3patch import scan
+from k3patch.registry import patches_dir
 from k3patch.tree import locate
 from k3patch.verdicts import Verdict
 
@@ -165,3 +188,154 @@ def test_with_group_routing_on_the_fork(verified):
     probe = found["patches"][PATCH_ID]["probe"]
     assert probe["ok"] is True, probe["summary"]
     assert all(row_results(probe).values())
+
+
+# --------------------------------------------------------------------------------------------
+# The probe's oracle driven by hypothesis: workloads drawn (and shrunk) here, each run in one
+# long-lived child of the tree's interpreter (vLLM imported once) by probe.serve_workloads,
+# which answers what the reference model says went wrong. verify runs the same oracle on
+# seeded standard-library workloads (no hypothesis in an image's Python).
+
+ORACLE_CHILD = """
+import sys, types
+sys.path.insert(0, sys.argv[1])
+for name, where in (("k3patch", sys.argv[2]), ("k3patch.patches", sys.argv[3])):
+    module = types.ModuleType(name)
+    module.__path__ = [where]
+    sys.modules[name] = module
+from k3patch.patches.moriio_chunk_gate.probe import serve_workloads
+def answer(line):
+    print("K3PATCH-ORACLE " + line, flush=True)
+serve_workloads(iter(sys.stdin.readline, ""), answer)
+"""
+
+
+class Oracle:
+    """The child: `judge(workload)` -> what went wrong on its tree (empty: all right)."""
+
+    def __init__(self, python: str, site: Path) -> None:
+        package = Path(k3patch.__file__).parent
+        args = [python, "-c", ORACLE_CHILD, str(site), str(package), str(patches_dir())]
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
+        self.child = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+
+    def judge(self, w: Workload) -> list[str]:
+        assert self.child.stdin is not None and self.child.stdout is not None
+        self.child.stdin.write(json.dumps(dataclasses.asdict(w)) + "\n")
+        self.child.stdin.flush()
+        for line in self.child.stdout:  # vLLM logs to stdout too
+            if line.startswith("K3PATCH-ORACLE "):
+                return json.loads(line.split(" ", 1)[1])
+        raise AssertionError("the oracle child died")
+
+    def close(self) -> None:
+        if self.child.stdin is not None:
+            self.child.stdin.close()
+        self.child.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def oracles(tmp_path_factory, verify_python):
+    """oracles(name, patched) -> an Oracle on fork tree `name`, unpatched or applied."""
+    made: dict[tuple[str, bool], Oracle] = {}
+
+    def get(name: str, patched: bool) -> Oracle:
+        if (name, patched) not in made:
+            site = tmp_path_factory.mktemp(f"oracle-{name}-{patched}") / "site"
+            shutil.copytree(built_fork_tree(name), site, ignore=shutil.ignore_patterns(".complete"))
+            if patched:
+                proc = run_cli("apply", "--vllm", str(site), "--quiet")
+                assert proc.returncode == 0, proc.stdout + proc.stderr
+            made[name, patched] = Oracle(verify_python, site)
+        return made[name, patched]
+
+    yield get
+    for oracle in made.values():
+        oracle.close()
+
+
+@st.composite
+def workloads(draw) -> Workload:
+    """As probe.generate draws them, with hypothesis choosing (and shrinking) every value."""
+    k3 = draw(st.booleans())
+    block = K3_BLOCK if k3 else draw(st.sampled_from((16, 32, 64)))
+    budget = draw(st.sampled_from((2048, 3000))) if k3 else draw(st.integers(24, 260))
+    longest = MAX_LEN - K3_BLOCK if k3 else 700
+    asks = []
+    for _ in range(draw(st.integers(1, 6))):
+        prompt = draw(st.integers(1, longest))
+        remote = draw(st.booleans())
+        external = draw(st.integers(0, prompt - 1)) // block * block if draw(st.booleans()) else 0
+        ask = Ask(
+            prompt=prompt,
+            family=draw(st.integers(0, 2)),
+            shared=draw(st.integers(0, prompt)),
+            arrives=draw(st.integers(1, 6)),
+            remote=remote,
+            external=external,
+            decode=1 if remote else draw(st.integers(1, 12)),
+        )
+        asks.append(ask)
+    need = max(-(-(a.prompt + a.decode) // block) for a in asks) + 1
+    pool = draw(st.integers(need, need + sum(-(-(a.prompt + a.decode) // block) for a in asks)))
+    cap = draw(st.one_of(st.just(0), st.integers(max(1, budget // 4), budget)))
+    return Workload(None, block, budget, pool, tuple(asks), draw(st.booleans()), cap)
+
+
+@pytest.mark.wheel
+@pytest.mark.verify
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(w=workloads())
+def test_oracle_holds_on_the_patched_fork(oracles, w):
+    assert oracles("a", True).judge(w) == []
+
+
+@pytest.mark.wheel
+@pytest.mark.verify
+def test_oracle_finds_and_shrinks_the_unpatched_gate(oracles):
+    # hypothesis's own search and shrinking finds a workload the unpatched fork gets wrong (a
+    # save that leaves before the step computing the prompt's last token) and the patched
+    # fork gets right.
+    oracle = oracles("a", False)
+    found = find(
+        workloads(),
+        lambda w: bool(oracle.judge(w)),
+        settings=settings(max_examples=200, deadline=None, database=None),
+    )
+    early = [
+        m
+        for m in (
+            re.match(r"r\d+ saved at step\(s\) \[(\d+)\], expected once at step (\d+)", w)
+            for w in oracle.judge(found)
+        )
+        if m
+    ]
+    assert any(int(m[1]) < int(m[2]) for m in early), (found, oracle.judge(found))
+    assert oracles("a", True).judge(found) == []
+
+
+@pytest.mark.wheel
+@pytest.mark.verify
+def test_seeded_workloads_are_the_same_everywhere():
+    # verify's workloads come from seeds alone: an operator's failing seed is the lead's case.
+    assert [generate(seed) for seed in range(WORKLOADS)] == [
+        generate(seed) for seed in range(WORKLOADS)
+    ]
+    assert workload_from(dataclasses.asdict(generate(3))) == generate(3)
+    assert len({generate(seed) for seed in range(WORKLOADS)}) == WORKLOADS
+
+
+@pytest.mark.wheel
+@pytest.mark.verify
+def test_unpatched_fork_fails_generated_workloads_naming_seed_and_case(probed, verified):
+    before = probed("fork:a", PATCH_ID)
+    assert re.search(r"workload seed \d+: r\d+ saved at step", before["summary"])
+    assert "smallest failing case of seed " in before["summary"]
+    after = verified("fork:a")["patches"][PATCH_ID]["probe"]["checks"]
+    lines = [c for c in after if c.startswith("workload seed ")]
+    assert len(lines) == WORKLOADS and all(c.endswith(": ok") for c in lines), lines
+    # The workloads reach what they are for: preemption, cache hits and several prompts a step.
+    assert sum("0 preemption(s)" not in c for c in lines) >= 3
+    assert sum(", 0 starting with" not in c for c in lines) >= 10

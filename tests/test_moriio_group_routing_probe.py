@@ -34,21 +34,34 @@ be refused at the worker's layer maps with a ValueError (the fork trees build th
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import re
+import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import probe_child
 import pytest
-from conftest import run_cli, slow_except
+from conftest import built_fork_tree, run_cli, slow_except
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from k3patch.patches.moriio_group_routing import PATCH
 from k3patch.patches.moriio_group_routing.probe import (
     ATTENTION_LAYOUT,
+    BATCHES,
     CASES,
     KIND_NAMES,
+    LAYOUTS,
     TWO_ATTENTION_LAYOUT,
+    Batch,
 )
+
+import k3patch
+from k3patch.registry import patches_dir
 
 pytestmark = pytest.mark.verify
 ONLY = ["--only", "moriio-group-routing"]
@@ -335,3 +348,75 @@ def test_an_installed_k3patch_ships_and_loads_the_probe(
     )
     assert probe["ok"] is True, probe
     assert any(c.startswith("K3 upstream plan: model.layers.6.mla") for c in probe["checks"])
+
+
+# --------------------------------------------------------------------------------------------
+# The batch oracle (several requests share one scheduler and one worker): seeded batches in
+# verify, hypothesis-drawn ones here, each judged by probe.serve_batches in one long-lived child
+# of the tree's interpreter.
+
+BATCH_CHILD = """
+import sys, types
+sys.path.insert(0, sys.argv[1])
+for name, where in (("k3patch", sys.argv[2]), ("k3patch.patches", sys.argv[3])):
+    module = types.ModuleType(name)
+    module.__path__ = [where]
+    sys.modules[name] = module
+from k3patch.patches.moriio_group_routing.probe import serve_batches
+def answer(line):
+    print("K3PATCH-ORACLE " + line, flush=True)
+serve_batches(iter(sys.stdin.readline, ""), answer)
+"""
+
+
+@pytest.fixture(scope="module")
+def batch_oracle(tmp_path_factory, verify_python):
+    site = tmp_path_factory.mktemp("batch-oracle") / "site"
+    shutil.copytree(built_fork_tree("a"), site, ignore=shutil.ignore_patterns(".complete"))
+    proc = run_cli("apply", "--vllm", str(site), "--quiet")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    package = Path(k3patch.__file__).parent
+    args = [verify_python, "-c", BATCH_CHILD, str(site), str(package), str(patches_dir())]
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
+    child = subprocess.Popen(
+        args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+
+    def judge(batch: Batch) -> list[str]:
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write(json.dumps(dataclasses.asdict(batch)) + "\n")
+        child.stdin.flush()
+        for line in child.stdout:
+            if line.startswith("K3PATCH-ORACLE "):
+                return json.loads(line.split(" ", 1)[1])
+        raise AssertionError("the oracle child died")
+
+    yield judge
+    assert child.stdin is not None
+    child.stdin.close()
+    child.wait(timeout=60)
+
+
+@st.composite
+def batches(draw) -> Batch:
+    layout = draw(st.sampled_from(sorted(LAYOUTS)))
+    kinds = sorted({kind for kind, _ in LAYOUTS[layout]})
+    growing = tuple(k for k in kinds if draw(st.booleans()))
+    request = st.lists(st.integers(1, 16), min_size=1, max_size=4).map(tuple)
+    chunks = tuple(draw(st.lists(request, min_size=1, max_size=4)))
+    return Batch(None, layout, growing, chunks)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(batch=batches())
+def test_batch_oracle_holds_on_the_patched_fork(batch_oracle, batch):
+    assert batch_oracle(batch) == []
+
+
+def test_unpatched_fork_fails_generated_batches_naming_seed_and_case(routed):
+    probe = routed("a", False)
+    assert re.search(r"batch seed \d+: r\d+ model\.layers\.\d+\.\w+ \(", probe["summary"])
+    assert "smallest failing batch of seed " in probe["summary"]
+    applied = routed("a", True)["probe"]["checks"]
+    assert len([c for c in applied if c.startswith("batch seed ")]) == BATCHES
+    assert all(c.endswith(": ok") for c in applied if c.startswith("batch seed "))

@@ -23,7 +23,14 @@ VARIABLE = "VLLM_ROCM_USE_AITER_MLA"
 AITER_VARIABLE = "VLLM_ROCM_USE_AITER"
 # The arch names ROCm reports; gfx90a (MI200) is a gfx9 that is neither MI300 nor MI350.
 GPUS = {gpu: f"{gpu}:sramecc+:xnack-" for gpu in ("gfx942", "gfx950", "gfx90a")}
-VALUES: tuple[str | None, ...] = (None, "0", "1")  # None: unset
+# None: unset. Every spelling vLLM's envs.py takes: it reads the variable as
+# `os.getenv(NAME, "True").lower() in ("true", "1")` and `envs.is_set(NAME)` as `NAME in
+# os.environ`, so any value is "set", and only the cases of "true" and "1" turn the flag on.
+VALUES: tuple[str | None, ...] = (
+    *(None, "0", "1", "true", "True", "TRUE", "tRuE", "false", "False", "FALSE"),
+    *("", "yes", "on", "off", "2", " 1"),
+)
+AITER_VALUES = ("1", "0", "True", "false")
 
 
 def expected(variable: str | None, gpu: str, aiter: bool, mla: bool) -> bool:
@@ -32,8 +39,14 @@ def expected(variable: str | None, gpu: str, aiter: bool, mla: bool) -> bool:
 
 
 def parsed_mla_flag(variable: str | None) -> bool:
-    """`_MLA_ENABLED` as vLLM reads it from the variable: on unless set to a false value."""
+    """`_MLA_ENABLED` as vLLM reads it from the variable: on when unset, else on exactly for
+    the cases of "true" and "1"."""
     return variable is None or variable.lower() in ("1", "true")
+
+
+def parsed_aiter_flag(variable: str) -> bool:
+    """`_AITER_ENABLED` as vLLM reads VLLM_ROCM_USE_AITER (default off)."""
+    return variable.lower() in ("1", "true")
 
 
 # (variable, GPU, AITER flag, MLA flag, expected)
@@ -43,19 +56,28 @@ FLAG_ROWS = tuple(
 )
 # (VLLM_ROCM_USE_AITER, VLLM_ROCM_USE_AITER_MLA, GPU, expected)
 VARIABLE_ROWS = tuple(
-    (aiter, variable, gpu, expected(variable, gpu, aiter == "1", parsed_mla_flag(variable)))
-    for aiter, variable, gpu in itertools.product(("1", "0"), (*VALUES, "true"), GPUS)
+    (
+        aiter,
+        variable,
+        gpu,
+        expected(variable, gpu, parsed_aiter_flag(aiter), parsed_mla_flag(variable)),
+    )
+    for aiter, variable, gpu in itertools.product(AITER_VALUES, VALUES, GPUS)
 )
 
 
+def shown(variable: str | None) -> str:
+    return "unset" if variable is None else repr(variable)
+
+
 def flag_case(variable: str | None, gpu: str, aiter: bool, mla: bool) -> str:
-    case = f"{VARIABLE}={variable or 'unset'} {gpu} aiter={aiter:d} mla={mla:d}"
+    case = f"{VARIABLE}={shown(variable)} {gpu} aiter={aiter:d} mla={mla:d}"
     return case + (" (flag differs from the variable)" if mla != parsed_mla_flag(variable) else "")
 
 
 def variable_case(aiter_variable: str, variable: str | None, gpu: str) -> str:
     head = f"from the variables: {AITER_VARIABLE}={aiter_variable}"
-    return f"{head} {VARIABLE}={variable or 'unset'} {gpu}"
+    return f"{head} {VARIABLE}={shown(variable)} {gpu}"
 
 
 def probe_truth_table() -> ProbeOutcome:
@@ -79,6 +101,7 @@ def probe_truth_table() -> ProbeOutcome:
             swap.attr(rocm_aiter_ops, "_MLA_ENABLED", mla)
             case = flag_case(variable, gpu, aiter, mla)
             checks.expect(case, got=_answer(func, rocm_aiter_ops), want=want)
+        _check_parsing(checks, swap)
         for aiter_variable, variable, gpu, want in VARIABLE_ROWS:
             vars(fake_rocm).update(helpers[gpu])
             swap.env(AITER_VARIABLE, aiter_variable)
@@ -87,6 +110,26 @@ def probe_truth_table() -> ProbeOutcome:
             case = variable_case(aiter_variable, variable, gpu)
             checks.expect(case, got=_answer(func, rocm_aiter_ops), want=want)
     return checks.outcome()
+
+
+def _check_parsing(checks: Checks, swap: Swap) -> None:
+    """The tree's own envs.py reads every spelling as the rows assume (else the rows' expected
+    values are not this release's)."""
+    from vllm import envs  # type: ignore[import-not-found]
+
+    parse = getattr(envs, "environment_variables", {}).get(VARIABLE)
+    if parse is None:
+        checks.note(f"envs.py has no parser for {VARIABLE}; the rows use SITES.md's rule")
+        return
+    differ = []
+    for variable in VALUES:
+        swap.env(VARIABLE, variable)
+        if bool(parse()) != parsed_mla_flag(variable) or envs.is_set(VARIABLE) != (
+            variable is not None
+        ):
+            differ.append(shown(variable))
+    line = f"envs.py reads {VARIABLE} as the rows assume for {len(VALUES)} spellings"
+    checks.check(line, not differ, f"it differs for {', '.join(differ)}" if differ else "")
 
 
 def _answer(func: Any, ops: Any) -> bool | str:

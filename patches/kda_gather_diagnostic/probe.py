@@ -20,6 +20,10 @@ from k3patch.probekit import Checks, Swap, TorchTrace
 from . import OPS_FILE, OPS_MODULE, SITES
 from .syncs import ENV, SYNC_TORCH_FUNCTIONS, ungated_sync_points
 
+# The variable operators set, named here in full rather than taken from the patch's own ENV:
+# a patch whose constant changes must fail the runs below.
+LOG_VARIABLE = "K3_KDA_GATHER_LOG"
+
 
 def probe_no_sync_unless_asked() -> ProbeOutcome:
     checks = Checks(f"no sync reachable with {ENV} unset")
@@ -88,17 +92,24 @@ def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Che
     pool = 6
     state = torch.arange(pool * 2 * 3, dtype=torch.float32).reshape(pool, 2, 3)
     has = torch.tensor([True, True, False, True])
-    cases: list[tuple[str, list[int], str | None]] = [("indices in range", [0, 5, 3, 2], None)]
+    # Indices inside, below and above the pool, each with the variable unset, "1" and "0".
+    layouts = [("indices in range", [0, 5, 3, 2])]
     if "_safe_idx" in {n.id for n in ast.walk(func_ast) if isinstance(n, ast.Name)}:
         # Only the fork's guard clamps; upstream's kernel must never see a bad index.
-        cases += [("index 9 of a pool of 6", [0, 9, 3, 2], env) for env in (None, "1")]
+        layouts += [
+            ("index 9 of a pool of 6", [0, 9, 3, 2]),
+            ("index -1", [0, -1, 3, 2]),
+            ("indices -7 and 6 of a pool of 6", [-7, 5, 3, 6]),
+            ("index -3 where no initial state is read", [0, 5, -3, 2]),
+        ]
+    cases = [(label, slots, env) for label, slots in layouts for env in (None, "1", "0")]
     with Swap() as swap:
         for name, value in probekit.triton_on_host(func_ast, vars(module), launch).items():
             swap.attr(module, name, value)
         # verify runs with VLLM_LOGGING_LEVEL=ERROR; the diagnostic logs at WARNING.
         logged = swap.log(module.__name__, logging.WARNING)
         for label, slots, env in cases:
-            swap.env(ENV, env)
+            swap.env(LOG_VARIABLE, env)
             del reached[:], logged[:]
             indices = torch.tensor(slots, dtype=torch.int32)
             with trace:  # gather_initial_states asserts device tensors
@@ -114,9 +125,15 @@ def _run_gather(func: Callable[..., Any], func_ast: ast.FunctionDef, checks: Che
                 problems.append("an out-of-range index reached the kernel")
             if env is None and found:
                 problems.append(f"sync-capable ops ran: {ops}")
-            if env == "1" and not any("9" in r.getMessage() for r in logged):
-                problems.append("the diagnostic did not log the out-of-range index")
-            case = f"gather_initial_states (traced CPU run, {ENV}={env or 'unset'}, {label})"
+            bad = [i for i in slots if not 0 <= i < pool]
+            messages = " ".join(r.getMessage() for r in logged)
+            if env == "1" and bad and not all(str(i) in messages for i in bad):
+                problems.append(f"the diagnostic did not log the out-of-range indices {bad}")
+            if env != "1" and logged:
+                problems.append(f"{len(logged)} warning(s) logged without {LOG_VARIABLE}=1")
+            case = (
+                f"gather_initial_states (traced CPU run, {LOG_VARIABLE}={env or 'unset'}, {label})"
+            )
             seen = f"sync-capable ops: {ops}; {len(logged)} warning(s); rows "
             seen += "right" if right else "WRONG"
             checks.check(case, not problems, "; ".join([seen, *problems]))
