@@ -160,8 +160,9 @@ def stale_bytecode(source: Path, data: bytes | None) -> str | None:
     if data is None:
         return None
     want = None
-    for opt in ("", 1, 2):
-        path = importlib.util.cache_from_source(os.path.abspath(source), optimization=opt)
+    # cache_from_source once (it is most of this check's cost): the -O and -OO names add a tag.
+    plain = importlib.util.cache_from_source(os.path.abspath(source))
+    for path in (plain, plain[:-4] + ".opt-1.pyc", plain[:-4] + ".opt-2.pyc"):
         head = _header(path)
         if head[:4] != importlib.util.MAGIC_NUMBER or _flags(head) != _UNCHECKED:
             continue
