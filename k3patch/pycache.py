@@ -11,12 +11,14 @@ where it may (a read-only tree just runs from source). A pyc this user may not r
 `import vllm` once) is left when its interpreter sees it is stale by itself (timestamp,
 checked-hash); an unchecked-hash one is refused before anything is removed or written.
 `stale_bytecode` is status's side: an unchecked-hash pyc this interpreter would load that does not
-hold the code of the file beside it.
+hold the code of the file beside it. `imported_instead` is the other way import skips the source:
+a compiled extension module named like it, or a sourceless `.pyc` where the `.py` is gone.
 """
 
 from __future__ import annotations
 
 import errno
+import importlib.machinery
 import importlib.util
 import os
 import re
@@ -158,8 +160,9 @@ def stale_bytecode(source: Path, data: bytes | None) -> str | None:
     if data is None:
         return None
     want = None
-    for opt in ("", 1, 2):
-        path = importlib.util.cache_from_source(os.path.abspath(source), optimization=opt)
+    # cache_from_source once (it is most of this check's cost): the -O and -OO names add a tag.
+    plain = importlib.util.cache_from_source(os.path.abspath(source))
+    for path in (plain, plain[:-4] + ".opt-1.pyc", plain[:-4] + ".opt-2.pyc"):
         head = _header(path)
         if head[:4] != importlib.util.MAGIC_NUMBER or _flags(head) != _UNCHECKED:
             continue
@@ -167,3 +170,35 @@ def stale_bytecode(source: Path, data: bytes | None) -> str | None:
         if head[8:16] != want:
             return path
     return None
+
+
+def imported_instead(source: Path) -> str | None:
+    """The file import loads for the module of `source` instead of `source`, or None. Python's
+    path finder picks the loader by the file's name alone, before it opens anything: an extension
+    module (any of `EXTENSION_SUFFIXES`: `_aiter_ops.cpython-311-x86_64-linux-gnu.so`,
+    `.abi3.so`, `.so`) beside the source wins over it, and where the `.py` is absent a sourceless
+    `_aiter_ops.pyc` (`compileall -b`) is imported. Neither is code k3patch can read or change.
+    One stat per suffix; a regular file (links followed, as import does) counts."""
+    stem = os.path.join(source.parent, source.stem)
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        if os.path.isfile(stem + suffix):
+            return stem + suffix
+    if not os.path.lexists(source):
+        for suffix in importlib.machinery.BYTECODE_SUFFIXES:
+            if os.path.isfile(stem + suffix):
+                return stem + suffix
+    return None
+
+
+def instead_why(rel: str, path: str) -> str:
+    """One line for a target whose import loads `path` (from `imported_instead`) instead."""
+    name = os.path.basename(path)
+    if path.endswith(tuple(importlib.machinery.BYTECODE_SUFFIXES)):
+        return (
+            f"{rel}: present only as bytecode ({name}, which Python imports); k3patch needs the "
+            "source: reinstall vLLM with its .py files"
+        )
+    return (
+        f"{rel}: Python imports the compiled extension {name} beside it, not the .py; k3patch "
+        "changes source only: remove the extension module (or use a source build of vLLM)"
+    )

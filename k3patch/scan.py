@@ -14,7 +14,7 @@ from k3patch import formats, lock
 from k3patch.astkit import AmbiguousDefinition
 from k3patch.errors import EnvironmentProblem
 from k3patch.patch import Patch
-from k3patch.pycache import stale_bytecode
+from k3patch.pycache import imported_instead, instead_why, stale_bytecode
 from k3patch.registry import all_patches
 from k3patch.sources import SourceError, Sources
 from k3patch.state import RecordProblem, fresh, load
@@ -193,6 +193,10 @@ def scan(
             for rel in targets
             if (pyc := stale_bytecode(tree.package_dir / rel, sources[rel].data)) is not None
         }
+        # A target whose import loads other code (an extension module, a sourceless pyc): the
+        # patch cannot be judged or applied from the source, so it drifts, never "applied" nor
+        # "not applicable" (an absent .py beside its .pyc is not an absent feature).
+        instead = {rel: path for rel in targets if (path := imported_instead(tree.path(rel)))}
         record = None
         try:
             record = load(tree.state_dir)
@@ -201,12 +205,17 @@ def scan(
         except EnvironmentProblem as exc:
             problem = problem or str(exc)
     cached = record if use_record and not os.environ.get("K3PATCH_NO_FASTPATH") else None
-    quiet = interrupted is None and problem is None and not stale
+    quiet = interrupted is None and problem is None and not stale and not instead
     if cached is not None and quiet and fresh(cached, hashes):
         return Report(tree, patches, cached.results, hashes, from_record=True).selected(patches)
     results = []
     run_from: dict[tuple[str, str, str], Verdict] = {}
-    for result in (r for patch in patches for r in classify(patch, sources)):
+    judged = (
+        [_drift(p, rel, instead_why(rel, instead[rel])) for rel in p.files if rel in instead]
+        or classify(p, sources)
+        for p in patches
+    )
+    for result in (r for results_of in judged for r in results_of):
         if result.file in stale and result.verdict in (Verdict.APPLIED, Verdict.SATISFIED):
             # A good site whose file Python does not run: status must not call it good.
             run_from[(result.patch_id, result.site, result.file)] = result.verdict

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 from k3patch import __version__, formats, safefs
 from k3patch.errors import EnvironmentProblem
-from k3patch.pycache import stale_bytecode
+from k3patch.pycache import imported_instead, stale_bytecode
 from k3patch.verdicts import SiteResult
 
 STATE_FILE = "state.json"
@@ -270,7 +270,9 @@ def check_record(package_dir: str) -> tuple[StateRecord | None, str, str]:
     if not fresh(record, hashes):
         return None, "stale", "the files differ from the record"
     for rel, d in data.items():
-        pyc = stale_bytecode(Path(package_dir) / rel, d)
+        pyc = stale_bytecode(Path(package_dir) / rel, d) or imported_instead(
+            Path(package_dir) / rel
+        )
         if pyc is not None:
             return None, "stale bytecode", f"Python runs {pyc}, not the code of vllm/{rel}"
     return record, "fresh", ""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -112,12 +113,18 @@ def test_pycache_prefix_unchecked_hash_pyc_keeps_old_code(make_tree, tmp_path):
 
 @pytest.mark.wheel
 def test_plugin_passes_with_pycache_prefix_old_code(make_tree, tmp_path):
-    """D1, the plugin: K3PATCH_PREFLIGHT=fail lets vLLM start on the old code of D1's tree."""
+    """D1, the plugin: K3PATCH_PREFLIGHT=fail lets vLLM start on the old code of D1's tree.
+    apply removes the prefix's pycs, so they are put back after it, as an image layer or a
+    restored build cache would: the unchecked-hash pycs of the original code under the prefix."""
     site = make_tree("0.31.0")
     pkg = site / "vllm"
-    env = {"PYTHONPYCACHEPREFIX": str(tmp_path / "pycache-prefix")}
+    prefix = tmp_path / "pycache-prefix"
+    env = {"PYTHONPYCACHEPREFIX": str(prefix)}
     _compile_unchecked([pkg / rel for rel in TARGETS], env)
+    saved = tmp_path / "saved-prefix"
+    shutil.copytree(prefix, saved)
     assert run_cli("apply", "--quiet", "--vllm", str(site), env=env).returncode == 0
+    shutil.copytree(saved, prefix, dirs_exist_ok=True)  # the old pycs come back after apply
     stale = _stale(pkg, env)
     assert stale, "precondition: the prefix pycs are stale"
     proc = _preflight_fail(pkg, env)
@@ -143,8 +150,8 @@ def test_status_applied_with_stale_unchecked_pyc_in_tree(make_tree, tmp_path):
 
     status = run_cli("status", "--quiet", "--vllm", str(site))
     slow = run_cli("status", "--quiet", "--vllm", str(site), env={"K3PATCH_NO_FASTPATH": "1"})
+    plugin = _preflight_fail(pkg, {})  # before the apply below, which removes the pyc
     again = run_cli("apply", "--quiet", "--vllm", str(site))
-    plugin = _preflight_fail(pkg, {})
     problems = [
         name
         for name, proc in [("status", status), ("status (no fast path)", slow)]
@@ -228,3 +235,54 @@ def test_sourceless_tree_is_not_not_applicable(make_tree):
     assert status.returncode != 0 and apply.returncode != 0, (
         f"status rc={status.returncode}: {status.stdout!r}; apply rc={apply.returncode}"
     )
+    # The verdict: drifted, saying why, in status and apply alike; the plugin refuses too.
+    for proc in (status, apply):
+        assert proc.returncode == 1, proc.stderr
+        assert "aiter-mla-gfx942: drifted" in proc.stdout, proc.stdout
+        text = " ".join(proc.stdout.split())  # the report wraps long lines
+        assert "_aiter_ops.py: present only as bytecode (_aiter_ops.pyc" in text, text
+    assert _preflight_fail(pkg, {}).returncode != 0
+
+
+@pytest.mark.wheel
+@pytest.mark.parametrize("when", ["after apply", "before apply"])
+def test_extension_module_beside_target_is_not_applied(make_tree, when):
+    """D6: an extension module named like a target (a Cython/mypyc/Nuitka build that kept the
+    .py) is what import loads, so the patched .py never runs; status must not say applied. An
+    empty file is enough to show k3patch reads it: the path finder picks ExtensionFileLoader by
+    the name's suffix before it opens the file (proven below with FileFinder), so the name alone
+    decides which file import would run; what is inside only decides whether it then loads."""
+    import importlib.machinery
+
+    site = make_tree("0.31.0")
+    pkg = site / "vllm"
+    original = (pkg / AITER).read_bytes()
+    ext = pkg / ("_aiter_ops" + importlib.machinery.EXTENSION_SUFFIXES[0])
+    if when == "after apply":
+        assert run_cli("apply", "--quiet", "--vllm", str(site)).returncode == 0
+    patched = (pkg / AITER).read_bytes()
+    ext.write_bytes(b"")
+    finder = (
+        "import importlib.machinery as m, sys\n"
+        "f = m.FileFinder(sys.argv[1], (m.ExtensionFileLoader, m.EXTENSION_SUFFIXES),"
+        " (m.SourceFileLoader, m.SOURCE_SUFFIXES), (m.SourcelessFileLoader, m.BYTECODE_SUFFIXES))\n"
+        "print(f.find_spec('vllm._aiter_ops').origin)\n"
+    )
+    origin = subprocess.run(
+        [sys.executable, "-c", finder, str(pkg)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert origin == str(ext), "precondition: import would load the extension, not the .py"
+
+    status = run_cli("status", "--quiet", "--vllm", str(site))
+    slow = run_cli("status", "--quiet", "--vllm", str(site), env={"K3PATCH_NO_FASTPATH": "1"})
+    plugin = _preflight_fail(pkg, {})
+    apply = run_cli("apply", "--quiet", "--vllm", str(site))
+    for proc in (status, slow, apply):
+        assert proc.returncode == 1, (proc.args, proc.stdout, proc.stderr)
+        assert "aiter-mla-gfx942: drifted" in proc.stdout, proc.stdout
+        assert f"compiled extension {ext.name}" in " ".join(proc.stdout.split()), proc.stdout
+    assert plugin.returncode != 0, plugin.stderr
+    if when == "after apply":  # before it there is no record, which the plugin says first
+        assert ext.name in plugin.stderr, plugin.stderr
+    # apply refuses that patch: the .py is as it was (never patched over the extension).
+    assert (pkg / AITER).read_bytes() == (patched if when == "after apply" else original)
