@@ -304,4 +304,8 @@ def load_journal(package_dir: Path, allowed: frozenset[str]) -> dict[str, Any] |
         for key in ("before", "after"):
             if not _hash_or_none(entry.get(key)):
                 raise damaged(where, f"{key} of {entry.get('path')!r} is not a sha256")
+            # k3patch creates and removes only its own record: a vLLM file "absent" before or
+            # after is a forged entry, whose recovery would delete that file.
+            if entry.get(key) is None and entry["path"] != STATE_REL:
+                raise damaged(where, f"{key} of {entry['path']!r} is absent: not a k3patch edit")
     return {"op": loaded["op"], "files": files}

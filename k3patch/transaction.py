@@ -144,7 +144,9 @@ class Transaction:
                     put_back(self.package_dir, edit.rel, kept.pop(edit.rel), edit.after)
                 else:
                     entry = {"path": edit.rel, "before": _hash(edit.before)}
-                    self._roll_back({**entry, "after": _hash(edit.after)})
+                    step = self._roll_back_plan({**entry, "after": _hash(edit.after)})
+                    if step is not None:
+                        replace_checked(self.package_dir, *step)
             except Exception as exc:
                 failed = failed or exc
         for keep in kept.values():
@@ -169,14 +171,21 @@ class Transaction:
         return state.load_journal(self.package_dir, self.allowed)
 
     def recover(self) -> list[str]:
-        """Roll an interrupted commit back to its before-images. Returns what was done. Its
-        bytecode was removed before the first file changed: nothing to do there."""
+        """Roll an interrupted commit back to its before-images. Returns what was done. Every
+        journalled file is checked (and its saved copy loaded) before the first is put back:
+        one that something else changed, or whose copy is gone, stops the recovery with the
+        tree as the killed run left it, never with some files of a patch rolled back and
+        others not. Each file put back loses its bytecode first (a pyc compiled from the
+        patched file since the kill would otherwise keep it running)."""
         journal = self.pending_journal()
         done: list[str] = []
         if journal is not None:
-            for entry in journal["files"]:
-                if self._roll_back(entry):
-                    done.append(f"rolled back {entry['path']}")
+            plan = [self._roll_back_plan(entry) for entry in journal["files"]]
+            for rel, current, before in [step for step in plan if step is not None]:
+                if rel.endswith(".py"):
+                    remove_bytecode(self.package_dir / rel)
+                replace_checked(self.package_dir, rel, current, before)
+                done.append(f"rolled back {rel}")
             # The journal goes last: a run that dies before it is done leaves the journal,
             # and the next run finishes the clean-up (saved copies without a record would
             # otherwise stop revert for good).
@@ -186,24 +195,27 @@ class Transaction:
             unlink_in(self.package_dir, state.JOURNAL_REL)
         return done
 
-    def _roll_back(self, entry: dict[str, Any]) -> bool:
-        """One journalled file back to its before-image; False when it already holds it."""
+    def _roll_back_plan(
+        self, entry: dict[str, Any]
+    ) -> tuple[str, bytes | None, bytes | None] | None:
+        """(path, what it holds now, its before-image) for a journalled file that must be put
+        back; raises when it cannot be (changed by something else, or its saved copy is
+        missing). A file that already holds its before-image is left out."""
         rel = entry["path"]
         current = read_in(self.package_dir, rel)
         current_hash = _hash(current)
         if current_hash == entry["before"]:
-            return False
+            return None
         if current_hash != entry["after"]:
             raise EnvironmentProblem(
                 f"{self.package_dir / rel} was changed by something else during an interrupted "
                 f"k3patch run (now {current_hash and current_hash[:12]}, k3patch wrote "
                 f"{entry['after'] and entry['after'][:12]}, before "
-                f"{entry['before'] and entry['before'][:12]}); restore it (reinstall "
-                f"vLLM) and remove {self.package_dir / state.JOURNAL_REL}"
+                f"{entry['before'] and entry['before'][:12]}); nothing was rolled back: put "
+                f"that file back as k3patch wrote it or as it was before, then run again"
             )
         before = None if entry["before"] is None else self.blobs.load(entry["before"])
-        replace_checked(self.package_dir, rel, current, before)
-        return True
+        return rel, current, before
 
     def _prune_to_record(self) -> None:
         """After a rollback: the saved copies the (rolled back) record needs, and no others."""
