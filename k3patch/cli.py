@@ -39,8 +39,9 @@ def _click_class(name: str) -> type[BaseException]:
 
 
 # The options that each choose what a command prints: two at once is a usage error, never one
-# of them silently dropped. --json carries status's diff (its "diff" key), and apply's --diff
-# is printed before any of its reports, so neither is a second form beside --json.
+# of them silently dropped. --json carries every site and status's diff (its "diff" key), and
+# apply's --diff is printed before any of its reports: none of these is a second form beside
+# --json. The no-op path declines the same pairs (fastpath.parse).
 _FORMS = {
     "status": ("--json", "--quiet", "--digest", "--sites", "--diff"),
     "apply": ("--json", "--quiet", "--sites"),
@@ -60,8 +61,8 @@ class _Command(_FlagsWithoutTypes, typer.core.TyperCommand):
             for opt in param.opts
             if opt in _FORMS.get(ctx.info_name, ()) and ctx.params.get(param.name)
         ]
-        if "--json" in chosen and "--diff" in chosen:
-            chosen.remove("--diff")
+        if "--json" in chosen:
+            chosen = [opt for opt in chosen if opt not in ("--sites", "--diff")]
         if len(chosen) > 1:
             raise _click_class("UsageError")(
                 f"{chosen[0]} and {chosen[1]} choose two different outputs; give one", ctx

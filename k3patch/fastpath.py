@@ -50,8 +50,11 @@ def parse(argv: Sequence[str]) -> dict[str, Any] | None:
             form[name[2:]].append(value)
         else:
             form[name[2:].replace("-", "_")] = value
-    if sum(bool(form.get(name)) for name in ("json", "quiet", "sites", "digest")) > 1:
-        return None  # two output forms at once: the CLI's usage error
+    forms = [name for name in ("json", "quiet", "digest", "sites") if form.get(name)]
+    if "json" in forms and "sites" in forms:
+        forms.remove("sites")  # --json carries every site
+    if len(forms) > 1:
+        return None  # two output forms at once: the CLI's usage error (cli._FORMS)
     try:
         form["lock_timeout"] = lock.parse_timeout(form["lock_timeout"])  # the CLI's parser
     except ValueError:

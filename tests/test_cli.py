@@ -337,8 +337,8 @@ def test_a_missing_or_unknown_command_is_one_usage_line(args, words):
 def test_two_output_forms_are_a_usage_error(make_tree):
     """Issue 29 item 5: two options that each choose what is printed were one silently
     dropped. Now a usage error, on the no-op path (an applied tree) as on the full one;
-    --json with --diff (the diff is a key of the object) and apply's --diff beside its report
-    stay."""
+    --json with --diff or --sites (the object carries both) and apply's --diff beside its
+    report stay."""
     site = make_tree("0.31.0")
     assert run_cli("apply", "--quiet", "--vllm", str(site)).returncode == 0
     forms = {
@@ -346,6 +346,7 @@ def test_two_output_forms_are_a_usage_error(make_tree):
         "apply": ["--json", "--quiet", "--sites"],
     }
     both = {("status", "--json", "--diff"), ("apply", "--json", "--diff")}
+    both |= {("status", "--json", "--sites"), ("apply", "--json", "--sites")}
     both |= {("apply", "--quiet", "--diff"), ("apply", "--sites", "--diff")}
     for command, options in forms.items():
         for i, first in enumerate(options):
