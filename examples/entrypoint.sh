@@ -9,7 +9,7 @@
 #     line per patch that is missing.
 #   K3PATCH_ARGS: extra arguments for `k3patch apply` (e.g. "--vllm /opt/venv/lib/python3.12/
 #     site-packages --lock-timeout 300"). --vllm, --only and --skip also select what the digest
-#     line covers.
+#     line covers. --check, --help and -h (apply writes nothing) are refused: exit 2.
 #   K3PATCH_BIN: the k3patch command (default: k3patch). VLLM_BIN: the vllm command (default: vllm).
 #
 # Log lines (stdout): k3patch's version and path, one line per patch from `k3patch apply
@@ -62,6 +62,12 @@ for ((i = 0; i < ${#apply_args[@]}; i++)); do
       i=$((i + 1))
       ;;
     --vllm=* | --only=* | --skip=*) status_args+=("${apply_args[i]}") ;;
+    --check | --help | -h)
+      # apply would write nothing and exit 0 (help) or 1 (pending, read here as drift).
+      warn "error: K3PATCH_ARGS has ${apply_args[i]}: the entrypoint applies before it starts" \
+        "vLLM; for a dry run use \`k3patch apply --check\` or \`k3patch status\`"
+      exit 2
+      ;;
   esac
 done
 

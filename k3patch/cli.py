@@ -38,6 +38,16 @@ def _click_class(name: str) -> type[BaseException]:
     return next(c for c in typer.BadParameter.__mro__ if c.__name__ == name)
 
 
+# The options that each choose what a command prints: two at once is a usage error, never one
+# of them silently dropped. --json carries every site and status's diff (its "diff" key), and
+# apply's --diff is printed before any of its reports: none of these is a second form beside
+# --json. The no-op path declines the same pairs (fastpath.parse).
+_FORMS = {
+    "status": ("--json", "--quiet", "--digest", "--sites", "--diff"),
+    "apply": ("--json", "--quiet", "--sites"),
+}
+
+
 class _Command(_FlagsWithoutTypes, typer.core.TyperCommand):
     def invoke(self, ctx: Any) -> Any:
         """The body returns its exit code; any exception in it becomes a one-line error (and
@@ -45,6 +55,18 @@ class _Command(_FlagsWithoutTypes, typer.core.TyperCommand):
         k3patch's main."""
         from k3patch.exitcodes import explain
 
+        chosen = [
+            opt
+            for param in self.params
+            for opt in param.opts
+            if opt in _FORMS.get(ctx.info_name, ()) and ctx.params.get(param.name)
+        ]
+        if "--json" in chosen:
+            chosen = [opt for opt in chosen if opt not in ("--sites", "--diff")]
+        if len(chosen) > 1:
+            raise _click_class("UsageError")(
+                f"{chosen[0]} and {chosen[1]} choose two different outputs; give one", ctx
+            )
         try:
             code = super().invoke(ctx)
         except KeyboardInterrupt:
@@ -80,12 +102,15 @@ class _Group(_FlagsWithoutTypes, typer.core.TyperGroup):
 
     def run(self, argv: list[str], prog_name: str, complete_var: Any, **extra: Any) -> int:
         """Parse and run `argv`; its exit code."""
-        if argv[:1] == ["--version"]:  # as click's eager options: whatever follows is not read
+        from k3patch.exitcodes import ExitCode
+
+        if argv == ["--version"]:
             print(f"k3patch {__version__}")
             return 0
-        if not argv:  # `k3patch` alone: the help, and the code of a missing command
-            self.run(["--help"], prog_name, complete_var, **extra)
-            return 2
+        if argv[:1] == ["--version"]:  # never read as the command after it having run
+            return _fail("k3patch", ExitCode.USAGE, "--version takes nothing after it", False)
+        if not argv:  # a usage error: one line, as every other one
+            return _fail("k3patch", ExitCode.USAGE, f"give a command: {self._names()}", False)
         if misread := [
             f"{name} {opt.opts[0]}"
             for name, command in self.commands.items()
@@ -93,13 +118,13 @@ class _Group(_FlagsWithoutTypes, typer.core.TyperGroup):
             if opt.metavar and getattr(opt, "is_flag", False)
         ]:
             # An option that takes a value (it has a metavar) made into a flag: typer 0.12 under
-            # click 8.3 (pyproject.toml says why typer>=0.15.1); only an install that skipped
+            # click 8.3 (pyproject.toml says why typer>=0.16.0); only an install that skipped
             # the dependencies gets here.
             from k3patch import render
 
             render.error_line(
                 f"typer {_version('typer')} with click {_version('click')} reads {misread[0]} "
-                "as a flag; install typer>=0.15.1 (pip install 'typer>=0.15.1')"
+                "as a flag; install typer>=0.16.0 (pip install 'typer>=0.16.0')"
             )
             return 3
         _recorded.clear()
@@ -113,6 +138,17 @@ class _Group(_FlagsWithoutTypes, typer.core.TyperGroup):
             returned = 130  # SIGINT while parsing (typer 0.15)
         return _code(self, argv, returned)
 
+    def _names(self) -> str:
+        return f"{', '.join(self.commands)} (see `k3patch --help`)"
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        """An unknown command names the known ones (click points at `k3patch NAME --help`)."""
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            raise _click_class("UsageError")(
+                f"no command {args[0]!r}; the commands are {self._names()}", ctx
+            )
+        return super().resolve_command(ctx, args)
+
 
 def _code(group: _Group, argv: list[str], returned: Any) -> int:
     """The recorded code, or what the run ended with when no command body ran."""
@@ -125,7 +161,7 @@ def _code(group: _Group, argv: list[str], returned: Any) -> int:
         return 130
     options = argv[: argv.index("--") if "--" in argv else len(argv)]
     named = next((a for a in options if a in group.commands), None)
-    if named is not None and "--help" not in options:
+    if named is not None and not {"--help", "-h"} & set(options):
         # A command was named, did not ask for help, and its body never ran: something in the
         # libraries below took the call (a callback, a parser that read it otherwise).
         from k3patch import render
@@ -152,11 +188,11 @@ def _usage_error(argv: list[str], exc: Any) -> int:
 
     command = next((a for a in argv if not a.startswith("-")), "k3patch")
     ctx = getattr(exc, "ctx", None)
-    if ctx is not None and ctx.parent is not None:
-        command = ctx.info_name or command
-    message = f"{exc.format_message()} (see `k3patch {command} --help`)".replace(
-        "k3patch k3patch", "k3patch"
-    )
+    if ctx is not None:
+        command = (ctx.info_name or command) if ctx.parent is not None else "k3patch"
+    message = exc.format_message()
+    if "(see `k3patch" not in message:
+        message += f" (see `k3patch {command} --help`)".replace("k3patch k3patch", "k3patch")
     as_json = "--json" in argv[: argv.index("--") if "--" in argv else len(argv)]
     return _fail(command, ExitCode.USAGE, message, as_json)
 
@@ -181,9 +217,10 @@ app = typer.Typer(
         "`k3patch --version` prints the version."
     ),
     # Click's own help layout on every typer: typer's rich help calls click in a way click 8.2
-    # changed (typer 0.15, which vLLM's fastapi-cli allows, fails on `--help` under click 8.2+).
+    # changed (typer 0.15 failed on `--help` under click 8.2+, pyproject.toml says more).
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 VllmOpt = Annotated[
@@ -215,14 +252,16 @@ SitesOpt = Annotated[
 ]
 
 
-def _seconds(value: float) -> float:
+def _seconds(text: str | float) -> float:
     """--lock-timeout is checked where it is parsed, on every path: a tree with nothing to do
-    never takes the lock, and must not accept what a tree with work refuses."""
-    import math
+    never takes the lock, and must not accept what a tree with work refuses. One parser for the
+    CLI and the no-op path (lock.parse_timeout), not each typer's own."""
+    from k3patch.lock import parse_timeout
 
-    if not math.isfinite(value) or value < 0:
-        raise typer.BadParameter(f"{value} is not a finite number of seconds >= 0")
-    return value
+    try:
+        return parse_timeout(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 LockOpt = Annotated[
@@ -231,7 +270,7 @@ LockOpt = Annotated[
         "--lock-timeout",
         metavar="SECONDS",
         help="How long to wait for another k3patch run on the same tree; then exit 3.",
-        callback=_seconds,
+        parser=_seconds,
     ),
 ]
 

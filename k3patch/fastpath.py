@@ -7,7 +7,6 @@ Any form `parse` does not serve, and any doubt, returns None: the full CLI runs.
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -51,11 +50,16 @@ def parse(argv: Sequence[str]) -> dict[str, Any] | None:
             form[name[2:]].append(value)
         else:
             form[name[2:].replace("-", "_")] = value
+    forms = [name for name in ("json", "quiet", "digest", "sites") if form.get(name)]
+    if "json" in forms and "sites" in forms:
+        forms.remove("sites")  # --json carries every site
+    if len(forms) > 1:
+        return None  # two output forms at once: the CLI's usage error (cli._FORMS)
     try:
-        timeout = form["lock_timeout"] = float(form["lock_timeout"])  # click's FLOAT
+        form["lock_timeout"] = lock.parse_timeout(form["lock_timeout"])  # the CLI's parser
     except ValueError:
-        return None
-    return form if math.isfinite(timeout) and timeout >= 0 else None  # else the CLI's refusal
+        return None  # the CLI's refusal
+    return form
 
 
 def try_fast(argv: list[str]) -> int | None:

@@ -26,6 +26,22 @@ class Busy(EnvironmentProblem):
 _held: dict[str, tuple[int, bool, float]] = {}
 
 
+def parse_timeout(text: str | float) -> float:
+    """`--lock-timeout` as the CLI and the no-op path both read it: an ASCII number (Python's
+    float() takes any Unicode digit, the typers' own parsers differ on that), finite, >= 0.
+    ValueError, with the message a usage error shows, otherwise."""
+    text = str(text)
+    try:
+        if not text.isascii():
+            raise ValueError(text)
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{value} is not a finite number of seconds >= 0")
+    return value
+
+
 def _deadline(timeout: float) -> float:
     if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout < 0:
         raise BadLockTimeout(f"--lock-timeout {timeout!r}: give a finite number of seconds >= 0")

@@ -298,5 +298,67 @@ def test_a_command_that_did_not_run_is_never_success(monkeypatch):
     assert line.startswith("k3patch: error: internal error: the apply command did not run")
     # Help and --version still end as they should: nothing was asked to run.
     assert CliRunner().invoke(app, ["apply", "--help"]).exit_code == 0
+    assert CliRunner().invoke(app, ["apply", "-h"]).exit_code == 0
     version = CliRunner().invoke(app, ["--version"])
     assert version.exit_code == 0 and version.stdout.startswith("k3patch ")
+
+
+COMMANDS = ["list", "status", "apply", "revert", "verify"]
+
+
+@pytest.mark.parametrize("command", ["", *COMMANDS])
+def test_dash_h_is_help(command):
+    """Issue 29 item 5: `-h` as well as `--help`, on every command."""
+    args = [command] if command else []
+    short, long = run_cli(*args, "-h"), run_cli(*args, "--help")
+    assert short.returncode == long.returncode == 0, short.stderr
+    assert short.stdout == long.stdout and short.stdout.startswith("Usage: k3patch")
+    assert not short.stderr
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["bogus"], ["no command 'bogus'", *COMMANDS]),  # not "see `k3patch bogus --help`"
+        ([], ["give a command", *COMMANDS]),  # bare `k3patch`: a usage error like any other
+        (["--version", "apply"], ["--version takes nothing after it"]),  # never "apply ran"
+        (["--version", "--help"], ["--version takes nothing after it"]),
+    ],
+)
+def test_a_missing_or_unknown_command_is_one_usage_line(args, words):
+    proc = run_cli(*args)
+    assert proc.returncode == 2 and not proc.stdout, proc.stdout
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("k3patch: error: ") and "bogus --help" not in line, line
+    assert all(word in line for word in words), line
+
+
+@pytest.mark.wheel
+def test_two_output_forms_are_a_usage_error(make_tree):
+    """Issue 29 item 5: two options that each choose what is printed were one silently
+    dropped. Now a usage error, on the no-op path (an applied tree) as on the full one;
+    --json with --diff or --sites (the object carries both) and apply's --diff beside its
+    report stay."""
+    site = make_tree("0.31.0")
+    assert run_cli("apply", "--quiet", "--vllm", str(site)).returncode == 0
+    forms = {
+        "status": ["--json", "--quiet", "--digest", "--sites", "--diff"],
+        "apply": ["--json", "--quiet", "--sites"],
+    }
+    both = {("status", "--json", "--diff"), ("apply", "--json", "--diff")}
+    both |= {("status", "--json", "--sites"), ("apply", "--json", "--sites")}
+    both |= {("apply", "--quiet", "--diff"), ("apply", "--sites", "--diff")}
+    for command, options in forms.items():
+        for i, first in enumerate(options):
+            for second in options[i + 1 :]:
+                if (command, first, second) in both:
+                    continue
+                args = [command, first, second, "--vllm", str(site)]
+                for env in ({}, {"K3PATCH_NO_FASTPATH": "1"}):
+                    proc = run_cli(*args, env=env)
+                    assert proc.returncode == 2, (args, env, proc.stdout)
+                    (line,) = proc.stderr.splitlines()
+                    assert f"{first} and {second} choose two different outputs" in line, line
+    for command, first, second in both:
+        proc = run_cli(command, first, second, "--vllm", str(site))
+        assert proc.returncode == 0, (command, first, second, proc.stderr)

@@ -223,3 +223,20 @@ def test_entrypoint_refuses_an_unknown_drift_mode(make_tree, fake_vllm):
     assert proc.returncode == 2
     assert "K3PATCH_ON_DRIFT=ignore; use fail or warn" in proc.stderr
     assert not fake_vllm[1].exists() and tree_hashes(site) == before
+
+
+@pytest.mark.parametrize("option", ["--check", "--help", "-h"])
+@pytest.mark.parametrize("mode", ["fail", "warn"])
+def test_entrypoint_refuses_args_that_make_apply_write_nothing(make_tree, fake_vllm, option, mode):
+    """`--check` made apply exit 1 on a pending tree, which the script read as drift (under
+    warn: "every other fix is applied", none was); `--help` exited 0 and vLLM started
+    unpatched. Both are refused before anything runs: one line, exit 2."""
+    site = make_tree("0.31.0")
+    before = tree_hashes(site)
+    proc = entrypoint(
+        site, fake_vllm, K3PATCH_ON_DRIFT=mode, K3PATCH_ARGS=f"--vllm {site} {option}"
+    )
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"k3patch: error: K3PATCH_ARGS has {option}: "), line
+    assert not fake_vllm[1].exists() and tree_hashes(site) == before

@@ -178,9 +178,13 @@ def test_fastpath_lock_timeout_unicode_digit_agrees_with_cli(make_tree, value):
 
 @pytest.mark.slow
 def test_help_on_lowest_typer_with_newest_click(tmp_path):
-    """D2: `typer>=0.15.1` lets pip install typer 0.15.1 with the newest click; then every
-    `COMMAND --help` but list's is an internal error (exit 2)."""
+    """D2: `typer>=0.15.1` let pip install typer 0.15.1 with the newest click; then every
+    `COMMAND --help` but list's was an internal error (exit 2). Now: the lowest typer
+    pyproject.toml allows."""
     root = Path(__file__).resolve().parents[1]
+    from test_environments import lower_bounds
+
+    lowest = lower_bounds()["typer"]  # was 0.15.1
     dist = tmp_path / "dist"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(root)],
@@ -190,7 +194,7 @@ def test_help_on_lowest_typer_with_newest_click(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run(
-        [str(venv / "bin" / "pip"), "install", "-q", str(wheel), "typer==0.15.1", "click>=8.2"],
+        [str(venv / "bin" / "pip"), "install", "-q", str(wheel), f"typer=={lowest}", "click>=8.2"],
         check=True,
     )
     bad = {}

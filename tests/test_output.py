@@ -265,9 +265,10 @@ def test_version_is_printed_without_the_cli_stack():
     assert proc.returncode == 0 and proc.stdout == f"k3patch {__version__}\n"
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()}
     assert "typer" not in imported and "rich" not in imported
-    # With another option beside it, the CLI decides (and prints the same line).
+    # With anything after it, the CLI refuses it: `k3patch --version apply` must not exit 0
+    # as if apply had run (test_cli.py).
     full = run_cli("--version", "--help")
-    assert full.returncode == 0 and full.stdout == f"k3patch {__version__}\n"
+    assert full.returncode == 2 and not full.stdout
 
 
 @pytest.mark.wheel
