@@ -175,15 +175,14 @@ class Transaction:
         journalled file is checked (and its saved copy loaded) before the first is put back:
         one that something else changed, or whose copy is gone, stops the recovery with the
         tree as the killed run left it, never with some files of a patch rolled back and
-        others not. Each file put back loses its bytecode first (a pyc compiled from the
-        patched file since the kill would otherwise keep it running)."""
+        others not. Once every file is back, their bytecode goes (a pyc compiled from a
+        patched file since the kill would otherwise keep it running); a removal that fails
+        leaves the journal, so the next run removes it again, with every source already whole."""
         journal = self.pending_journal()
         done: list[str] = []
         if journal is not None:
             plan = [self._roll_back_plan(entry) for entry in journal["files"]]
             for rel, current, before in [step for step in plan if step is not None]:
-                if rel.endswith(".py"):
-                    remove_bytecode(self.package_dir / rel)
                 replace_checked(self.package_dir, rel, current, before)
                 done.append(f"rolled back {rel}")
             # The journal goes last: a run that dies before it is done leaves the journal,
@@ -192,6 +191,9 @@ class Transaction:
             self._prune_to_record()
         done += self.remove_litter()
         if journal is not None:
+            for entry in journal["files"]:
+                if entry["path"].endswith(".py"):
+                    remove_bytecode(self.package_dir / entry["path"])
             unlink_in(self.package_dir, state.JOURNAL_REL)
         return done
 
