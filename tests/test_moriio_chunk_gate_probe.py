@@ -99,8 +99,19 @@ def slack_wrong(row: Prefill) -> bool:
 # Every tree where the patch is pending, with what its unpatched gate gets wrong. A plain
 # pytest runs 0.31.0, fork a and fork d (each kind of gate once); .ci/run every tree (slow).
 KEPT = ("0.31.0", "fork-a", "fork-d")
+# Open defect: the workload oracle cannot drive the Scheduler of these releases (KeyError on the
+# request id in its first workload), so their probe fails on the applied tree too.
+CANNOT_DRIVE = pytest.mark.xfail(
+    strict=True, reason="open: the chunk-gate oracle cannot drive vLLM 0.23.0/0.27.1's Scheduler"
+)
 PENDING = [
-    pytest.param(tree, wrong, id=tree, marks=() if tree in KEPT else pytest.mark.slow)
+    pytest.param(
+        tree,
+        wrong,
+        id=tree,
+        marks=(() if tree in KEPT else (pytest.mark.slow,))
+        + ((CANNOT_DRIVE,) if tree in ("0.23.0", "0.27.1") else ()),
+    )
     for tree, wrong in [
         *((v, block_count_wrong) for v in ("0.23.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0")),
         *(("0.31.0", block_count_wrong), *((f"fork-{n}", block_count_wrong) for n in "abc")),
