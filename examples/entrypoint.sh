@@ -42,7 +42,7 @@ esac
 
 if ! k3patch_path=$(command -v "$k3patch_bin"); then
   warn "error: '$k3patch_bin' is not on PATH: k3patch is not installed in this image (see the" \
-    "README, 'Getting k3patch into an image'); not starting vLLM"
+    "docs/operators.md, 'Getting k3patch into an image'); not starting vLLM"
   exit 127
 fi
 if ! vllm_path=$(command -v "$vllm_bin"); then
