@@ -5,7 +5,7 @@ each held against apply's own re-check, verify's probes on real trees, and a nam
                                            [--written ROUND]... [--source HEAD|worktree]
                                            [--tests survivors|all|none] [--no-write] [--list]
 
-The rows live with the patches: one table per patch, tests/mutation_rows/<patch>.py (VARIANTS),
+The rows live with the patches: one table per patch, tests/mutation_rows/<folder>.py (VARIANTS),
 each row marked with the round it was written in (`written`: "issue 19", or "issue 28" for the
 wrong fixes written before issue 28 extended the probes); the report counts kills per patch and
 round. Each VARIANT is a few substitutions in a patch's declared post-image (the text `apply`
@@ -55,22 +55,23 @@ DEV_PYTHON = ROOT / ".venv" / "bin" / "python"
 TREE_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 
-# The rows live with the patches, one table per patch (tests/mutation_rows/<patch>.py).
+# The rows live with the patches, one table per patch (tests/mutation_rows/<folder>.py), found
+# there; nothing here names a patch.
 sys.path.insert(0, str(ROOT / "tests"))
-from mutation_rows import TABLES, VARIANTS, Sub, Variant  # noqa: E402
-from mutation_rows.common import AITER, CHUNK, KDA, ROUTING  # noqa: E402
+from k3patch.patches import DECLARED  # noqa: E402
+from mutation_rows import FOLDERS, TABLES, VARIANTS, Sub, Variant  # noqa: E402
 
 __all__ = ["TABLES", "VARIANTS", "Sub", "Variant"]
 
-# Which probes verify runs for a patch's variants.
-VERIFY_WITH = {AITER: (AITER,), KDA: (KDA,), CHUNK: (CHUNK, ROUTING), ROUTING: (CHUNK, ROUTING)}
-# The test subset per patch ("killed by tests"): the patch's own file, without verify children.
-TESTS = {
-    AITER: ("tests/test_aiter_mla_gfx942.py",),
-    CHUNK: ("tests/test_moriio_chunk_gate.py",),
-    ROUTING: ("tests/test_moriio_group_routing.py",),
-    KDA: ("tests/test_kda_gather_diagnostic.py",),
+# Which probes verify runs for a patch's variants: its own and those of every patch that reads a
+# file it reads (the two MoRIIO patches share moriio_connector.py, and chunk gate's probe drives
+# group routing's code).
+VERIFY_WITH = {
+    p: tuple(q for q in TABLES if set(DECLARED[FOLDERS[p]]) & set(DECLARED[FOLDERS[q]]))
+    for p in TABLES
 }
+# The test subset per patch ("killed by tests"): the patch's own file, without verify children.
+TESTS = {p: (f"tests/test_{folder}.py",) for p, folder in FOLDERS.items()}
 TEST_ARGS = ("-q", "-x", "-p", "no:cacheprovider", "-m", "not verify")
 TEST_TIMEOUT = 240
 
