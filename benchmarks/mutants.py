@@ -58,7 +58,7 @@ RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 # The rows live with the patches, one table per patch (tests/mutation_rows/<folder>.py), found
 # there; nothing here names a patch.
 sys.path.insert(0, str(ROOT / "tests"))
-from k3patch.patches import DECLARED  # noqa: E402
+from k3patch.patches import declared_files  # noqa: E402
 from mutation_rows import FOLDERS, TABLES, VARIANTS, Sub, Variant  # noqa: E402
 
 __all__ = ["TABLES", "VARIANTS", "Sub", "Variant"]
@@ -66,10 +66,8 @@ __all__ = ["TABLES", "VARIANTS", "Sub", "Variant"]
 # Which probes verify runs for a patch's variants: its own and those of every patch that reads a
 # file it reads (the two MoRIIO patches share moriio_connector.py, and chunk gate's probe drives
 # group routing's code).
-VERIFY_WITH = {
-    p: tuple(q for q in TABLES if set(DECLARED[FOLDERS[p]]) & set(DECLARED[FOLDERS[q]]))
-    for p in TABLES
-}
+READS = {p: set(declared_files(str(ROOT / "patches" / folder))) for p, folder in FOLDERS.items()}
+VERIFY_WITH = {p: tuple(q for q in TABLES if READS[p] & READS[q]) for p in TABLES}
 # The test subset per patch ("killed by tests"): the patch's own file, without verify children.
 TESTS = {p: (f"tests/test_{folder}.py",) for p, folder in FOLDERS.items()}
 TEST_ARGS = ("-q", "-x", "-p", "no:cacheprovider", "-m", "not verify")

@@ -45,6 +45,9 @@ def check_declared(found: Mapping[str, Patch], declared: Mapping[str, tuple[str,
         if listed is None:
             problems.append(f"{name} is a module: a patch is a folder with a files.txt")
             continue
+        if files and not listed:
+            problems.append(f"patches/{name}/files.txt is missing or empty: list {sorted(files)}")
+            continue
         what = [f"add {', '.join(sorted(files - set(listed)))}"] if files - set(listed) else []
         if set(listed) - files:
             what.append(f"remove {', '.join(sorted(set(listed) - files))} (its patch reads none)")
