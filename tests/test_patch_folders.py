@@ -110,3 +110,17 @@ def test_readme_lists_every_patch_found():
     assert not missing, f"add a row for {missing} to README's patches table"
     assert not extra, f"README's patches table lists {extra}, which no folder defines"
     assert len(ids) == len(set(ids))
+
+
+def test_the_registry_checks_every_folder_when_it_loads(monkeypatch):
+    import k3patch.patches as package
+
+    monkeypatch.setitem(package.DECLARED, "aiter_mla_gfx942", ("platforms/rocm.py",))
+    registry.all_patches.cache_clear()
+    try:
+        with pytest.raises(registry.PatchSetError, match=r"aiter_mla_gfx942/files.txt: add _aiter"):
+            registry.all_patches()
+    finally:
+        monkeypatch.undo()
+        registry.all_patches.cache_clear()
+    assert registry.all_patches()
