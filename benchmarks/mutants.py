@@ -5,7 +5,7 @@ each held against apply's own re-check, verify's probes on real trees, and a nam
                                            [--written ROUND]... [--source HEAD|worktree]
                                            [--tests survivors|all|none] [--no-write] [--list]
 
-The rows live with the patches: one table per patch, tests/mutation_rows/<patch>.py (VARIANTS),
+The rows live with the patches: one table per patch, tests/mutation_rows/<folder>.py (VARIANTS),
 each row marked with the round it was written in (`written`: "issue 19", or "issue 28" for the
 wrong fixes written before issue 28 extended the probes); the report counts kills per patch and
 round. Each VARIANT is a few substitutions in a patch's declared post-image (the text `apply`
@@ -55,22 +55,21 @@ DEV_PYTHON = ROOT / ".venv" / "bin" / "python"
 TREE_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 
-# The rows live with the patches, one table per patch (tests/mutation_rows/<patch>.py).
+# The rows live with the patches, one table per patch (tests/mutation_rows/<folder>.py), found
+# there; nothing here names a patch.
 sys.path.insert(0, str(ROOT / "tests"))
-from mutation_rows import TABLES, VARIANTS, Sub, Variant  # noqa: E402
-from mutation_rows.common import AITER, CHUNK, KDA, ROUTING  # noqa: E402
+from k3patch.patches import declared_files  # noqa: E402
+from mutation_rows import FOLDERS, TABLES, VARIANTS, Sub, Variant  # noqa: E402
 
 __all__ = ["TABLES", "VARIANTS", "Sub", "Variant"]
 
-# Which probes verify runs for a patch's variants.
-VERIFY_WITH = {AITER: (AITER,), KDA: (KDA,), CHUNK: (CHUNK, ROUTING), ROUTING: (CHUNK, ROUTING)}
+# Which probes verify runs for a patch's variants: its own and those of every patch that reads a
+# file it reads (the two MoRIIO patches share moriio_connector.py, and chunk gate's probe drives
+# group routing's code).
+READS = {p: set(declared_files(str(ROOT / "patches" / folder))) for p, folder in FOLDERS.items()}
+VERIFY_WITH = {p: tuple(q for q in TABLES if READS[p] & READS[q]) for p in TABLES}
 # The test subset per patch ("killed by tests"): the patch's own file, without verify children.
-TESTS = {
-    AITER: ("tests/test_aiter_mla_gfx942.py",),
-    CHUNK: ("tests/test_moriio_chunk_gate.py",),
-    ROUTING: ("tests/test_moriio_group_routing.py",),
-    KDA: ("tests/test_kda_gather_diagnostic.py",),
-}
+TESTS = {p: (f"tests/test_{folder}.py",) for p, folder in FOLDERS.items()}
 TEST_ARGS = ("-q", "-x", "-p", "no:cacheprovider", "-m", "not verify")
 TEST_TIMEOUT = 240
 

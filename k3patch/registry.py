@@ -1,13 +1,14 @@
-"""Finds the patches: every module or folder in `k3patch.patches` that defines `PATCH`, and
-checks them against `k3patch.patches.TARGETS`, the files the no-op path hashes without importing
-a patch (a file missing there would go unchecked, so the registry refuses to run)."""
+"""Finds the patches: every folder of `k3patch.patches` that defines `PATCH`. Each folder's
+`files.txt` must list exactly its patch's `files`: the no-op path hashes their union
+(`k3patch.patches.TARGETS`) without importing a patch, so a file missing there would go
+unchecked, and the registry refuses to run."""
 
 from __future__ import annotations
 
 import graphlib
 import importlib
 import pkgutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from functools import cache
 from pathlib import Path
 
@@ -21,29 +22,54 @@ class PatchOrderError(ValueError):
 
 
 class PatchSetError(PatchBug):
-    """The patches' `files` and `k3patch.patches.TARGETS` differ (a bug of the patch set)."""
+    """A patch's `files` and its folder's `files.txt` differ (a bug of the patch set)."""
 
 
 @cache
 def all_patches() -> tuple[Patch, ...]:
     package = importlib.import_module("k3patch.patches")
     names = sorted(info.name for info in pkgutil.iter_modules(package.__path__))
-    modules = [importlib.import_module(f"{package.__name__}.{name}") for name in names]
-    found: list[Patch] = [m.PATCH for m in modules if isinstance(getattr(m, "PATCH", None), Patch)]
-    check_targets(found, state.registered_targets())
-    return ordered(found)
+    modules = {name: importlib.import_module(f"{package.__name__}.{name}") for name in names}
+    found = {n: m.PATCH for n, m in modules.items() if isinstance(getattr(m, "PATCH", None), Patch)}
+    check_declared(found, package.DECLARED)
+    check_targets(found.values(), state.registered_targets())
+    return ordered(list(found.values()))
+
+
+def check_declared(found: Mapping[str, Patch], declared: Mapping[str, tuple[str, ...]]) -> None:
+    """Each patch is a folder whose files.txt lists exactly its `files`; a files.txt without a
+    patch is an error too (the no-op path would hash files no patch reads)."""
+    problems = []
+    for name in sorted({*found, *declared}):
+        files, listed = set(found[name].files) if name in found else set(), declared.get(name)
+        if listed is None:
+            problems.append(f"{name} is a module: a patch is a folder with a files.txt")
+            continue
+        if files and not listed:
+            problems.append(f"patches/{name}/files.txt is missing or empty: list {sorted(files)}")
+            continue
+        what = [f"add {', '.join(sorted(files - set(listed)))}"] if files - set(listed) else []
+        if set(listed) - files:
+            what.append(f"remove {', '.join(sorted(set(listed) - files))} (its patch reads none)")
+        if what:
+            problems.append(f"patches/{name}/files.txt: " + "; ".join(what))
+    if problems:
+        raise PatchSetError(
+            "the patch set is inconsistent (each folder's files.txt lists its PATCH.files, which "
+            "the no-op path hashes without importing the patch): " + "; ".join(problems)
+        )
 
 
 def check_targets(patches: Iterable[Patch], targets: frozenset[str]) -> None:
-    """The union of every patch's `files` must be the TARGETS table, exactly."""
+    """The union of every patch's `files` must be TARGETS, exactly."""
     files = {rel for patch in patches for rel in patch.files}
     missing, extra = sorted(files - targets), sorted(targets - files)
     if missing or extra:
         what = [f"add {', '.join(missing)} to it"] if missing else []
         what += [f"remove {', '.join(extra)} from it (no patch reads them)"] if extra else []
         raise PatchSetError(
-            "the patches' files and TARGETS in patches/__init__.py differ (the no-op path hashes "
-            "TARGETS): " + "; ".join(what)
+            "the patches' files and TARGETS (the union of the files.txt lists) differ: "
+            + "; ".join(what)
         )
 
 

@@ -1,34 +1,39 @@
-"""The wheel carries every patch: each folder under patches/ is a package pyproject.toml lists
-(as `k3patch.patches.<folder>`), and the built wheel holds every .py file of k3patch/ and
-patches/."""
+"""The wheel carries every patch, with no list to keep: setup.py finds each folder under
+patches/ at build time (as `k3patch.patches.<folder>`), and the built wheel holds every .py
+file of k3patch/ and patches/ and each patch's files.txt. A fifth folder, end to end:
+tests/test_fifth_patch.py."""
 
 from __future__ import annotations
 
+import runpy
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+import setuptools
 import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def listed() -> set[str]:
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    return set(config["tool"]["setuptools"]["packages"])
-
-
-def test_every_patch_folder_is_a_listed_package():
-    folders = {
+def folders() -> set[str]:
+    return {
         f"k3patch.patches.{p.name}"
         for p in (ROOT / "patches").iterdir()
         if p.is_dir() and (p / "__init__.py").exists()
     }
-    assert folders, "no patch folder found"
-    assert folders <= listed(), f"add to pyproject.toml packages: {sorted(folders - listed())}"
-    assert {"k3patch", "k3patch.patches"} <= listed()
+
+
+def test_setup_py_finds_every_patch_folder(monkeypatch):
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "packages" not in config["tool"]["setuptools"], "a list to keep: setup.py finds them"
+    seen: dict = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: seen.update(kw))
+    monkeypatch.chdir(ROOT)  # setuptools runs setup.py from the project root
+    runpy.run_path(str(ROOT / "setup.py"))
+    assert folders() and {"k3patch", "k3patch.patches", *folders()} == set(seen["packages"])
 
 
 @pytest.mark.slow
@@ -45,7 +50,9 @@ def test_the_wheel_holds_every_module(tmp_path):
     }
     wanted |= {
         f"k3patch/patches/{p.relative_to(ROOT / 'patches')}"
-        for p in (ROOT / "patches").rglob("*.py")
+        for pattern in ("*.py", "files.txt")
+        for p in (ROOT / "patches").rglob(pattern)
     }
     wanted = {w for w in wanted if "__pycache__" not in w}
+    assert any(w.endswith("/files.txt") for w in wanted)
     assert wanted <= names, sorted(wanted - names)
