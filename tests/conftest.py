@@ -185,13 +185,17 @@ def export_source(dest: Path) -> Path:
     if proc.returncode == 0:
         for rel in filter(None, proc.stdout.decode().split("\0")):
             source = ROOT / rel
-            if source.is_file():
+            if source.is_symlink():  # k3patch/patches -> ../patches, kept a link
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                os.symlink(os.readlink(source), dest / rel)
+            elif source.is_file():
                 (dest / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(source, dest / rel)
     else:  # not a git checkout: everything but build outputs, venvs and caches
         shutil.copytree(
             ROOT,
             dest,
+            symlinks=True,
             dirs_exist_ok=True,
             ignore=shutil.ignore_patterns(
                 "build", "dist", ".venv*", "*.egg-info", "__pycache__", ".git", ".*_cache"

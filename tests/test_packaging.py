@@ -1,11 +1,11 @@
-"""The wheel carries every patch, with no list to keep: setup.py finds each folder under
-patches/ at build time (as `k3patch.patches.<folder>`), and the built wheel holds every .py
+"""The wheel carries every patch, with no list to keep: setuptools' find, through the symlink
+`k3patch/patches -> ../patches`, finds each folder under patches/ at build time (as
+`k3patch.patches.<folder>`), and the built wheel holds every .py
 file of k3patch/ and patches/ and each patch's files.txt. A fifth folder, end to end:
 tests/test_fifth_patch.py."""
 
 from __future__ import annotations
 
-import runpy
 import subprocess
 import sys
 import zipfile
@@ -26,14 +26,13 @@ def folders() -> set[str]:
     }
 
 
-def test_setup_py_finds_every_patch_folder(monkeypatch):
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert "packages" not in config["tool"]["setuptools"], "a list to keep: setup.py finds them"
-    seen: dict = {}
-    monkeypatch.setattr(setuptools, "setup", lambda **kw: seen.update(kw))
-    monkeypatch.chdir(ROOT)  # setuptools runs setup.py from the project root
-    runpy.run_path(str(ROOT / "setup.py"))
-    assert folders() and {"k3patch", "k3patch.patches", *folders()} == set(seen["packages"])
+def test_the_build_finds_every_patch_folder():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert list(config["packages"]) == ["find"] and "package-dir" not in config, "a list to keep"
+    link = ROOT / "k3patch" / "patches"
+    assert link.is_symlink() and link.resolve() == (ROOT / "patches").resolve()
+    found = setuptools.find_packages(str(ROOT), **config["packages"]["find"])
+    assert folders() and {"k3patch", "k3patch.patches", *folders()} == set(found)
 
 
 @pytest.mark.slow
