@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import pristine_tree, slow_after, tree_hashes, vllm_wheel
+from conftest import pristine_tree, tree_hashes, vllm_wheel
 
 from k3patch import engine, plugin, scan, state
 from k3patch.errors import EnvironmentProblem
-from k3patch.tree import TreeError, locate
+from k3patch.tree import locate
 
 pytestmark = pytest.mark.wheel
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become nobody")
@@ -138,101 +138,6 @@ def plant(site: Path, where: str) -> Path:
 
 
 WHERE = ["METADATA", "RECORD", "_version.py", "target", "pyc", "record", "journal"]
-
-
-@pytest.mark.parametrize("where", slow_after(WHERE))
-def test_1_a_fifo_anywhere_k3patch_reads_is_refused_never_blocked_on(make_tree, where):
-    """In-process: locate, status (scan), apply, revert and the plugin's preflight each refuse
-    (TreeError or EnvironmentProblem, or for status a named state problem), within the bound."""
-    site = make_tree("0.31.0")
-    fifo = plant(site, where)
-    pkg = str(site / "vllm")
-
-    def status() -> str | None:
-        report = scan.scan(locate(site))
-        return report.state_problem
-
-    refusals = []
-    for name, call in (
-        ("status", status),
-        ("apply", lambda: engine.apply(locate(site))),
-        ("revert", lambda: engine.revert(locate(site))),
-    ):
-        try:
-            result = bounded(call, [fifo])
-        except TreeError as exc:
-            assert not exc.usage, (name, exc)
-            refusals.append(name)
-            continue
-        except EnvironmentProblem:
-            refusals.append(name)
-            continue
-        if name == "status" and where == "pyc":
-            assert result is None  # status reads no bytecode but a regular file's header
-        elif name == "status":
-            assert result is not None, f"status on a FIFO {where}: no problem named"
-            refusals.append(name)
-        elif where == "pyc":
-            # A pyc of a file to change is removed before the change, whatever it is: the
-            # FIFO is unlinked, never opened; revert then restores the files.
-            assert not os.path.lexists(fifo)
-            done = result.written if name == "apply" else result.restored
-            assert done, (name, result)
-        else:
-            pytest.fail(f"{name} went on past a FIFO {where}: {result!r}")
-    if where == "pyc":
-        return
-    assert {"status", "apply"} <= set(refusals), refusals
-    problem = bounded(lambda: plugin.preflight_problem(pkg), [fifo])
-    assert problem is not None and "regular" in problem, problem
-    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # refused, never replaced or removed
-
-
-# A pyc FIFO is removed unopened (test_1_a_fifo_anywhere_k3patch_reads...): no refusal.
-@pytest.mark.parametrize("where", slow_after([w for w in WHERE if w != "pyc"]))
-def test_1_the_cli_exits_3_on_a_fifo_with_one_line(make_tree, where):
-    site = make_tree("0.31.0")
-    plant(site, where)
-    before = tree_hashes(site)
-    for args in (["status"], ["apply", "--quiet"]):
-        proc = cli(*args, "--vllm", str(site))
-        assert proc.returncode == 3, (args, proc.stdout, proc.stderr)
-        lines = proc.stderr.splitlines()
-        assert len(lines) == 1 and "regular" in lines[0], proc.stderr
-    assert tree_hashes(site) == before
-
-
-def test_1_recovery_of_an_interrupted_apply_never_blocks_on_a_pyc_fifo(make_tree):
-    site = make_tree("0.31.0")
-    crash = cli("apply", "--vllm", str(site), env={"K3PATCH_TEST_CRASH_AT": f"replaced:{AITER}"})
-    assert crash.returncode == 137
-    assert (site / "vllm" / state.JOURNAL_REL).exists()
-    fifo = fifo_at(site / "vllm" / PYC)
-    outcome = bounded(lambda: engine.apply(locate(site)), [fifo])
-    assert outcome.recovered and not (site / "vllm" / state.JOURNAL_REL).exists()
-    assert not os.path.lexists(fifo)  # a pyc of the rolled-back file: removed, never opened
-
-
-def test_1_bytecode_is_removed_never_compiled_with_a_blocking_open(make_tree, monkeypatch):
-    """py_compile opens the source with a blocking open(): never used on the tree (the
-    bytecode of a changed file is removed, and Python compiles the new source itself)."""
-    import py_compile
-
-    site = make_tree("0.31.0")
-    pyc = site / "vllm" / PYC
-    pyc.parent.mkdir()
-    py_compile.compile(
-        str(site / "vllm" / AITER),
-        cfile=str(pyc),
-        invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH,
-    )
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("py_compile.compile used on a tree file")
-
-    monkeypatch.setattr(py_compile, "compile", refuse)
-    engine.apply(locate(site))
-    assert not pyc.exists()
 
 
 # -- 4: the installed version decides --------------------------------------------------------
