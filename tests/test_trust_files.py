@@ -143,62 +143,6 @@ WHERE = ["METADATA", "RECORD", "_version.py", "target", "pyc", "record", "journa
 # -- 4: the installed version decides --------------------------------------------------------
 
 
-def test_4_several_dist_infos_the_one_whose_record_owns_the_files_decides(make_tree):
-    site = make_tree("0.31.0")
-    with_version_py(site, "0.31.0")
-    add_dist_info(site, "0.31.0", record_from="0.31.0")
-    add_dist_info(site, "0.29.0", record_from="0.29.0")  # sorts first; pip --upgrade left it
-    tree = locate(site)
-    assert tree.version == "0.31.0", tree.version_source
-    assert "vllm-0.31.0.dist-info" in tree.version_source
-    assert tree.kind == "site-packages"
-    # The digest follows the true version: the same as a tree with only the new dist-info.
-    alone = make_tree("0.31.0")
-    assert scan.scan(tree).digest == scan.scan(locate(alone)).digest
-
-
-def test_4_an_older_package_under_a_newer_dist_info_reads_as_itself(make_tree):
-    site = make_tree("0.29.0")
-    with_version_py(site, "0.29.0")
-    add_dist_info(site, "0.29.0", record_from="0.29.0")
-    add_dist_info(site, "0.31.0", record_from="0.31.0")
-    assert locate(site).version == "0.29.0"
-
-
-@pytest.mark.parametrize("records", ["none", "both-foreign", "both-own"])
-def test_4_when_no_record_tells_the_version_is_unknown(make_tree, records):
-    site = make_tree("0.31.0")
-    with_version_py(site, "0.31.0")
-    if records == "none":
-        add_dist_info(site, "0.29.0")
-    elif records == "both-foreign":  # neither RECORD lists these bytes (a hand-edited tree)
-        add_dist_info(site, "0.31.0", record_from="0.29.0")
-        add_dist_info(site, "0.29.0", record_from="0.29.0")
-    else:  # two RECORDs that both claim the files: no way to tell
-        add_dist_info(site, "0.31.0", record_from="0.31.0")
-        add_dist_info(site, "0.29.0", record_from="0.31.0")
-    tree = locate(site)
-    assert tree.version is None, tree.version_source
-    assert tree.version_source.startswith("unknown (2 vllm dist-infos")
-    assert tree.kind == "site-packages"
-    assert scan.scan(tree).digest != scan.scan(locate(make_tree("0.31.0"))).digest
-
-
-def test_4_a_record_with_the_package_hashes_is_parsed_as_pip_writes_it(make_tree):
-    site = make_tree("0.31.0")
-    dist = add_dist_info(site, "0.31.0")
-    init = (site / "vllm" / "__init__.py").read_bytes()
-    envs = (site / "vllm" / "envs.py").read_bytes()
-    rows = [
-        f"vllm/__init__.py,sha256={record_b64(init)},{len(init)}",
-        f'"vllm/envs.py",sha256={record_b64(envs)},{len(envs)}',  # csv quoting, as pip may
-        "vllm-0.31.0.dist-info/RECORD,,",
-    ]
-    (dist / "RECORD").write_text("\n".join(rows) + "\n")
-    add_dist_info(site, "0.29.0", record_from="0.29.0")
-    assert locate(site).version == "0.31.0"
-
-
 # -- 5: the same verdict for every user ------------------------------------------------------
 
 
