@@ -160,53 +160,6 @@ def after_the_temp_file(monkeypatch, act) -> None:
 # -- 14: owner, setuid/setgid, xattrs, hard links -------------------------------------------
 
 
-@ROOT_ONLY
-def test_14_owner_special_bits_and_xattrs_survive_apply_and_revert(make_tree):
-    site = make_tree("0.31.0")
-    target = site / "vllm" / AITER
-    os.chown(target, 1234, 5678)
-    os.chmod(target, 0o6751)
-    try:
-        os.setxattr(target, "user.k3patch-test", b"kept")
-        xattrs = True
-    except OSError:
-        xattrs = False
-    for step in (engine.apply, engine.revert):
-        step(locate(site))
-        st = os.stat(target)
-        assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1234, 5678, 0o6751), step
-        if xattrs:
-            assert os.getxattr(target, "user.k3patch-test") == b"kept"
-
-
-def test_14_every_file_written_and_its_directory_are_fsynced(make_tree, monkeypatch):
-    """A rename survives a power cut only once the new file and its directory are on disk:
-    apply must never leave an empty or old file under a target's name."""
-    site = make_tree("0.31.0")
-    synced = set()
-    real = os.fsync
-
-    def spy(fd: int) -> None:
-        st = os.fstat(fd)
-        synced.add((st.st_dev, st.st_ino))
-        real(fd)
-
-    monkeypatch.setattr(os, "fsync", spy)
-    written = engine.apply(locate(site)).written
-    for rel in [*written, f".k3patch/{STATE_FILE}"]:
-        for path in (site / "vllm" / rel, (site / "vllm" / rel).parent):
-            st = os.stat(path)
-            assert (st.st_dev, st.st_ino) in synced, path
-
-
-def test_14_a_split_hard_link_is_reported(make_tree, tmp_path):
-    site = make_tree("0.31.0")
-    target = site / "vllm" / AITER
-    os.link(target, tmp_path / "other-name.py")
-    outcome = engine.apply(locate(site))
-    assert any("hard links" in line for line in outcome.pycache), outcome.pycache
-
-
 # -- What to build: the pycache directory, and a thread racing the lock ----------------------
 
 
