@@ -236,8 +236,14 @@ def interruptible(argv: list[str]) -> list[str]:
     return [sys.executable, "-c", _DEFAULT_SIGINT, *argv]
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None):
-    """Run the installed CLI as a user would (a subprocess), returning CompletedProcess."""
+def run_cli(
+    *args: str,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: float | None = None,
+):
+    """Run the installed CLI as a user would (a subprocess), returning CompletedProcess.
+    `timeout`: where a hang is the defect under test (a FIFO), fail instead of hanging."""
     full_env = {**os.environ, "NO_COLOR": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "k3patch", *args],
@@ -245,6 +251,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
         text=True,
         env=full_env,
         cwd=cwd,
+        timeout=timeout,
     )
 
 

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, sha, slow_after, slow_except, tree_hashes
+from conftest import run_cli, slow_after, slow_except, tree_hashes
 from conftest import status_json as _status_json
+from cycle import assert_full_cycle
 from k3patch.patches import aiter_mla_gfx942 as aiter
 from k3patch.patches.aiter_mla_gfx942 import probe as truth
 
@@ -32,37 +33,11 @@ def verdict_of(site: Path) -> str:
 @pytest.mark.wheel
 @pytest.mark.parametrize("version", slow_after(VERSIONS))
 def test_full_cycle_on_real_wheel(make_tree, version):
-    site = make_tree(version)
-    target = site / "vllm" / "_aiter_ops.py"
-    original = tree_hashes(site)
-
-    before = status_json(site)
-    assert before["_rc"] == 1
-    assert before["vllm"]["version"] == version
-    assert before["patches"][0]["verdict"] == "pending"
-    (site_result,) = before["patches"][0]["sites"]
+    cycle = assert_full_cycle(make_tree(version), aiter.PATCH.id, written=["vllm/_aiter_ops.py"])
+    assert cycle.pending["vllm"]["version"] == version
+    (site_result,) = cycle.pending["patches"][0]["sites"]
     assert site_result["shape"] == aiter.UPSTREAM_BUGGY.name
     assert "seen in vLLM" not in site_result["detail"]  # a release the shape's range covers
-
-    check = run_cli("apply", "--vllm", str(site), "--check", *ONLY)
-    assert check.returncode == 1
-    assert tree_hashes(site) == original, "--check wrote something"
-
-    first = run_cli("apply", "--vllm", str(site), *ONLY)
-    assert first.returncode == 0, first.stderr
-    assert sha(target) != original["vllm/_aiter_ops.py"]
-    after = status_json(site)
-    assert after["_rc"] == 0
-    assert after["patches"][0]["verdict"] == "applied"
-
-    once = tree_hashes(site)
-    second = run_cli("apply", "--vllm", str(site), *ONLY)
-    assert second.returncode == 0
-    assert tree_hashes(site) == once, "a second apply changed bytes"
-
-    back = run_cli("revert", "--vllm", str(site))
-    assert back.returncode == 0, back.stderr
-    assert tree_hashes(site) == original, "revert is not byte-identical"
 
 
 @pytest.mark.wheel

@@ -92,15 +92,40 @@ def _preflight_fail(pkg: Path, env: dict[str, str]) -> subprocess.CompletedProce
     )
 
 
-@pytest.mark.wheel
-def test_pycache_prefix_unchecked_hash_pyc_keeps_old_code(make_tree, tmp_path):
-    """D1: with PYTHONPYCACHEPREFIX (set for k3patch too), apply exits 0 and status says applied
-    while the interpreter runs the unchecked-hash pycs of the original code from the prefix."""
-    site = make_tree("0.31.0")
-    pkg = site / "vllm"
+@pytest.fixture
+def prefix_tree(make_tree, tmp_path) -> tuple[Path, dict[str, str]]:
+    """A 0.31.0 package dir whose targets have unchecked-hash pycs of their original code under
+    PYTHONPYCACHEPREFIX, and the environment that sets that prefix (for k3patch too)."""
+    pkg = make_tree("0.31.0") / "vllm"
     env = {"PYTHONPYCACHEPREFIX": str(tmp_path / "pycache-prefix")}
     _compile_unchecked([pkg / rel for rel in TARGETS], env)
+    return pkg, env
 
+
+FINDER = (
+    "import importlib.machinery as m, sys\n"
+    "f = m.FileFinder(sys.argv[1], (m.ExtensionFileLoader, m.EXTENSION_SUFFIXES),"
+    " (m.SourceFileLoader, m.SOURCE_SUFFIXES), (m.SourcelessFileLoader, m.BYTECODE_SUFFIXES))\n"
+    "s = f.find_spec(sys.argv[2])\n"
+    "print(type(s.loader).__name__, s.origin)\n"
+)
+
+
+def import_would_load(pkg: Path, module: str) -> tuple[str, str]:
+    """The loader (its class name) and the file that import finds for `module` in `pkg`, as
+    the path finder chooses them (by name, before it opens a file)."""
+    out = subprocess.run(
+        [sys.executable, "-c", FINDER, str(pkg), module], capture_output=True, text=True, check=True
+    ).stdout.split(maxsplit=1)
+    return out[0], out[1].strip()
+
+
+@pytest.mark.wheel
+def test_pycache_prefix_unchecked_hash_pyc_keeps_old_code(prefix_tree):
+    """D1: with PYTHONPYCACHEPREFIX (set for k3patch too), apply exits 0 and status says applied
+    while the interpreter runs the unchecked-hash pycs of the original code from the prefix."""
+    pkg, env = prefix_tree
+    site = pkg.parent
     applied = run_cli("apply", "--quiet", "--vllm", str(site), env=env)
     status = run_cli("status", "--quiet", "--vllm", str(site), env=env)
     stale = _stale(pkg, env)
@@ -112,15 +137,13 @@ def test_pycache_prefix_unchecked_hash_pyc_keeps_old_code(make_tree, tmp_path):
 
 
 @pytest.mark.wheel
-def test_plugin_passes_with_pycache_prefix_old_code(make_tree, tmp_path):
+def test_plugin_passes_with_pycache_prefix_old_code(prefix_tree, tmp_path):
     """D1, the plugin: K3PATCH_PREFLIGHT=fail lets vLLM start on the old code of D1's tree.
     apply removes the prefix's pycs, so they are put back after it, as an image layer or a
     restored build cache would: the unchecked-hash pycs of the original code under the prefix."""
-    site = make_tree("0.31.0")
-    pkg = site / "vllm"
-    prefix = tmp_path / "pycache-prefix"
-    env = {"PYTHONPYCACHEPREFIX": str(prefix)}
-    _compile_unchecked([pkg / rel for rel in TARGETS], env)
+    pkg, env = prefix_tree
+    site = pkg.parent
+    prefix = Path(env["PYTHONPYCACHEPREFIX"])
     saved = tmp_path / "saved-prefix"
     shutil.copytree(prefix, saved)
     assert run_cli("apply", "--quiet", "--vllm", str(site), env=env).returncode == 0
@@ -223,15 +246,7 @@ def test_sourceless_tree_is_not_not_applicable(make_tree):
             path.unlink()
             stripped.append(rel)
     assert AITER in stripped and MORIIO in stripped
-    finder = (
-        "import importlib.machinery as m, sys\n"
-        "f = m.FileFinder(sys.argv[1], (m.ExtensionFileLoader, m.EXTENSION_SUFFIXES),"
-        " (m.SourceFileLoader, m.SOURCE_SUFFIXES), (m.SourcelessFileLoader, m.BYTECODE_SUFFIXES))\n"
-        "print(type(f.find_spec('vllm._aiter_ops').loader).__name__)\n"
-    )
-    loader = subprocess.run(
-        [sys.executable, "-c", finder, str(pkg)], capture_output=True, text=True, check=True
-    ).stdout.strip()
+    loader, _ = import_would_load(pkg, "vllm._aiter_ops")
     assert loader == "SourcelessFileLoader", "precondition: import loads the unpatched .pyc"
 
     status = run_cli("status", "--quiet", "--vllm", str(site))
@@ -266,15 +281,7 @@ def test_extension_module_beside_target_is_not_applied(make_tree, when):
         assert run_cli("apply", "--quiet", "--vllm", str(site)).returncode == 0
     patched = (pkg / AITER).read_bytes()
     ext.write_bytes(b"")
-    finder = (
-        "import importlib.machinery as m, sys\n"
-        "f = m.FileFinder(sys.argv[1], (m.ExtensionFileLoader, m.EXTENSION_SUFFIXES),"
-        " (m.SourceFileLoader, m.SOURCE_SUFFIXES), (m.SourcelessFileLoader, m.BYTECODE_SUFFIXES))\n"
-        "print(f.find_spec('vllm._aiter_ops').origin)\n"
-    )
-    origin = subprocess.run(
-        [sys.executable, "-c", finder, str(pkg)], capture_output=True, text=True, check=True
-    ).stdout.strip()
+    _, origin = import_would_load(pkg, "vllm._aiter_ops")
     assert origin == str(ext), "precondition: import would load the extension, not the .py"
 
     status = run_cli("status", "--quiet", "--vllm", str(site))

@@ -26,9 +26,9 @@ from conftest import (
     sites_of,
     slow_after,
     slow_except,
-    status_json,
     tree_hashes,
 )
+from cycle import assert_full_cycle
 from k3patch.patches import kda_gather_diagnostic as kda
 from k3patch.patches.kda_gather_diagnostic import syncs
 
@@ -450,31 +450,19 @@ CYCLE = {"fork:b": [OPS], "fork:a": [OPS], "fixture:kda-inlined-caller": [PREFIL
 def test_full_cycle(tree_of, spec):
     tree = tree_of(spec)
     rels = ["vllm/" + rel for rel in CYCLE[spec]]
-    original = tree_hashes(tree)
     guards = {rel: guard_statements(tree / rel) for rel in rels}
-    assert status_json(tree, *ONLY)["_rc"] == 1
-    assert run_cli("apply", "--vllm", str(tree), "--check", *ONLY).returncode == 1
-    assert tree_hashes(tree) == original, "--check wrote something"
 
-    first = run_cli("apply", "--vllm", str(tree), *ONLY)
-    assert first.returncode == 0, first.stdout + first.stderr
-    after = status_json(tree, *ONLY)
-    assert (after["_rc"], after["patches"][0]["verdict"]) == (0, "applied")
-    changed = {rel for rel, digest in tree_hashes(tree).items() if original.get(rel) != digest}
-    assert {c for c in changed if not c.startswith("vllm/.k3patch")} == set(rels)
-    for rel in rels:
-        text = (tree / rel).read_text()
-        assert guard_statements(tree / rel) == guards[rel], "the clamp must stay byte for byte"
-        top = [a.name for n in ast.parse(text).body if isinstance(n, ast.Import) for a in n.names]
-        assert top.count("os") == 1, "exactly one module-level `import os`"
-        assert text.count(GATE_LINE) == 1
+    def while_applied(status: dict) -> None:
+        for rel in rels:
+            text = (tree / rel).read_text()
+            assert guard_statements(tree / rel) == guards[rel], "the clamp must stay byte for byte"
+            top = [
+                a.name for n in ast.parse(text).body if isinstance(n, ast.Import) for a in n.names
+            ]
+            assert top.count("os") == 1, "exactly one module-level `import os`"
+            assert text.count(GATE_LINE) == 1
 
-    once = tree_hashes(tree)
-    assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 0
-    assert tree_hashes(tree) == once, "a second apply changed bytes"
-    back = run_cli("revert", "--vllm", str(tree))
-    assert back.returncode == 0, back.stdout + back.stderr
-    assert tree_hashes(tree) == original, "revert is not byte-identical"
+    assert_full_cycle(tree, PATCH, written=rels, while_applied=while_applied)
 
 
 @pytest.mark.wheel

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import forktree
 import pytest
-from conftest import built_fork_tree, pristine_tree, run_cli, sha, slow_after, tree_hashes
+from conftest import built_fork_tree, pristine_tree, run_cli, slow_after, tree_hashes
 from conftest import sites_of as _sites_of
 from conftest import status_json as _status_json
+from cycle import assert_full_cycle
 from k3patch.patches import moriio_chunk_gate as gate
 from k3patch.patches.moriio_chunk_gate import gates
 from patch_table import Change, assert_rewrite, assert_untouched
@@ -78,35 +79,11 @@ def rewritten(text: str) -> str:
 @pytest.mark.wheel
 @pytest.mark.parametrize("version", slow_after(["0.23.0", "0.27.1", "0.28.0", "0.29.0", "0.31.0"]))
 def test_full_cycle_on_real_wheel(make_tree, version):
-    site = make_tree(version)
-    target = site / REL
-    original = tree_hashes(site)
-
-    before = status_json(site)
-    assert before["_rc"] == 1
-    assert before["vllm"]["version"] == version
-    assert before["patches"][0]["verdict"] == "pending"
-    for result in before["patches"][0]["sites"]:
-        assert result["verdict"] == "pending"
-        assert result["shape"] == SHAPE_OF[version]
-
-    check = run_cli("apply", "--vllm", str(site), "--check", *ONLY)
-    assert check.returncode == 1
-    assert tree_hashes(site) == original, "--check wrote something"
-
-    first = run_cli("apply", "--vllm", str(site), *ONLY)
-    assert first.returncode == 0, first.stdout + first.stderr
-    assert sha(target) != original[REL]
-    assert verdicts_of(site) == ("applied", "applied")
-
-    once = tree_hashes(site)
-    second = run_cli("apply", "--vllm", str(site), *ONLY)
-    assert second.returncode == 0
-    assert tree_hashes(site) == once, "a second apply changed bytes"
-
-    back = run_cli("revert", "--vllm", str(site))
-    assert back.returncode == 0, back.stderr
-    assert tree_hashes(site) == original, "revert is not byte-identical"
+    cycle = assert_full_cycle(make_tree(version), gate.PATCH.id, written=[REL])
+    assert cycle.pending["vllm"]["version"] == version
+    for result in cycle.pending["patches"][0]["sites"]:
+        assert (result["verdict"], result["shape"]) == ("pending", SHAPE_OF[version]), result
+    assert [s["verdict"] for s in cycle.applied["patches"][0]["sites"]] == ["applied"] * 2
 
 
 @pytest.mark.wheel
@@ -390,23 +367,17 @@ def test_legacy_defects_read_as_issue_12_names_them():
 @pytest.mark.parametrize("name", slow_after(sorted(FORK_VERDICTS)))
 def test_fork_tree_cycle(fork_tree, name):
     site = fork_tree(name)
-    target = site / REL
-    original = tree_hashes(site)
-    first = run_cli("apply", "--vllm", str(site), *ONLY)
-    assert first.returncode == 0, first.stdout + first.stderr
-    for result in sites_of(site).values():
+
+    def while_applied(status: dict) -> None:
+        text = (site / REL).read_text()
+        # The older scripts' own block-id code is not this patch's to touch.
+        before = (built_fork_tree(name) / REL).read_text()
+        for kept in ("block_ids = new_block_ids[0]", "self._reqs_save_mamba.get(req_id, [])"):
+            assert text.count(kept) == before.count(kept) >= 1
+
+    cycle = assert_full_cycle(site, gate.PATCH.id, written=[REL], while_applied=while_applied)
+    for result in cycle.applied["patches"][0]["sites"]:
         assert (result["verdict"], result["shape"]) == ("applied", APPLIED_SHAPE[name]), result
-    text = target.read_text()
-    # The older scripts' own block-id code is not this patch's to touch.
-    before = (built_fork_tree(name) / REL).read_text()
-    for kept in ("block_ids = new_block_ids[0]", "self._reqs_save_mamba.get(req_id, [])"):
-        assert text.count(kept) == before.count(kept) >= 1
-    once = tree_hashes(site)
-    assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 0
-    assert tree_hashes(site) == once, "a second apply changed bytes"
-    back = run_cli("revert", "--vllm", str(site))
-    assert back.returncode == 0, back.stderr
-    assert tree_hashes(site) == original, "revert is not byte-identical"
 
 
 @pytest.mark.wheel

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli, sites_of, slow_after, status_json, tree_hashes
+from cycle import assert_full_cycle
 from patch_table import Change, assert_rewrite, assert_sites, assert_untouched, changes
 
 from k3patch.registry import all_patches
@@ -433,31 +434,13 @@ def test_the_builder_trees_differ_where_the_verdicts_say(fork_tree):
 
 @pytest.mark.parametrize("name", slow_after(sorted(VERDICTS)))
 def test_apply_from_every_state_then_again_then_revert(fork_tree, name):
-    tree = fork_tree(name)
-    original = tree_hashes(tree)
-
-    check = run_cli("apply", "--vllm", str(tree), "--check", *ONLY)
-    assert check.returncode == 1
-    assert tree_hashes(tree) == original, "--check wrote something"
-
-    first = run_cli("apply", "--vllm", str(tree), *ONLY)
-    assert first.returncode == 0, first.stdout + first.stderr
-    once = source_hashes(tree)
-    assert {rel for rel in FILES if once[rel] != original[rel]} == set(FILES)
-    after = sites(tree)
+    cycle = assert_full_cycle(fork_tree(name), ID, written=FILES)
+    after = {s["site"]: s for s in cycle.applied["patches"][0]["sites"]}
     assert list(after) == SITE_NAMES
     assert {s["verdict"] for s in after.values()} == {"applied"}, [
         (s["site"], s["verdict"], s["detail"]) for s in after.values() if s["verdict"] != "applied"
     ]
     assert {s["shape"] for s in after.values()} == {"k3patch"}
-
-    second = run_cli("apply", "--vllm", str(tree), *ONLY)
-    assert second.returncode == 0
-    assert source_hashes(tree) == once, "a second apply changed bytes"
-
-    back = run_cli("revert", "--vllm", str(tree))
-    assert back.returncode == 0, back.stdout + back.stderr
-    assert tree_hashes(tree) == original, "revert is not byte-identical"
 
 
 @pytest.mark.parametrize("name", slow_after(["a", "a-nodebug", "c", "d"]))

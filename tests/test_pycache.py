@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli, slow_after, tree_hashes
-from test_bad_input import ROOT_ONLY, run_as_nobody, shared_site
+from disk_setups import ROOT_ONLY, run_as_nobody, shared_site
 
 pytestmark = pytest.mark.wheel
 MODES = {

@@ -18,18 +18,11 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli, tree_hashes
-from test_bad_input import ROOT_ONLY, run_as_nobody, shared_site
+from disk_setups import ROOT_ONLY, everything, run_as_nobody, shared_site
 
 pytestmark = pytest.mark.wheel
 AITER = "_aiter_ops.py"
 CONNECTOR = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
-
-
-def everything(root: Path) -> dict[str, str]:
-    """Every file's hash and every directory: nothing may appear, vanish or change."""
-    out = tree_hashes(root)
-    out.update({f"{p.relative_to(root)}/": "dir" for p in root.rglob("*") if p.is_dir()})
-    return out
 
 
 # -- A full disk, at every fill level ----------------------------------------------------------

@@ -1,13 +1,16 @@
-"""Issue 21, the engine's half: every file a patch reads must parse (items 2 and 14), and a patch
-whose rewrite fails its own checks is refused on its own (item 3). In-process: the engine over
-real trees' files read into memory, no CLI."""
+"""Every file a patch reads must parse: one that does not (a syntax error, binary junk,
+latin-1, a NUL byte, empty, comments only, too deep for the parser) makes its patch drifted,
+named against that file, with nothing written; a patch whose rewrite fails its own checks is
+refused on its own (issue 21 items 2, 3 and 14; issue 13 item 11). The engine runs in-process
+over real trees' files read into memory; the last tests go through the CLI."""
 
 from __future__ import annotations
 
 import functools
 
 import pytest
-from conftest import built_fork_tree, pristine_tree, slow_after
+from conftest import built_fork_tree, pristine_tree, run_cli, slow_after
+from disk_setups import AITER, everything, record_of
 
 from k3patch import engine, scan
 from k3patch.registry import all_patches
@@ -240,3 +243,38 @@ def test_apply_writes_the_others_and_exits_2(monkeypatch, fork_tree):
         p.id: Verdict.PENDING if p.id == "moriio-chunk-gate" else Verdict.APPLIED
         for p in all_patches()
     }
+
+
+# What a user meets: the CLI names the file and what to do, and writes nothing.
+
+
+@pytest.mark.parametrize(
+    "junk, expect",
+    [
+        (b"def broken(:\n", "does not parse"),
+        (b"\x00\x01\x02\xff\xfe binary", "not UTF-8"),
+        (b"x = '\xe9t\xe9'\n", "not UTF-8"),
+        (b"", "holds no code"),
+        (b"x = " + b"-" * 100_000 + b"1\n", "too deeply"),
+    ],
+)
+def test_the_cli_names_a_target_that_is_not_python_and_writes_nothing(make_tree, junk, expect):
+    site = make_tree("0.31.0")
+    (site / "vllm" / "_aiter_ops.py").write_bytes(junk)
+    before = everything(site)
+    proc = run_cli("apply", "--vllm", str(site), "--quiet", "--only", "aiter-mla-gfx942")
+    assert proc.returncode == 1
+    line = record_of(proc.stdout, "k3patch: aiter-mla-gfx942: drifted")
+    assert "vllm/_aiter_ops.py" in line and expect in line and "restore it from the wheel" in line
+    assert everything(site) == before
+
+
+def test_deep_expressions_are_drift_not_a_traceback(make_tree):
+    """Issue 13 item 11: deep expressions."""
+    site = make_tree("0.31.0")
+    target = site / "vllm" / AITER
+    deep = "x = " + " + ".join(["1"] * 5000) + "\n"
+    target.write_text(target.read_text() + deep)
+    proc = run_cli("status", "--vllm", str(site), "--json")
+    assert proc.returncode == 1, proc.stderr
+    assert "too deeply" in proc.stdout and "internal error" not in proc.stdout + proc.stderr

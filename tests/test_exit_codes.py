@@ -1,6 +1,8 @@
-"""Issue 21, the output half: exit codes that never lie whatever happens to stdout and stderr
-(item 7), usage errors as one line and, under --json, an error envelope (item 8), errors that
-stay one line on a terminal (item 12), and drift reports that read as code (item 13).
+"""What k3patch prints and the code it exits with never lie: exit codes survive whatever
+happens to stdout and stderr (a closed pipe, a full disk behind stdout, SIGINT), a usage error
+is one line and, under --json, an error envelope, an error stays one line on a terminal, a
+drift report reads as code, and verify never passes having verified nothing (issue 21 items 7,
+8, 12, 13; issue 13 items 15, 16).
 
 The CLI runs as a subprocess only where the process's own descriptors are the thing tested."""
 
@@ -15,10 +17,12 @@ import sys
 
 import pytest
 from conftest import interruptible, run_cli, slow_after
+from disk_setups import bash
 from typer.testing import CliRunner
 
-from k3patch import plaintext, render, scan
+from k3patch import engine, plaintext, render, scan
 from k3patch.cli import app
+from k3patch.tree import locate
 
 K3 = [sys.executable, "-m", "k3patch"]
 
@@ -295,3 +299,41 @@ def test_found_code_keeps_its_indentation_under_its_def(make_tree):
     lines = drift.found.splitlines()
     assert lines[0].startswith("def is_mla_enabled(cls)"), lines
     assert lines[1].startswith("    return cls._AITER_ENABLED and"), lines
+
+
+@pytest.mark.parametrize("path", slow_after(["fast", "full"]))
+def test_a_closed_pipe_or_a_full_stdout_after_a_commit_keeps_its_code(make_tree, path):
+    """Issue 13 item 15: exit codes that do not lie."""
+    k3 = f"{sys.executable} -m k3patch"
+    if path == "full":
+        k3 = f"K3PATCH_NO_FASTPATH=1 {k3}"
+    site, other = make_tree("0.31.0"), make_tree("0.31.0")
+    piped = bash(f"{k3} apply --vllm {site} | head -c 1 >/dev/null; exit ${{PIPESTATUS[0]}}")
+    assert piped.returncode == 0, piped.stderr
+    assert "Traceback" not in piped.stderr and "internal error" not in piped.stderr
+    full = bash(f"{k3} apply --vllm {other} > /dev/full")
+    assert full.returncode == 0, full.stderr
+    assert "nothing was written" not in full.stderr and "could not write" in full.stderr
+    for tree in (site, other):
+        assert run_cli("status", "--vllm", str(tree)).returncode == 0
+    status = bash(f"{k3} status --vllm {site} | head -c 1 >/dev/null; exit ${{PIPESTATUS[0]}}")
+    assert status.returncode == 0, status.stderr
+
+
+def test_a_non_executable_python_for_verify_is_exit_3(make_tree, tmp_path):
+    """Issue 13 item 15: exit codes that do not lie."""
+    site = make_tree("0.31.0")
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n")
+    proc = run_cli("verify", "--vllm", str(site), "--python", str(fake))
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+
+
+def test_verify_with_an_interpreter_lacking_torch_is_exit_3(make_tree):
+    """Issue 13 item 16: verify never passes vacuously."""
+    site = make_tree("0.31.0")
+    engine.apply(locate(site))
+    proc = run_cli("verify", "--vllm", str(site))  # k3patch's own interpreter: no torch
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    assert "nothing was verified" in proc.stderr and sys.executable in proc.stderr
+    assert "verified" not in proc.stdout
