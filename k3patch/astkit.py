@@ -4,10 +4,46 @@ ambiguity, and the names a piece of code mentions, binds or imports."""
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T", bound=ast.stmt)
+SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+BLOCKS = ("body", "handlers", "orelse", "finalbody", "cases")
+
+
+def walk(root: ast.AST, *, scope: bool = False) -> Iterator[ast.AST]:
+    """`root` and every node under it, depth first, each node before its children (statements
+    in source order), skipping annotations and parameter lists (types; defaults are walked).
+    With `scope`, a def or class under `root` is yielded but not entered: its code runs in
+    another scope, when it is called or never. The one walker every AST reader uses."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        yield node
+        if scope and node is not root and isinstance(node, SCOPES):
+            continue
+        children: list[ast.AST] = []
+        for name, value in ast.iter_fields(node):
+            if name in ("returns", "annotation") or isinstance(value, ast.arguments):
+                continue
+            children += [c for c in (value if isinstance(value, list) else [value])]
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            children += [d for d in (*node.args.defaults, *node.args.kw_defaults) if d]
+        stack.extend(reversed([c for c in children if isinstance(c, ast.AST)]))
+
+
+def blocks(node: ast.AST) -> list[list[ast.stmt]]:
+    """Every statement list in `node`'s scope (`walk` with `scope`): its own body and the bodies
+    of its nested `if`, loops, `with`, `try` and its handlers, `match` cases, in source order."""
+    found = [
+        value
+        for holder in walk(node, scope=True)
+        if holder is node or not isinstance(holder, SCOPES)
+        for value in (getattr(holder, name, None) for name in BLOCKS)
+        if isinstance(value, list) and value and isinstance(value[0], ast.stmt)
+    ]
+    return sorted(found, key=lambda block: (block[0].lineno, block[0].col_offset))
 
 
 class AmbiguousDefinition(Exception):

@@ -20,7 +20,7 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.helpers import ensure_type
 
-from k3patch.astkit import module_binds
+from k3patch.astkit import BLOCKS, module_binds, walk
 from k3patch.itemlayout import appended
 
 if TYPE_CHECKING:
@@ -56,25 +56,15 @@ def with_leading_lines(stmt: Statement, lines: Sequence[cst.EmptyLine]) -> State
     return stmt.with_changes(leading_lines=[*lines, *stmt.leading_lines])
 
 
-# Finding an ast statement's libcst node: both trees hold the same statements in the same order,
-# and name a compound statement's blocks alike.
-_BLOCKS = ("body", "handlers", "orelse", "finalbody", "cases")
-
-
-def _ast_statements(node: ast.AST) -> Iterator[ast.stmt]:
-    for name in _BLOCKS:
-        for child in getattr(node, name, None) or []:
-            if isinstance(child, ast.stmt):
-                yield child
-            yield from _ast_statements(child)
-
-
+# Finding an ast statement's libcst node: both trees hold the same statements in the same order
+# (astkit.walk yields them so), and name a compound statement's blocks alike. The libcst side
+# needs its own walk: another tree type, and one node for a line of `a; b`.
 def _cst_statements(
     node: cst.CSTNode, path: tuple[int, ...]
 ) -> Iterator[tuple[Statement | None, tuple[int, ...]]]:
     """Each statement under `node` (None where it shares its line) and the ids of the compound
     statements that hold it."""
-    for name in _BLOCKS:
+    for name in BLOCKS:
         value = getattr(node, name, None)
         for child in value if isinstance(value, list | tuple) else [value]:
             if isinstance(child, cst.SimpleStatementLine) and len(child.body) == 1:
@@ -142,7 +132,7 @@ class Codemod:
         self.module = cst.parse_module(text)
         self.newline = self.module.default_newline
         found = list(_cst_statements(self.module, ()))
-        stmts = list(_ast_statements(tree))
+        stmts = [n for n in walk(tree) if isinstance(n, ast.stmt)]
         if len(found) != len(stmts):
             raise CodemodError("the libcst and ast trees of the file disagree")
         self._nodes = {id(stmt): node for stmt, (node, _) in zip(stmts, found, strict=True)}

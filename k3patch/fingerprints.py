@@ -88,13 +88,6 @@ def match_shapes(
         if shape.fingerprint == found:
             detail = shape_detail(shape, source)
             return SiteResult(patch_id, site, source.rel, shape.verdict, shape.name, detail, line)
-    return SiteResult(
-        patch_id=patch_id,
-        site=site,
-        file=source.rel,
-        verdict=Verdict.DRIFTED,
-        detail="the site is in no shape k3patch knows; nothing will be written",
-        line=line,
-        found=source.segment(node),
-        expected=tuple(f"{s.name} ({s.verdict.value})" for s in shapes),
-    )
+    why = "the site is in no shape k3patch knows; nothing will be written"
+    expected = (f"{s.name} ({s.verdict.value})" for s in shapes)
+    return SiteResult.drift(patch_id, site, source.rel, why, line, source.segment(node), expected)

@@ -113,7 +113,7 @@ def target_files(patches: Iterable[Patch]) -> list[str]:
 def _drift(
     patch: Patch, rel: str, detail: str, site: str = "(file)", line: int | None = None
 ) -> SiteResult:
-    return SiteResult(patch.id, site, rel, Verdict.DRIFTED, detail=detail, line=line)
+    return SiteResult.drift(patch.id, site, rel, detail, line)
 
 
 def _unreadable(patch: Patch, sources: Sources) -> list[SiteResult]:

@@ -21,6 +21,8 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
+from k3patch.astkit import blocks
+
 HOLE_PREFIX = "HOLE_"
 _IGNORED = frozenset({"ctx", "kind", "type_comment"})  # positions are attributes, not fields
 
@@ -142,23 +144,8 @@ def matches_each(patterns: Sequence[str], targets: Sequence[ast.AST | None]) -> 
     )
 
 
-def blocks(node: ast.AST) -> list[list[ast.stmt]]:
-    """Every statement list under `node`: its own body, the bodies of its nested blocks (`if`,
-    loops, `with`, `try` and its handlers, `match` cases), in source order. A nested def or
-    class is not entered: its statements run in another scope, when it is called or never."""
-    found: list[list[ast.stmt]] = []
-    for name in ("body", "handlers", "orelse", "finalbody", "cases"):
-        value = getattr(node, name, None) or []
-        if value and isinstance(value[0], ast.stmt):
-            found.append(value)
-        for child in value:
-            if not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                found += blocks(child)
-    return found
-
-
 def search(pattern: str, node: ast.AST) -> list[tuple[list[ast.stmt], int, Bindings]]:
-    """Every run of consecutive statements in a block under `node` (see `blocks`) that
+    """Every run of consecutive statements in a block under `node` (`astkit.blocks`) that
     `pattern` matches, as (block, index of the run's first statement, bindings). The run is as
     long as the pattern (which therefore has no elision at its top level)."""
     stmts = parse_pattern(pattern)

@@ -56,6 +56,22 @@ class SiteResult(NamedTuple):
     found: str = ""
     expected: tuple[str, ...] = ()
 
+    @classmethod
+    def drift(
+        cls,
+        patch_id: str,
+        site: str,
+        file: str,
+        why: str,
+        line: int | None = None,
+        found: str = "",
+        expected: Iterable[str] = (),
+        shape: str = "",
+    ) -> SiteResult:
+        """The one way a drift is reported: why, where, what was found there (its source) and
+        what was expected (the known shapes, each with its verdict)."""
+        return cls(patch_id, site, file, Verdict.DRIFTED, shape, why, line, found, tuple(expected))
+
     def to_json(self) -> dict[str, Any]:
         data = {"patch": self.patch_id, **self._asdict(), "verdict": self.verdict.value}
         del data["patch_id"]

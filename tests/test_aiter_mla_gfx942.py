@@ -116,7 +116,11 @@ def test_missing_arch_helper_is_refused(make_tree):
     before = tree_hashes(site)
     data = status_json(site)
     assert data["patches"][0]["verdict"] == "drifted"
-    assert "on_gfx942" in data["patches"][0]["sites"][0]["detail"]
+    (result,) = data["patches"][0]["sites"]
+    assert "on_gfx942" in result["detail"]
+    # A drift says what it found and what was expected, as every drift does (SiteResult.drift).
+    assert "def is_mla_enabled" in result["found"]
+    assert any("on_gfx942" in item for item in result["expected"])
     assert run_cli("apply", "--vllm", str(site), *ONLY).returncode == 1
     assert tree_hashes(site) == before
 

@@ -30,6 +30,7 @@ from conftest import (
 )
 from cycle import assert_full_cycle
 from k3patch.patches import kda_gather_diagnostic as kda
+from k3patch.patches.kda_gather_diagnostic import sites as kda_sites
 from k3patch.patches.kda_gather_diagnostic import syncs
 
 from k3patch import verify as verify_mod
@@ -421,8 +422,10 @@ def test_guard_names_are_fixed_inside_gather_initial_states():
 
 
 def test_known_shapes_carry_versions_as_data():
-    assert kda.GUARD_FOLDED.versions == kda.GUARD_SCRIPT.versions == kda.FORK_BUILDS
-    assert kda.FORK_BUILDS.contains("0.28.0") and not kda.FORK_BUILDS.contains("0.29.0")
+    assert (
+        kda_sites.GUARD_FOLDED.versions == kda_sites.GUARD_SCRIPT.versions == kda_sites.FORK_BUILDS
+    )
+    assert kda_sites.FORK_BUILDS.contains("0.28.0") and not kda_sites.FORK_BUILDS.contains("0.29.0")
     assert kda.APPLIED_DIAGNOSTIC.versions is None, "k3patch's own shape holds on any version"
 
 

@@ -4,25 +4,17 @@ from __future__ import annotations
 
 import ast
 
-from k3patch.patches.kda_gather_diagnostic import (
-    imported_module,
-    string_constants,
-    walk_scope,
-)
-from k3patch.patches.kda_gather_diagnostic.syncs import truth_tests, walk_code
+from k3patch.patches.kda_gather_diagnostic import imported_module, string_constants
+from k3patch.patches.kda_gather_diagnostic.syncs import truth_tests
 from k3patch.patches.moriio_chunk_gate.names import (
     ancestors,
     assigned_name,
     attribute_names,
-    is_call_to,
     loaded_names,
     loops_over,
-    named_values,
     outline,
     parent_map,
-    resolve_name,
     runtime_module_names,
-    strip_nots,
     temporaries_before,
     unbound_names,
     unset_attributes,
@@ -32,11 +24,13 @@ from k3patch.patches.moriio_group_routing.sites import clip_lines, combined_verd
 from k3patch.astkit import (
     attribute_owner,
     bindings,
+    blocks,
     callee_name,
     find_class,
     imported_names,
     parameter_names,
     stored_names,
+    walk,
 )
 from k3patch.fingerprints import Shape
 from k3patch.shapes import VersionRange, match
@@ -54,12 +48,12 @@ def test_an_attribute_store_does_not_rebind_the_class():
     assert [s.lineno for s in bindings(rebound.body, "Cls")] == [1, 4]
 
 
-def test_walk_scope_stays_out_of_nested_definitions():
+def test_walk_with_scope_stays_out_of_nested_definitions():
     func = ast.parse(
         "def f():\n    a = 1\n    def g():\n        b = 2\n    class C:\n        c = 3\n"
     ).body[0]
     assert isinstance(func, ast.FunctionDef)
-    names = {n.id for n in walk_scope(func.body) if isinstance(n, ast.Name)}
+    names = {n.id for n in walk(func, scope=True) if isinstance(n, ast.Name)}
     assert names == {"a"}
 
 
@@ -170,19 +164,9 @@ def test_named_items_of_each_holder():
     assert list(named_items(lam)) == ["a", "b"]
 
 
-def test_assigned_name_and_named_values_take_plain_assignments_only():
+def test_assigned_name_takes_plain_assignments_only():
     body = ast.parse("a = 1\nb = c = 2\nd.e = 3\nf: int = 4\ng += 5\n(h, i) = 6, 7\na = 8\n").body
     assert [assigned_name(s) for s in body] == ["a", None, None, None, None, None, "a"]
-    values = named_values(body)
-    assert list(values) == ["a"] and ast.unparse(values["a"]) == "8"
-
-
-def test_resolve_name_follows_names_a_bounded_number_of_times():
-    values = named_values(ast.parse("a = b\nb = c\nc = d + 1\nx = y\ny = x\n").body)
-    assert ast.unparse(resolve_name(ast.Name("a"), values)) == "d + 1"
-    assert ast.unparse(resolve_name(ast.Name("a"), values, limit=2)) == "c"
-    assert ast.unparse(resolve_name(ast.Name("x"), values)) == "x"  # a cycle stops
-    assert ast.unparse(resolve_name(ast.Name("q"), values)) == "q"
 
 
 def test_temporaries_before_take_the_feeding_run_only():
@@ -196,10 +180,8 @@ def test_temporaries_before_take_the_feeding_run_only():
     assert temporaries_before(block, 0, block[2]) == []
 
 
-def test_strip_nots_and_attribute_owner():
-    core, times = strip_nots(ast.parse("not not (not x.y)", mode="eval").body)
-    assert ast.unparse(core) == "x.y" and times == 3
-    assert strip_nots(ast.Name("x"))[1] == 0
+def test_attribute_owner():
+    core = ast.parse("x.y", mode="eval").body
     assert attribute_owner(core, "y") == "x"
     assert attribute_owner(core, "z") is None
     assert attribute_owner(ast.parse("a.b.y", mode="eval").body, "y") is None
@@ -249,14 +231,14 @@ def test_imported_module_names_the_one_module_every_binding_imports():
     assert of("def f():\n    import os\n") is None, "only the scope's own statements bind"
 
 
-def test_walk_code_leaves_out_annotations_but_not_defaults():
+def test_walk_leaves_out_annotations_but_not_defaults():
     func = ast.parse("def f(a: A | B = d, *, k: K = e) -> R[x]:\n    y: Y = z\n").body[0]
-    names = {n.id for n in walk_code(func) if isinstance(n, ast.Name)}
+    names = {n.id for n in walk(func) if isinstance(n, ast.Name)}
     assert names == {"d", "e", "y", "z"}
     lam = ast.parse("lambda a=q: a", mode="eval").body
-    assert {n.id for n in walk_code(lam) if isinstance(n, ast.Name)} == {"q", "a"}
+    assert {n.id for n in walk(lam) if isinstance(n, ast.Name)} == {"q", "a"}
     nested = ast.parse("def f():\n    def g(v: V = w):\n        u\n").body[0]
-    assert {n.id for n in walk_code(nested) if isinstance(n, ast.Name)} == {"w", "u"}
+    assert {n.id for n in walk(nested) if isinstance(n, ast.Name)} == {"w", "u"}
 
 
 def test_truth_tests_are_the_node_s_own_tests_only():
@@ -348,13 +330,15 @@ def test_outline_shows_each_enclosing_header_then_the_inner_lines():
     assert outline([branch], [], unit="\t") == "if a:"
 
 
-def test_is_call_to_a_function_or_a_method_on_an_owner():
-    def call(source: str) -> ast.expr:
-        return ast.parse(source, mode="eval").body
-
-    assert is_call_to(call("f(1)"), "f") and is_call_to(call("self.f()"), "f")
-    assert is_call_to(call("cls.f()"), "f", owner="cls")
-    assert not is_call_to(call("other.f()"), "f")
-    assert not is_call_to(call("self.a.f()"), "f")
-    assert not is_call_to(call("f"), "f") and not is_call_to(call("g()"), "f")
-    assert not is_call_to(call("f()()"), "f")
+def test_walk_yields_statements_in_source_order_and_blocks_by_position():
+    # The codemod pairs the ast's statements with libcst's by position in this order; a ternary's
+    # or a lambda's `body` is an expression, no block.
+    module = ast.parse(
+        "if a:\n    b = 1\n    for c in d:\n        e = 2\nelse:\n    f = 3\n"
+        "try:\n    g = 4\nexcept E:\n    h = 5\nfinally:\n    i = 6\n"
+        "def j():\n    k = 7\nm = (lambda: n) if o else p\n"
+    )
+    lines = [n.lineno for n in walk(module) if isinstance(n, ast.stmt)]
+    assert lines == sorted(lines) and len(lines) == 12
+    heads = [ast.unparse(block[0]).split("\n")[0] for block in blocks(module)]
+    assert heads == ["if a:", "b = 1", "e = 2", "f = 3", "g = 4", "h = 5", "i = 6"]

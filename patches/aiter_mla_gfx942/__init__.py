@@ -92,7 +92,8 @@ class AiterMlaGfx942(Patch):
             missing.append("`on_gfx942()` in vllm/platforms/rocm.py (vLLM 0.15.0 or later)")
         if missing:
             detail = "known buggy shape, but the fix needs " + "; ".join(missing)
-            return [result._replace(verdict=Verdict.DRIFTED, detail=detail)]
+            found, line, shape = src.segment(method), result.line, result.shape
+            return [SiteResult.drift(self.id, SITE, FILE, detail, line, found, missing, shape)]
         return [result]
 
     def rewrite(self, sources: Sources, pending: list[SiteResult], files: Codemods) -> None:

@@ -13,114 +13,37 @@ CPU run of `gather_initial_states`: no sync while unset, the bad index logged at
 from __future__ import annotations
 
 import ast
-import textwrap
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import k3patch.astkit as astkit
 from k3patch.fingerprints import Shape, shape_detail
 from k3patch.patch import Patch, ProbeOutcome
-from k3patch.shapes import VersionRange, holes, match
+from k3patch.shapes import holes, match
 from k3patch.sources import SourceFile, Sources
 from k3patch.verdicts import SiteResult, Verdict, summarise
 
+from .sites import (
+    APPLIED_DIAGNOSTIC,
+    DIAGNOSTIC_SHAPES,
+    FORK_DIAGNOSTIC,
+    GATE,
+    GATE_COMMENT,
+    GUARD_END,
+    GUARD_NAMES,
+    GUARD_SHAPES,
+    KDA_FILE,
+    LEGACY_DIAGNOSTIC,
+    OPS_FILE,
+    OPS_MODULE,
+    PREFILL_FILE,
+    SITES,
+    Site,
+)
 from .syncs import ENV, sync_points
 
 if TYPE_CHECKING:
     from k3patch.codemod import Codemods
-
-OPS_FILE = "model_executor/layers/mamba/ops/gather_initial_states.py"
-OPS_MODULE = "vllm.model_executor.layers.mamba.ops.gather_initial_states"
-PREFILL_FILE = "models/kimi_k3/amd/ops/kda_prefill.py"
-KDA_FILE = "models/kimi_k3/amd/kda.py"
-
-
-class Site(NamedTuple):
-    """Where the diagnostic may be, and the details of its not-applicable results."""
-
-    name: str
-    file: str
-    absent: str
-    clean: str
-
-
-SITES = (
-    Site(
-        "gather_initial_states",
-        OPS_FILE,
-        "gather_initial_states is absent (upstream has it from 0.27.1): nothing to gate",
-        "no clamp or diagnostic: upstream gather_initial_states masks on device, no sync",
-    ),
-    Site(
-        "chunk_kda_prefill",
-        PREFILL_FILE,
-        "kda_prefill.py or chunk_kda_prefill is absent here: no inlined diagnostic to gate",
-        "no inlined diagnostic: it calls gather_initial_states as upstream does",
-    ),
-    Site(
-        "KimiK3DeltaAttention._forward",
-        KDA_FILE,
-        "the Kimi-K3 ROCm KDA layer is absent here: no inlined diagnostic to gate",
-        "no inlined diagnostic in the KDA layer",
-    ),
-)
-
-# SITES.md section 3's shapes: the index, the pool size and the message are holes; all else must
-# match. The fork's file is 0.27.1/0.28.0's plus the guard.
-FORK_BUILDS = VersionRange("0.27.1", "0.28.0")
-
-DIAGNOSTIC = """
-if bool((HOLE_indices >= HOLE_bound).any()) or bool((HOLE_indices < 0).any()):
-    import logging as _lg
-
-    _bad = HOLE_indices[(HOLE_indices >= HOLE_bound) | (HOLE_indices < 0)]
-    _lg.getLogger(__name__).warning(
-        HOLE_message, int(_bad.numel()), HOLE_bound, _bad[:8].tolist()
-    )
-"""
-GATE = f'os.environ.get("{ENV}", "0") == "1"'
-GATE_COMMENT = (
-    "# k3patch kda-gather-diagnostic: each bool() below waits for the GPU stream to drain, once\n"
-    f"# per KDA layer per prefill chunk; the diagnostic runs only with {ENV}=1."
-)
-# The older anchor script's gate; its `import os as _k3os` stands in the function or the module.
-LEGACY_GATE = f"_k3os.environ.get('{ENV}', '0') == '1'"
-GATED = {gate: f"if {gate}:" + textwrap.indent(DIAGNOSTIC, "    ") for gate in (GATE, LEGACY_GATE)}
-
-FORK_DIAGNOSTIC = Shape(
-    "fork diagnostic", Verdict.PENDING, DIAGNOSTIC, "two bool() syncs on every call", FORK_BUILDS
-)
-APPLIED_DIAGNOSTIC = Shape(
-    "k3patch", Verdict.APPLIED, GATED[GATE], f"the diagnostic runs only with {ENV}=1"
-)
-LEGACY_DIAGNOSTIC = Shape(
-    "older anchor script (k3-kda-nosync)",
-    Verdict.SATISFIED,
-    GATED[LEGACY_GATE],
-    f"legacy fix: the diagnostic runs only with {ENV}=1",
-    FORK_BUILDS,
-)
-DIAGNOSTIC_SHAPES = (FORK_DIAGNOSTIC, APPLIED_DIAGNOSTIC, LEGACY_DIAGNOSTIC)
-
-# The fork's guard, the diagnostic (any shape above) third; the other three statements are never
-# rewritten and must be there, unchanged, for any verdict but not applicable.
-_GUARD = """
-_n_state_blocks = int(state.shape[0])
-_safe_idx = torch.where(
-    has_initial_state,
-    indices.to(torch.int64).CLAMP(0, _n_state_blocks - 1),
-    torch.zeros_like(indices, dtype=torch.int64),
-)
-HOLE_diagnostic
-indices = _safe_idx
-"""
-GUARD_FOLDED, GUARD_SCRIPT = (
-    Shape(f"fork, {how} ({c})", Verdict.PENDING, _GUARD.replace("CLAMP", c), "", FORK_BUILDS)
-    for how, c in (("folded guard", "clamp_"), ("guard script", "clamp"))
-)
-GUARD_SHAPES = (GUARD_FOLDED, GUARD_SCRIPT)
-GUARD_END = "indices = _safe_idx"
-GUARD_NAMES = ("indices", "_n_state_blocks")  # HOLE_indices, HOLE_bound in gather_initial_states
 
 
 def match_diagnostic(node: ast.stmt, names: tuple[str, str] | None = None) -> Shape | None:
@@ -137,7 +60,7 @@ def match_diagnostic(node: ast.stmt, names: tuple[str, str] | None = None) -> Sh
 def diagnostic_units(func: ast.FunctionDef) -> list[ast.If]:
     """The `if`s that are the diagnostic or a gate around it, in source order: those whose test
     names the variable, and those outside them whose test can sync."""
-    ifs = [node for node in walk_scope(func.body) if isinstance(node, ast.If)]
+    ifs = [node for node in astkit.walk(func, scope=True) if isinstance(node, ast.If)]
     gates = [n for n in ifs if any(ENV in s for s in string_constants(ast.walk(n.test)))]
     inside = {id(n) for gate in gates for n in ast.walk(gate)}
     syncing = [n for n in ifs if id(n) not in inside and sync_points(ast.If(n.test, [], []))]
@@ -146,7 +69,7 @@ def diagnostic_units(func: ast.FunctionDef) -> list[ast.If]:
 
 def fork_traces(func: ast.FunctionDef) -> list[str]:
     """The names and texts in `func` that only a fork's guard (or a fix of it) puts there."""
-    nodes = list(walk_scope(func.body))
+    nodes = list(astkit.walk(func, scope=True))
     names = {n.id for n in nodes if isinstance(n, ast.Name)}
     names |= {name for n in nodes if isinstance(n, ast.Import) for name in astkit.imported_names(n)}
     strings = string_constants(nodes)
@@ -209,7 +132,7 @@ class KdaGatherDiagnostic(Patch):
         # Inside the guard the index tensor and the pool size are the guard's own names.
         names = GUARD_NAMES if site.file == OPS_FILE else None
         shapes = [match_diagnostic(unit, names) for unit in units]
-        scope = [*src.tree.body, *walk_scope(func.body)]
+        scope = [*src.tree.body, *astkit.walk(func, scope=True)]
         k3os = {imported_module([s], "_k3os") for s in scope if isinstance(s, ast.Import)}
         for unit, shape in zip(units, shapes, strict=True):
             if shape is None:
@@ -237,11 +160,10 @@ class KdaGatherDiagnostic(Patch):
         shapes expected."""
         guards = [f"{g.name} + " for g in GUARD_SHAPES] if site.file == OPS_FILE else [""]
         expected = [f"{g}{d.name} ({d.verdict.value})" for g in guards for d in DIAGNOSTIC_SHAPES]
-        result = self.result(
-            site.name, site.file, Verdict.DRIFTED, f"{why}; nothing will be written"
-        )
         found = "\n".join(src.segment(node) for node in nodes)
-        return result._replace(line=nodes[0].lineno, found=found, expected=tuple(expected)), []
+        why = f"{why}; nothing will be written"
+        line = nodes[0].lineno
+        return SiteResult.drift(self.id, site.name, site.file, why, line, found, expected), []
 
     def rewrite(self, sources: Sources, pending: list[SiteResult], files: Codemods) -> None:
         """Each diagnostic moves in under the gate, GATE_COMMENT above it; a module without
@@ -264,17 +186,6 @@ class KdaGatherDiagnostic(Patch):
         from .probe import probe_no_sync_unless_asked
 
         return probe_no_sync_unless_asked()
-
-
-def walk_scope(nodes: Iterable[ast.AST]) -> Iterator[ast.AST]:
-    """`nodes` (a scope's statements) and every node under them in that scope: a nested function
-    or class is yielded but not entered (its code runs when called, or never)."""
-    stack = list(nodes)
-    while stack:
-        node = stack.pop()
-        yield node
-        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            stack.extend(ast.iter_child_nodes(node))
 
 
 def string_constants(nodes: Iterable[ast.AST]) -> list[str]:

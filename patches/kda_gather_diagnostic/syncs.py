@@ -4,9 +4,8 @@ classify spots a diagnostic in no known form with it, the probe proves each one 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
 
-from k3patch.astkit import attribute_owner, callee_name
+from k3patch.astkit import attribute_owner, callee_name, walk
 from k3patch.shapes import match
 
 ENV = "K3_KDA_GATHER_LOG"
@@ -56,7 +55,7 @@ def sync_points(root: ast.AST) -> list[tuple[ast.AST, str]]:
     """Every expression under `root` that can make the host wait for the GPU, with its kind."""
     found: list[tuple[ast.AST, str]] = []
     truthy: list[tuple[ast.AST, str]] = []  # reported after the calls, in walk order too
-    for node in walk_code(root):
+    for node in walk(root):
         for test in truth_tests(node):
             called = test.func if isinstance(test, ast.Call) else None
             if isinstance(called, ast.Attribute) and called.attr in TRUTH_REDUCTIONS:
@@ -96,22 +95,6 @@ def ungated_sync_points(func: ast.AST) -> tuple[list[str], list[str]]:
     for node, kind in sync_points(func):
         found[id(node) not in inside].append(f"{kind} at line {getattr(node, 'lineno', '?')}")
     return found
-
-
-def walk_code(root: ast.AST) -> Iterator[ast.AST]:
-    """`root` and every node under it, nested defs entered, except annotations (`A | B` and
-    `x[...]` are types there) and a def's parameter list (its defaults are walked)."""
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        yield node
-        for name, value in ast.iter_fields(node):
-            if name not in ("returns", "annotation") and not isinstance(value, ast.arguments):
-                children = value if isinstance(value, list) else [value]
-                stack.extend(c for c in children if isinstance(c, ast.AST))
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
-            args = node.args
-            stack.extend(d for d in [*args.defaults, *args.kw_defaults] if d is not None)
 
 
 def truth_tests(node: ast.AST) -> list[ast.expr]:

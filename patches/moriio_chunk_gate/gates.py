@@ -10,13 +10,25 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from k3patch import astkit
-from k3patch.astkit import mentioned_names
-from k3patch.fingerprints import site_fingerprint
-from k3patch.shapes import blocks, match, search
+from k3patch.astkit import blocks, mentioned_names
+from k3patch.fingerprints import Shape, site_fingerprint
+from k3patch.shapes import holes, match, search
 from k3patch.sources import SourceFile
 from k3patch.verdicts import SiteResult, Verdict
 
-from . import (
+from .names import (
+    ancestors,
+    assigned_name,
+    attribute_names,
+    loaded_names,
+    loops_over,
+    outline,
+    parent_map,
+    temporaries_before,
+    unbound_names,
+    unset_attributes,
+)
+from .sites import (
     CLASS,
     FROM_SURROUNDINGS,
     G1,
@@ -24,25 +36,24 @@ from . import (
     G2,
     G2_TEMPLATE,
     LEGACY_APPLIED,
+    LEGACY_DECISION,
     LEGACY_DEFECTS,
     LEGACY_HELPER,
     LEGACY_HELPER_SHAPE,
     LEGACY_PENDING,
     LOOPS,
     METHOD,
-    SATISFIED_INLINE,
-    SATISFIED_UPSTREAM,
+    REPAIRED_DECISION,
     SHAPES,
     SWEEP,
-    names,
+    UPSTREAM_HELPER,
+    UPSTREAM_HELPER_BODY,
     site_result,
 )
-from .names import FINAL, NOT_FINAL, WRONG, flip
 
 if TYPE_CHECKING:
     from k3patch.codemod import Codemod
 
-UPSTREAM_HELPER = "_is_final_prefill_chunk"
 # Names whose appearance in an `if` test makes it a final-chunk gate.
 GATE_WORDS = frozenset({"num_prompt_tokens", UPSTREAM_HELPER, LEGACY_HELPER})
 
@@ -110,7 +121,7 @@ def release(context: Context) -> str:
     g1, _ = locate(context, G1)
     if g1 is None:
         return _UNKNOWN
-    around = names.ancestors(g1.loop, names.parent_map(context.method))
+    around = ancestors(g1.loop, parent_map(context.method))
     tests = [n.test for n in around if isinstance(n, ast.If)]
     write, producer = "self.mode == MoRIIOMode.WRITE", "get_role() == ROLE.PRODUCER"
     both = f"{write} and {producer}"
@@ -131,25 +142,22 @@ def is_fork(cls: ast.ClassDef) -> bool:
     return starts and any("request_id" in mentioned_names(key) for key in keys)
 
 
-def helper_is_progress(cls: ast.ClassDef) -> bool:
+def helper_is_upstream(cls: ast.ClassDef) -> bool:
     helper = astkit.find_method(cls, UPSTREAM_HELPER)
-    env = names.named_values(helper.body) if helper else {}
-    returns = [n.value for n in ast.walk(helper) if isinstance(n, ast.Return)] if helper else []
-    meanings = [names.progress_meaning(v, env) if v is not None else None for v in returns]
-    return bool(meanings) and set(meanings) == {FINAL}
+    return helper is not None and match(UPSTREAM_HELPER_BODY, helper.body) is not None
 
 
 def locate(context: Context, site: str) -> tuple[Gate | None, str]:
     found = []
-    for loop in names.loops_over(context.method, LOOPS[site]):
-        parents, gates = names.parent_map(loop), []
+    for loop in loops_over(context.method, LOOPS[site]):
+        parents, gates = parent_map(loop), []
         for block in blocks(loop):
             for index, stmt in enumerate(block):
                 if not isinstance(stmt, ast.If):
                     continue
-                temps = names.temporaries_before(block, index, stmt.test)
+                temps = temporaries_before(block, index, stmt.test)
                 if any(GATE_WORDS & mentioned_names(n) for n in [stmt.test, *temps]):
-                    around = names.ancestors(stmt, parents, stop=loop)
+                    around = ancestors(stmt, parents, stop=loop)
                     conditions = [n for n in reversed(around) if isinstance(n, ast.stmt)]
                     gates.append(Gate(site, loop, block, temps, stmt, conditions))
         found += [gates] if gates else []
@@ -177,61 +185,29 @@ class Gate:
 
     def result(self, verdict: Verdict, shape: str, why: str) -> SiteResult:
         inner = [*map(ast.unparse, self.temps), f"if {ast.unparse(self.node.test)}:", "    ..."]
-        found = names.outline(self.conditions, inner)
+        found = outline(self.conditions, inner)
         return site_result(self.site, verdict, why, shape, self.node.lineno, found)
 
     def classify(self, context: Context) -> SiteResult:
         shape = next((s for s in SHAPES[self.site] if s.match(self.loop.body) is not None), None)
-        if shape is None:
-            return self.classify_fixed(context)
-        problems = self.preconditions(context, shape.verdict is Verdict.PENDING)
+        if shape is None or shape.verdict is Verdict.DRIFTED:
+            why = shape.origin if shape else "the gate is in no shape k3patch knows"
+            return self.result(Verdict.DRIFTED, "", f"{why}; nothing will be written")
+        if shape.verdict is Verdict.SATISFIED and not helper_is_upstream(context.cls):
+            why = (
+                f"{shape.name} gate, but self.{UPSTREAM_HELPER} is not upstream's comparison "
+                "(req.num_computed_tokens + num_scheduled >= req.num_prompt_tokens)"
+            )
+            return self.result(Verdict.DRIFTED, "", why)
+        problems = [] if shape.verdict is Verdict.SATISFIED else self.preconditions(context, shape)
         if not problems:
             name = release(context) if shape.name == FROM_SURROUNDINGS else shape.name
             return self.result(shape.verdict, name, shape.origin)
         return self.result(Verdict.DRIFTED, "", f"{shape.name} gate, but " + "; ".join(problems))
 
-    def classify_fixed(self, context: Context) -> SiteResult:
-        core, times = names.strip_nots(self.node.test)
-        upstream = names.is_call_to(core, UPSTREAM_HELPER)
-        env = names.named_values(self.temps)
-        meaning = flip(FINAL, times) if upstream else names.progress_meaning(self.node.test, env)
-        wanted = names.needed_meaning(self.node)
-        tests = [getattr(c, "test", c) for c in self.conditions]
-        if meaning is None:
-            problem = "the gate is in no shape k3patch knows; nothing will be written"
-        elif upstream and not helper_is_progress(context.cls):
-            problem = (
-                f"the gate calls self.{UPSTREAM_HELPER}, whose body is no progress comparison "
-                "(num_computed_tokens + num_scheduled_tokens >= num_prompt_tokens)"
-            )
-        elif meaning == WRONG:
-            problem = (
-                "a comparison of progress with the prompt, but not `progress >= "
-                "num_prompt_tokens` (final) or `progress < num_prompt_tokens` (not yet): an "
-                "inverted, off-by-one or slack gate; nothing will be written"
-            )
-        elif meaning != wanted:
-            problem = (
-                f"a progress gate whose test means {meaning!r} where its body needs {wanted!r} "
-                "(inverted); nothing will be written"
-            )
-        elif any("new_block_ids" in mentioned_names(test) for test in tests):
-            problem = (
-                "a progress gate, but still only evaluated when the step allocated a new "
-                "block: a final chunk without a new block would never send"
-            )
-        elif any(match(f"req_id in {SWEEP}", test) is not None for test in tests):
-            problem = "k3patch's gate, edited since k3patch wrote it"
-        elif self.conditions:  # upstream's gates sit directly in their loops
-            problem = "a progress gate nested under a condition k3patch does not know"
-        else:
-            name = SATISFIED_UPSTREAM if upstream else SATISFIED_INLINE
-            return self.result(Verdict.SATISFIED, name, "gates on compute progress")
-        return self.result(Verdict.DRIFTED, "", problem)
-
-    def preconditions(self, context: Context, pending: bool) -> list[str]:
+    def preconditions(self, context: Context, shape: Shape) -> list[str]:
         """Why a gate in a known shape still cannot take (or does not hold) the post-image."""
-        problems = []
+        problems, pending = [], shape.verdict is Verdict.PENDING
         if pending and "scheduler_output" not in astkit.parameter_names(context.method):
             problems.append(f"{METHOD} has no parameter named scheduler_output")
         bound = astkit.stored_names([self.loop.target])
@@ -239,8 +215,8 @@ class Gate:
         if not needs <= bound:
             problems.append(f"the loop does not bind {', '.join(sorted(needs - bound))}")
         for temp in self.temps if pending else ():
-            name = names.assigned_name(temp)
-            if name in names.loaded_names(self.loop.body, skip=[*self.temps, self.node.test]):
+            name = assigned_name(temp)
+            if name in loaded_names(self.loop.body, skip=[*self.temps, self.node.test]):
                 problems.append(f"{name} is read outside the gate test; it cannot be dropped")
             # The codemod removes a temporary's lines whole: no other statement may be on them.
             end = temp.end_lineno or temp.lineno
@@ -258,13 +234,13 @@ class Gate:
         # not read what only that branch binds (`req` is rebound by the post-image).
         if pending:  # the gate's block is the body of that branch; what its test reads counts
             local = astkit.stored_names(self.block[: self.block.index(self.node)])
-            local |= names.loaded_names(self.conditions[:1], skip=self.block)
+            local |= loaded_names(self.conditions[:1], skip=self.block)
         else:
             before = self.loop.body[: self.loop.body.index((self.conditions or [self.node])[0])]
             ifs = [s for s in before if isinstance(s, ast.If)]
             branches = [s for s in ifs if "new_block_ids" in mentioned_names(s.test)]
             local = astkit.stored_names([s for branch in branches for s in branch.body])
-        read = names.loaded_names(self.node.body + self.node.orelse) & (local - {"req"})
+        read = loaded_names(self.node.body + self.node.orelse) & (local - {"req"})
         if read:
             problems.append(
                 "its body reads " + ", ".join(sorted(read)) + ", bound only when the step "
@@ -319,11 +295,10 @@ class Chain:
 
     @classmethod
     def at(cls, loop: ast.For, block: list[ast.stmt], index: int, part: str) -> Chain | None:
-        decision, name = block[index], names.assigned_name(block[index])
+        decision, name = block[index], assigned_name(block[index])
         if not isinstance(decision, ast.Assign) or name is None:
             return None
-        helper_call = names.is_call_to(decision.value, LEGACY_HELPER)
-        if not (helper_call or "num_prompt_tokens" in mentioned_names(decision.value)):
+        if not {LEGACY_HELPER, "num_prompt_tokens"} & mentioned_names(decision.value):
             return None
         after = block[index + 1 :]
         end = next((i for i, s in enumerate(after) if not isinstance(s, ast.If)), len(after))
@@ -331,7 +306,7 @@ class Chain:
         fallback = ifs.pop(0) if ifs and match(f"{name} is None", ifs[0].test) is not None else None
         while ifs and "K3_CHUNK_GATE_DEBUG" in mentioned_names(ifs[0].test, everything=True):
             ifs.pop(0)
-        if not ifs or match(name, names.strip_nots(ifs[0].test)[0]) is None:
+        if not ifs or all(match(t, ifs[0].test) is None for t in (name, f"not {name}")):
             return None
         return cls(part, loop, block, name, decision, fallback, ifs[0])
 
@@ -342,16 +317,15 @@ class Chain:
     @property
     def request(self) -> tuple[str, str] | None:
         """The request id and request named in the script's `_k3_prefill_done(self, id, req)`."""
-        value = self.decision.value
-        args = value.args if names.is_call_to(value, LEGACY_HELPER) else []
-        ids = [a.id for a in args if isinstance(a, ast.Name)]
-        return (ids[1], ids[2]) if len(args) == len(ids) == 3 else None
+        found = holes(match(LEGACY_DECISION, self.decision.value) or {})
+        names = (found.get("HOLE_req_id", ""), found.get("HOLE_req", ""))
+        return names if all(n.isidentifier() for n in names) else None
 
     def kind(self) -> str:
         """ "legacy" (the script's helper call), "progress" (k3patch's repair) or "other"."""
         if self.request is not None:
             return "legacy"
-        return "progress" if names.progress_meaning(self.decision.value, {}) == FINAL else "other"
+        return "progress" if match(REPAIRED_DECISION, self.decision.value) is not None else "other"
 
     def rewrite(self, codemod: Codemod) -> None:
         """The decision replaced in place by compute progress; an `is None` fallback goes.
@@ -371,11 +345,11 @@ def site_chains(context: Context, site: str) -> list[Chain] | None:
         found = (Chain.at(r, b, i, part) for r in roots for b in blocks(r) for i in range(len(b)))
         return [chain for chain in found if chain is not None]
 
-    own = names.loops_over(context.method, LOOPS[site])
+    own = loops_over(context.method, LOOPS[site])
     gates = chains_in(own, "gate")
     if not gates or site == G2:
         return gates or None
-    sweeps = [loop for loop in names.loops_over(context.method, SWEEP) if loop not in own]
+    sweeps = [loop for loop in loops_over(context.method, SWEEP) if loop not in own]
     return [*gates, *chains_in(sweeps, "sweep")]
 
 
@@ -413,8 +387,9 @@ def _chain_problems(context: Context, site: str, chains: list[Chain]) -> list[st
     problems = []
     legacy = kinds == {"legacy"}
     for chain in chains:
-        wanted = NOT_FINAL if chain.part == "sweep" else names.needed_meaning(chain.gate)
-        if flip(FINAL, names.strip_nots(chain.gate.test)[1]) != wanted:
+        # G1's gate sends when the prompt is done; G2's gate and the sweep defer or skip.
+        wanted = chain.name if (site, chain.part) == (G1, "gate") else f"not {chain.name}"
+        if match(wanted, chain.gate.test) is None:
             problems.append(f"`{ast.unparse(chain.gate.test)}` is inverted for what its body does")
         if chain.part == "sweep" and [type(s) for s in chain.gate.body] != [ast.Continue]:
             problems.append("the sweep's gate does not skip the request")
@@ -437,18 +412,18 @@ def _chain_problems(context: Context, site: str, chains: list[Chain]) -> list[st
             f"the module's {LEGACY_HELPER}() is not the script's (missing, defined twice, or "
             "its comparison edited)"
         )
-    if legacy and LEGACY_MAP not in names.attribute_names([context.method], "self", ast.Store):
+    if legacy and LEGACY_MAP not in attribute_names([context.method], "self", ast.Store):
         problems.append(f"{METHOD} never sets self.{LEGACY_MAP}, which {LEGACY_HELPER}() reads")
     # Names the chains read that nothing binds: the script's debug `if` reads `os` at module
     # level, its sweep reads maps that other older scripts add to the scheduler. Either raises
     # when a chunked request comes (the sweep's inside its `try`: the request is never sent).
     statements = [s for c in chains for s in c.statements]
-    free = names.unbound_names(statements, context.module, context.method)
+    free = unbound_names(statements, context.module, context.method)
     if free:
         problems.append(
             "it reads " + ", ".join(sorted(free)) + ", which moriio_connector.py never binds"
         )
-    unset = names.unset_attributes([c.loop for c in sweeps], context.cls)  # G2 has no sweep
+    unset = unset_attributes([c.loop for c in sweeps], context.cls)  # G2 has no sweep
     if unset:
         problems.append(
             "its sweep reads self." + ", self.".join(sorted(unset)) + f", which {CLASS} never sets "

@@ -17,11 +17,12 @@ AITER, CHUNK, ROUTING, KDA = (
 )
 # The declaration files, relative to patches/.
 AITER_DECL = "aiter_mla_gfx942/__init__.py"
-CHUNK_DECL = "moriio_chunk_gate/__init__.py"
+CHUNK_DECL = "moriio_chunk_gate/sites.py"
 CHUNK_LEGACY = "moriio_chunk_gate/gates.py"
 ROUTING_FORMS = "moriio_group_routing/forms.py"
 ROUTING_DECL = "moriio_group_routing/__init__.py"
-KDA_DECL = "kda_gather_diagnostic/__init__.py"
+KDA_DECL = "kda_gather_diagnostic/sites.py"
+KDA_REWRITE = "kda_gather_diagnostic/__init__.py"
 KDA_SYNCS = "kda_gather_diagnostic/syncs.py"
 
 # When a row was written: "issue 19" (the first table), "issue 28" (written before issue 28's

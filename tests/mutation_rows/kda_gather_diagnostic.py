@@ -3,7 +3,7 @@ test; ENV (syncs.py) is the variable's name everywhere the patch reads it."""
 
 from __future__ import annotations
 
-from .common import FIRST, ISSUE_28, KDA, KDA_DECL, KDA_SYNCS, Sub, Variant
+from .common import FIRST, ISSUE_28, KDA, KDA_DECL, KDA_REWRITE, KDA_SYNCS, Sub, Variant
 
 GATE = """GATE = f'os.environ.get("{ENV}", "0") == "1"'"""
 TREES = ("fork-a", "fork-b")
@@ -40,7 +40,7 @@ def _index(id: str, what: str, expr: str) -> Variant:
         id,
         what,
         Sub(KDA_DECL, GUARD_INDEX, "    HOLE_safe_index,"),
-        Sub(KDA_DECL, KDA_NEST, KDA_NEST + rewrite_index(expr)),
+        Sub(KDA_REWRITE, KDA_NEST, KDA_NEST + rewrite_index(expr)),
         written=ISSUE_28,
     )
 
@@ -76,7 +76,7 @@ VARIANTS: tuple[Variant, ...] = (
         "the rewrite drops the guard's clamp (and the guard shape accepts any index expression)",
         Sub(KDA_DECL, GUARD_INDEX, "    HOLE_safe_index,"),
         Sub(
-            KDA_DECL,
+            KDA_REWRITE,
             KDA_NEST,
             KDA_NEST + rewrite_index("indices.to(torch.int64)"),
         ),
