@@ -36,3 +36,42 @@ def test_a_patch_both_selected_and_skipped_is_a_usage_error_on_every_command(
         assert len(proc.stderr.splitlines()) == 1, (command, proc.stderr)
         assert "--only and --skip both name 'aiter-mla-gfx942'" in proc.stderr
         assert _everything(site) == before, command
+
+
+ASCII_OUTPUT = {
+    "PYTHONIOENCODING=ascii": {"PYTHONIOENCODING": "ascii"},
+    # The C locale with Python's own UTF-8 rescue (PEP 538, PEP 540) turned off.
+    "C locale": {
+        "LC_ALL": "C",
+        "LANG": "C",
+        "PYTHONUTF8": "0",
+        "PYTHONCOERCECLOCALE": "0",
+        "PYTHONIOENCODING": "",
+    },
+}
+
+
+@pytest.mark.parametrize("output", list(ASCII_OUTPUT))
+def test_an_ascii_stdout_gets_the_report_with_what_it_cannot_encode_replaced(
+    make_tree, tmp_path, output
+):
+    """PYTHONIOENCODING=ascii (or a C locale): a report holding one non-ASCII character (here
+    the tree's path) was dropped whole: no report, one stderr line 'could not write the output'.
+    Every line is printed, that character replaced, never a traceback or silence. (The C locale
+    case passed before the fix too: Python reads the path in as surrogate escapes and writes
+    them back as the same bytes; it stays as a guard.)"""
+    import shutil
+
+    site = tmp_path / "sit\u00e9"
+    shutil.copytree(make_tree("0.31.0"), site)
+    env = ASCII_OUTPUT[output]
+    for command, code in (("status", 1), ("apply", 0), ("status", 0), ("revert", 0)):
+        proc = run_cli(command, "--vllm", str(site), env=env)
+        assert proc.returncode == code, (command, proc.stdout, proc.stderr)
+        assert proc.stderr == "", (command, proc.stderr)
+        if command == "revert":
+            assert "restored:\n  vllm/_aiter_ops.py" in proc.stdout, proc.stdout
+        else:
+            # (the C locale gives the path back as the bytes it came in as)
+            assert "aiter-mla-gfx942" in proc.stdout, proc.stdout
+            assert "sit?" in proc.stdout or "sit\u00e9" in proc.stdout, proc.stdout
