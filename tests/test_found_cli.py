@@ -75,3 +75,27 @@ def test_an_ascii_stdout_gets_the_report_with_what_it_cannot_encode_replaced(
             # (the C locale gives the path back as the bytes it came in as)
             assert "aiter-mla-gfx942" in proc.stdout, proc.stdout
             assert "sit?" in proc.stdout or "sit\u00e9" in proc.stdout, proc.stdout
+
+
+def test_status_quiet_and_apply_quiet_print_one_line_format(make_tree):
+    """`status --quiet` printed `id: verdict` and `apply --quiet` `k3patch: id: verdict` (what
+    README gives): one format, on the full path and the no-op path alike."""
+    import re
+
+    site = make_tree("0.31.0")
+
+    def lines(*args: str, full: bool = False) -> list[str]:
+        env = {"K3PATCH_NO_FASTPATH": "1"} if full else {}
+        proc = run_cli(*args, "--quiet", "--vllm", str(site), env=env)
+        assert proc.returncode in (0, 1), proc.stderr
+        return proc.stdout.splitlines()
+
+    pending = lines("status")
+    assert pending == lines("apply", "--check")
+    assert lines("apply") == [x.replace(": pending", ": applied") for x in pending]
+    applied = lines("apply", full=True)
+    for run in (lines("status"), lines("status", full=True), lines("apply")):
+        assert run == applied, (run, applied)
+    assert len(applied) == 4 and all(
+        re.fullmatch(r"k3patch: [a-z0-9-]+: [a-z ]+", x) for x in applied
+    )
