@@ -99,3 +99,27 @@ def test_status_quiet_and_apply_quiet_print_one_line_format(make_tree):
     assert len(applied) == 4 and all(
         re.fullmatch(r"k3patch: [a-z0-9-]+: [a-z ]+", x) for x in applied
     )
+
+
+@pytest.mark.parametrize("applied_first", [False, True], ids=["pending", "applied"])
+def test_a_directory_named_like_a_target_is_refused_and_nothing_written(make_tree, applied_first):
+    """`vllm/_aiter_ops.py/` a directory (a package dir named like a target file): every command
+    refuses it in one line, exit 2 (docs/exit-codes.md), nothing written. Already so before this
+    round (a FIFO at a target, exit 3, is test_trust_files'); kept as a guard."""
+    site = make_tree("0.31.0")
+    if applied_first:
+        assert run_cli("apply", "--vllm", str(site), "-q").returncode == 0
+    target = site / "vllm/_aiter_ops.py"
+    target.unlink()
+    target.mkdir()
+    before = _everything(site)
+    for command in ("status", "apply", "revert", "verify"):
+        proc = run_cli(command, "--vllm", str(site))
+        if command == "revert" and not applied_first:
+            assert proc.returncode == 0 and "nothing to revert" in proc.stdout, proc.stdout
+            continue
+        assert proc.returncode == 2, (command, proc.stdout, proc.stderr)
+        assert proc.stderr.splitlines() == [
+            f"k3patch: error: {target} is a directory, expected a Python file"
+        ], proc.stderr
+        assert _everything(site) == before, command
