@@ -9,8 +9,8 @@ a full disk cannot stop the rollback half way). A run that dies in between leave
 the next run, under the tree's lock, rolls every journalled file (the state record among them)
 back to its before-image from the blobs (`recover`) before its own work. Nothing on disk is
 trusted: a journal naming anything but a registered target is damaged, never obeyed; and no
-file is ever written with bytes that do not belong to it (`moves_only_sites`): every edit of a
-target, whatever asked for it (a plan, a record's original, a journal's before-image), must read,
+file is ever written back with bytes that do not belong to it (`moves_only_sites`): a record's
+original on revert and a journal's before-image on recovery (as an apply's plan) must read,
 through the patches' own site fingerprints, as that same file with sites moved between pending
 and applied and nothing else, so a record or journal whose saved copies were swapped between
 files (or that says a file was absent) is refused before anything is written.
@@ -29,7 +29,7 @@ from typing import Any
 
 from k3patch import state
 from k3patch.blobs import BLOBS, Blobs
-from k3patch.errors import ConcurrentChange, EnvironmentProblem, PatchBug
+from k3patch.errors import ConcurrentChange, EnvironmentProblem
 from k3patch.pycache import check_cache_dir, remove_bytecode
 from k3patch.registry import all_patches
 from k3patch.replace import LITTER, put_back, replace_checked, unlink_in, write_atomically
@@ -71,10 +71,11 @@ class Transaction:
     # -- commit --------------------------------------------------------------------------
     def commit(self, edits: list[FileEdit], op: str) -> list[str]:
         """Apply all edits or none. Returns the bytecode actions taken (and notes)."""
-        why = moves_only_sites(self.package_dir, [(e.rel, e.before, e.after) for e in edits])
-        if why is not None:
-            if op == "apply":  # the plan checked the same: a k3patch bug
-                raise PatchBug(f"refusing to write: {why}")
+        # An apply's edits come from engine.plan, which proved the same of these very bytes
+        # (classifying them again would double an apply's parse time); a revert's come from
+        # saved copies that only the record ties to their files.
+        images = [(e.rel, e.before, e.after) for e in edits]
+        if op != "apply" and (why := moves_only_sites(self.package_dir, images)):
             raise state.damaged(
                 str(self.package_dir / state.STATE_REL),
                 f"an original it names does not belong to its file ({why})",
@@ -295,7 +296,7 @@ def moves_only_sites(
     """Why writing each (path, now, new) of `images` would be more than k3patch's own edit, or
     None. Every patch reading one of these targets must find the same sites in the new bytes as
     in the current ones, each with the same verdict or moved between pending and applied: what
-    every apply writes (engine.plan checks the same), what every revert and rollback writes back.
+    every apply writes (engine.plan proves it there), so what a revert or rollback writes back.
     Bytes of another file (a record or journal whose saved copies were swapped), or none where a
     vLLM file is (a forged "absent" original), read otherwise. Binds a saved copy to the path
     it is written to by what k3patch knows of that path, its sites, not by the record's word."""
