@@ -18,7 +18,16 @@ from k3patch.registry import all_patches
 from k3patch.replace import write_atomically
 from k3patch.scan import Report, classify, file_hashes, patch_meta, scan, target_files
 from k3patch.sources import SourceError, Sources
-from k3patch.state import STATE_FILE, STATE_REL, FileState, StateRecord, load, patch_set, read_bytes
+from k3patch.state import (
+    STATE_FILE,
+    STATE_REL,
+    FileState,
+    RecordProblem,
+    StateRecord,
+    load,
+    patch_set,
+    read_bytes,
+)
 from k3patch.transaction import FaultHook, FileEdit, Transaction, sha256
 from k3patch.tree import VllmTree
 from k3patch.verdicts import SiteResult, Verdict
@@ -380,6 +389,8 @@ def _commit(txn: Transaction, edits: list[FileEdit], op: str, old: StateRecord |
     too), keep everything: the next run needs it."""
     try:
         return txn.commit(edits, op)
+    except RecordProblem:
+        raise  # refused before anything was stored: a damaged record keeps every saved copy
     except BaseException:
         if txn.pending_journal() is not None:
             raise

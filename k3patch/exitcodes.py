@@ -55,7 +55,12 @@ class Stream:
             try:
                 if self._stream is None:
                     raise OSError(9, f"{'stdout' if self._fd == 1 else 'stderr'} is closed")
-                self._stream.write(text)
+                try:
+                    self._stream.write(text)
+                except UnicodeEncodeError:
+                    # An ASCII stream (PYTHONIOENCODING=ascii): the report with `?` for what it
+                    # cannot encode, never no report at all.
+                    self._stream.write(text.encode(self.encoding, "replace").decode(self.encoding))
             except (OSError, ValueError) as exc:
                 self._fail(exc)
         return len(text)

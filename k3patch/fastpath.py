@@ -55,6 +55,8 @@ def parse(argv: Sequence[str]) -> dict[str, Any] | None:
         forms.remove("sites")  # --json carries every site
     if len(forms) > 1:
         return None  # two output forms at once: the CLI's usage error (cli._FORMS)
+    if set(form["only"]) & set(form["skip"]):
+        return None  # a patch both selected and skipped: the CLI's usage error (registry.select)
     try:
         form["lock_timeout"] = lock.parse_timeout(form["lock_timeout"])  # the CLI's parser
     except ValueError:

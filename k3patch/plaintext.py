@@ -168,9 +168,10 @@ def status_lines(report: Mapping[str, Any], *, every_site: bool = False) -> list
     return [*out, line(digest + ("  (from the state record)" if report["from_record"] else ""))]
 
 
-def quiet_lines(report: Mapping[str, Any], prefix: str = "") -> list[Line]:
-    """`status --quiet`: one line per patch."""
-    return [line(prefix + quiet_line(p["id"], p["sites"])) for p in report["patches"]]
+def quiet_lines(report: Mapping[str, Any]) -> list[Line]:
+    """`status --quiet`: one line per patch, `k3patch: id: verdict`, as `apply --quiet` prints
+    it (one format for logs, README)."""
+    return [line("k3patch: " + quiet_line(p["id"], p["sites"])) for p in report["patches"]]
 
 
 def _refusals(report: Mapping[str, Any]) -> list[str]:
@@ -192,7 +193,7 @@ def _refusals(report: Mapping[str, Any]) -> list[str]:
 
 def apply_quiet_lines(report: Mapping[str, Any]) -> list[Line]:
     """`apply --quiet` from its JSON: one line per patch, recovery step and refusal, for logs."""
-    out = quiet_lines(report, "k3patch: ")
+    out = quiet_lines(report)
     out += [line(f"k3patch: recovered: {step}") for step in report["recovered"]]
     return out + [line(f"k3patch: refused: {text}") for text in _refusals(report)]
 

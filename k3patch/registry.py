@@ -98,7 +98,7 @@ def ordered(patches: list[Patch]) -> tuple[Patch, ...]:
 
 
 def select(only: list[str] | None = None, skip: list[str] | None = None) -> tuple[Patch, ...]:
-    """The patches named by `--only`/`--skip`; an unknown id is a usage error."""
+    """The patches named by `--only`/`--skip`; an unknown id, or one in both, is a usage error."""
     patches = all_patches()
     known = {p.id for p in patches}
     for patch_id in [*(only or []), *(skip or [])]:
@@ -106,6 +106,8 @@ def select(only: list[str] | None = None, skip: list[str] | None = None) -> tupl
             raise UnknownPatchError(
                 f"unknown patch {patch_id!r}; known: {', '.join(sorted(known))}"
             )
+    if both := sorted(set(only or ()) & set(skip or ())):
+        raise UnknownPatchError(f"--only and --skip both name {both[0]!r}; give it to one of them")
     return tuple(p for p in patches if (not only or p.id in only) and p.id not in (skip or []))
 
 

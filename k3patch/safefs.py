@@ -10,6 +10,7 @@ import errno
 import hashlib
 import os
 import re
+import secrets
 import stat
 from pathlib import Path
 
@@ -93,15 +94,71 @@ def shared_mode(dir_fd: int, most: int) -> int:
     return stat.S_IMODE(os.fstat(dir_fd).st_mode) & most | (most & 0o600)
 
 
-def give_to_owner_of(fd: int, dir_fd: int) -> None:
+def give_to_owner_of(fd: int, dir_fd: int) -> bool:
     """A file or directory k3patch made takes the owner and group of the directory it is in,
     so that `.k3patch` and its files belong to the tree's owner whoever runs k3patch (root on
     a user's venv): the owner can revert and apply again. Only root can give a file away; for
-    anyone else what the system allows is kept."""
+    anyone else what the system allows is kept. True when its owner or group was changed."""
     have, want = os.fstat(fd), os.fstat(dir_fd)
-    if (have.st_uid, have.st_gid) != (want.st_uid, want.st_gid):
-        with contextlib.suppress(PermissionError):
-            os.fchown(fd, want.st_uid, want.st_gid)
+    if (have.st_uid, have.st_gid) == (want.st_uid, want.st_gid):
+        return False
+    try:
+        os.fchown(fd, want.st_uid, want.st_gid)
+    except PermissionError:
+        return False
+    return True
+
+
+def _make_dir(parent_fd: int, name: str) -> None:
+    """The directory `name` in `parent_fd`, made whole under a temp name (the tree's owner, the
+    parent's read bits) and only then renamed into place: a run killed at any step leaves no
+    `name`, or one that belongs to the tree's owner, never one that is root's (a temp directory
+    left by a kill is litter the next run removes). One that appeared meanwhile is kept."""
+    tmp = f".{name}.k3patch-tmp.{secrets.token_hex(8)}"
+    os.mkdir(tmp, 0o700, dir_fd=parent_fd)
+    try:
+        fd = os.open(tmp, DIR_FLAGS, dir_fd=parent_fd)
+        try:
+            give_to_owner_of(fd, parent_fd)
+            os.fchmod(fd, shared_mode(parent_fd, 0o755))
+        finally:
+            os.close(fd)
+        try:
+            os.rename(tmp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            os.rmdir(tmp, dir_fd=parent_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.rmdir(tmp, dir_fd=parent_fd)
+        raise
+
+
+def give_state_to_owner(package_dir: Path | str) -> None:
+    """`.k3patch`, its `blobs/` and the regular files in them given to the tree's owner (the
+    package dir's), where this process may (root): repairs what a root run killed mid-way, or
+    of an older k3patch, left root's, so that the owner can revert and apply again. Nothing is
+    followed; what cannot be opened or given is left as it is."""
+    for rel_dir in (".k3patch", ".k3patch/blobs"):
+        with contextlib.suppress(OSError, EnvironmentProblem):
+            parent = open_dir(package_dir, os.path.dirname(rel_dir))
+            try:
+                dfd = open_dir(package_dir, rel_dir)
+                give_to_owner_of(dfd, parent)
+            finally:
+                os.close(parent)
+            try:
+                for entry in os.scandir(dfd):
+                    with contextlib.suppress(OSError, NotRegular):
+                        fd = open_regular(entry.name, dir_fd=dfd)
+                        if fd is not None:
+                            try:
+                                give_to_owner_of(fd, dfd)
+                            finally:
+                                os.close(fd)
+            finally:
+                os.close(dfd)
 
 
 def open_dir_if_there(root: Path | str, rel_dir: str, *, create: bool = False) -> int | None:
@@ -114,17 +171,17 @@ def open_dir_if_there(root: Path | str, rel_dir: str, *, create: bool = False) -
         for part in [p for p in rel_dir.split("/") if p]:
             path = path / part
             try:
-                made = False
                 if create:
-                    with contextlib.suppress(FileExistsError):
-                        os.mkdir(part, 0o700, dir_fd=fd)
-                        made = True
+                    try:
+                        os.stat(part, dir_fd=fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        # The tree's owner owns k3patch's state, whoever runs it (root on a
+                        # user's venv); whoever can read the tree reads it too: a `umask 077`
+                        # apply must not hide the record from the users who run vLLM.
+                        _make_dir(fd, part)
                 nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
-                if made:
-                    # The tree's owner owns k3patch's state, whoever runs it (root on a user's
-                    # venv); whoever can read the tree reads it too: a `umask 077` apply must
-                    # not hide the record from the users who run vLLM.
-                    give_to_owner_of(nxt, fd)
+                # One that a killed or older root run left root's is given back (root only).
+                if create and give_to_owner_of(nxt, fd):
                     os.fchmod(nxt, shared_mode(fd, 0o755))
             finally:
                 os.close(fd)
@@ -174,6 +231,21 @@ def regular_files(root: Path | str, rel_dir: str, pattern: re.Pattern[str]) -> l
             e.name
             for e in os.scandir(dfd)
             if pattern.match(e.name) and e.is_file(follow_symlinks=False)
+        ]
+    finally:
+        os.close(dfd)
+
+
+def directories(root: Path | str, rel_dir: str, pattern: re.Pattern[str]) -> list[str]:
+    """The names matching `pattern` of the directories (not links) in `root/rel_dir`."""
+    dfd = open_dir_if_there(root, rel_dir)
+    if dfd is None:
+        return []
+    try:
+        return [
+            e.name
+            for e in os.scandir(dfd)
+            if pattern.match(e.name) and e.is_dir(follow_symlinks=False)
         ]
     finally:
         os.close(dfd)

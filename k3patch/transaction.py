@@ -8,7 +8,12 @@ the journal. A commit that fails puts the kept files back by renaming them (no s
 a full disk cannot stop the rollback half way). A run that dies in between leaves the journal;
 the next run, under the tree's lock, rolls every journalled file (the state record among them)
 back to its before-image from the blobs (`recover`) before its own work. Nothing on disk is
-trusted: a journal naming anything but a registered target is damaged, never obeyed.
+trusted: a journal naming anything but a registered target is damaged, never obeyed; and no
+file is ever written back with bytes that do not belong to it (`moves_only_sites`): a record's
+original on revert and a journal's before-image on recovery (as an apply's plan) must read,
+through the patches' own site fingerprints, as that same file with sites moved between pending
+and applied and nothing else, so a record or journal whose saved copies were swapped between
+files (or that says a file was absent) is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ from k3patch import state
 from k3patch.blobs import BLOBS, Blobs
 from k3patch.errors import ConcurrentChange, EnvironmentProblem
 from k3patch.pycache import check_cache_dir, remove_bytecode
+from k3patch.registry import all_patches
 from k3patch.replace import LITTER, put_back, replace_checked, unlink_in, write_atomically
-from k3patch.safefs import open_dir, read_in, regular_files
+from k3patch.safefs import directories, give_state_to_owner, open_dir, read_in, regular_files
+from k3patch.sources import Sources
+from k3patch.verdicts import Verdict
 
 FaultHook = Callable[[str], None]
 
@@ -63,6 +71,15 @@ class Transaction:
     # -- commit --------------------------------------------------------------------------
     def commit(self, edits: list[FileEdit], op: str) -> list[str]:
         """Apply all edits or none. Returns the bytecode actions taken (and notes)."""
+        # An apply's edits come from engine.plan, which proved the same of these very bytes
+        # (classifying them again would double an apply's parse time); a revert's come from
+        # saved copies that only the record ties to their files.
+        images = [(e.rel, e.before, e.after) for e in edits]
+        if op != "apply" and (why := moves_only_sites(self.package_dir, images)):
+            raise state.damaged(
+                str(self.package_dir / state.STATE_REL),
+                f"an original it names does not belong to its file ({why})",
+            )
         for edit in edits:
             if edit.rel not in self.allowed:
                 raise EnvironmentProblem(f"refusing to write {edit.rel!r}: not a k3patch target")
@@ -178,11 +195,17 @@ class Transaction:
         others not. Once every file is back, their bytecode goes (a pyc compiled from a
         patched file since the kill would otherwise keep it running); a removal that fails
         leaves the journal, so the next run removes it again, with every source already whole."""
+        give_state_to_owner(self.package_dir)  # what a root run killed mid-way left root's
         journal = self.pending_journal()
         done: list[str] = []
         if journal is not None:
-            plan = [self._roll_back_plan(entry) for entry in journal["files"]]
-            for rel, current, before in [step for step in plan if step is not None]:
+            plan = [step for e in journal["files"] if (step := self._roll_back_plan(e))]
+            if why := moves_only_sites(self.package_dir, plan):
+                where = str(self.package_dir / state.JOURNAL_REL)
+                raise state.damaged(
+                    where, f"a saved copy it names does not belong to its file ({why})"
+                )
+            for rel, current, before in plan:
                 replace_checked(self.package_dir, rel, current, before)
                 done.append(f"rolled back {rel}")
             # The journal goes last: a run that dies before it is done leaves the journal,
@@ -245,7 +268,70 @@ class Transaction:
                 for name in regular_files(self.package_dir, rel_dir, LITTER):
                     unlink_in(self.package_dir, f"{rel_dir}/{name}")
                     removed.append(f"removed {self.package_dir / rel_dir / name}")
+        # A state directory a run was killed making, under its temp name (safefs._make_dir).
+        for rel_dir in ("", ".k3patch"):
+            with contextlib.suppress(EnvironmentProblem):
+                for name in directories(self.package_dir, rel_dir, LITTER):
+                    unlink_in(self.package_dir, os.path.join(rel_dir, name), rmdir=True)
+                    removed.append(f"removed {self.package_dir / rel_dir / name}")
         return removed
+
+
+# The only verdict change a k3patch write may make at a site.
+_MOVE = frozenset({Verdict.PENDING, Verdict.APPLIED})
+
+
+def _site_verdicts(patch: Any, sources: Sources) -> dict[tuple[str, str], Verdict] | str:
+    """The patch's sites and their verdicts in `sources`; where the patch cannot judge them
+    (it raises on these bytes), the kind of failure, compared as such."""
+    try:
+        return {(r.site, r.file): r.verdict for r in patch.classify(sources)}
+    except Exception as exc:
+        return type(exc).__name__
+
+
+def moves_only_sites(
+    package_dir: Path, images: list[tuple[str, bytes | None, bytes | None]]
+) -> str | None:
+    """Why writing each (path, now, new) of `images` would be more than k3patch's own edit, or
+    None. Every patch reading one of these targets must find the same sites in the new bytes as
+    in the current ones, each with the same verdict or moved between pending and applied: what
+    every apply writes (engine.plan proves it there), so what a revert or rollback writes back.
+    Bytes of another file (a record or journal whose saved copies were swapped), or none where a
+    vLLM file is (a forged "absent" original), read otherwise. Binds a saved copy to the path
+    it is written to by what k3patch knows of that path, its sites, not by the record's word."""
+    targets = state.registered_targets()
+    changed = {rel: (now, new) for rel, now, new in images if rel in targets}
+    if not changed:
+        return None
+
+    def reader(side: int) -> Any:
+        def read(rel: str) -> bytes | None:
+            if rel in changed:
+                return changed[rel][side]
+            try:
+                return read_in(package_dir, rel)
+            except EnvironmentProblem:
+                return None
+
+        return read
+
+    now_sources, new_sources = Sources(reader(0)), Sources(reader(1))
+    for patch in all_patches():
+        if not set(patch.files) & changed.keys():
+            continue
+        now, new = _site_verdicts(patch, now_sources), _site_verdicts(patch, new_sources)
+        if isinstance(now, str) or isinstance(new, str) or now.keys() != new.keys():
+            if now == new:
+                continue
+            files = sorted(set(patch.files) & changed.keys())
+            return f"{patch.id} does not find its sites of {', '.join(files)} in it"
+        for (site, rel), verdict in now.items():
+            other = new[(site, rel)]
+            if verdict != other and {verdict, other} != _MOVE:
+                moved = f"{verdict.value} to {other.value}"
+                return f"{site} of {patch.id} in vllm/{rel} would go from {moved}"
+    return None
 
 
 def _fault_from_environment(step: str) -> None:
