@@ -1,7 +1,8 @@
 """Issue 28's attack rows (tests/mutation_rows/*_attack.py), run without touching the harness.
 
     .venv/bin/python benchmarks/attack28.py variants [--only ID]...   # harness-format rows
-    .venv/bin/python benchmarks/attack28.py tree-rows [--only ID]... [--recorded SURVIVED|verify|status]
+    .venv/bin/python benchmarks/attack28.py tree-rows [--only ID]...
+                                           [--recorded SURVIVED|verify|status]
 
 `variants` runs each VARIANT through benchmarks/mutants.py's own functions (export, baseline,
 scratch copy, run_tree: apply with the mutated declaration, then verify): A killed by apply,
@@ -109,7 +110,9 @@ def run_tree_row(row: TreeRow, work: Path) -> tuple[str, str]:
     path.write_text(edit(path.read_text(encoding="utf-8"), row.edits), encoding="utf-8")
     st = subprocess.run(
         [str(K3PATCH), "status", "--vllm", str(site), "--only", row.patch, "--json"],
-        capture_output=True, text=True, env=env,
+        capture_output=True,
+        text=True,
+        env=env,
     )
     verdict = next(
         (p["verdict"] for p in json.loads(st.stdout).get("patches", []) if p["id"] == row.patch),
@@ -118,9 +121,19 @@ def run_tree_row(row: TreeRow, work: Path) -> tuple[str, str]:
     if verdict not in ("applied", "satisfied"):
         return "status", f"status reads {verdict}"
     vf = subprocess.run(
-        [str(K3PATCH), "verify", "--vllm", str(site), "--only", row.patch,
-         "--python", str(TREE_PYTHON)],
-        capture_output=True, text=True, env=env,
+        [
+            str(K3PATCH),
+            "verify",
+            "--vllm",
+            str(site),
+            "--only",
+            row.patch,
+            "--python",
+            str(TREE_PYTHON),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
     )
     if vf.returncode == 0:
         return "SURVIVED", f"status {verdict}; every probe passed"
@@ -137,7 +150,8 @@ def main() -> int:
     if args.what == "variants":
         return run_variants([v for v in VARIANTS if not args.only or v.id in args.only])
     rows = [
-        r for r in TREE_ROWS
+        r
+        for r in TREE_ROWS
         if (not args.only or r.id in args.only)
         and (not args.recorded or r.recorded in args.recorded)
     ]
