@@ -927,7 +927,6 @@ TREE_ROWS: tuple[TreeRow, ...] = (
         ),
         recorded="SURVIVED",
         recorded_detail="status: applied (rc 0); (all probes passed)",
-        equivalent="as o-reclaim-all: the live kv_transfer_params equal the snapshot on these trees; what is left is the snapshot dict leaking (see o-params-get)",
     ),
     TreeRow(
         id="o-live-params",
@@ -944,7 +943,6 @@ TREE_ROWS: tuple[TreeRow, ...] = (
         ),
         recorded="SURVIVED",
         recorded_detail="status: applied (rc 0); (all probes passed)",
-        equivalent="as o-reclaim-all: the live kv_transfer_params equal the snapshot on these trees; what is left is the snapshot dict leaking (see o-params-get)",
     ),
     TreeRow(
         id="o-no-nondisagg-skip",
