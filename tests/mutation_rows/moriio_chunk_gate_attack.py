@@ -7,6 +7,9 @@ bookkeeping, the kv_transfer_params snapshot) or are hand ports onto an unpatche
 template substitution cannot express: they are TREE_ROWS. Duplicates of rows already in
 moriio_chunk_gate.py (found after writing): cg-only-new-blocks = chunk-g1-new-blocks-only,
 cg-stale-req-object = chunk-g1-stale-req; the both-gates rows below combine single-gate rows.
+Measured (benchmarks/ATTACK-28.md): chunk-att-num-tokens killed by apply, the three both-gates
+rows by the probes, chunk-att-fork-double-n1 SURVIVES (the probe's stand-in has
+_has_mamba=False, so the fork's N-1 helper is a no-op there).
 """
 
 from __future__ import annotations

@@ -7,7 +7,11 @@ edits of upstream 0.33.0's native routing (satisfied upstream, nothing written b
 Duplicates of rows already in moriio_group_routing.py (found after writing): rt-growth-prepend
 = routing-growth-prepended, rt-swap-local-remote = routing-plan-args-swapped, rt-remote-is-local
 = routing-remote-is-local, rt-notify-without-external = routing-notify-without-external,
-rt-state-leak = routing-entry-not-removed; they stay as TREE_ROWS only.
+rt-state-leak = routing-entry-not-removed; they stay as TREE_ROWS only. Near-duplicates by
+effect: routing-att-growth-only-pending ~ routing-save-before-growth, routing-att-two-kinds ~
+routing-kda-groups-merged. Measured (benchmarks/ATTACK-28.md): all killed by the probes but
+routing-att-growth-sorted-ids (SURVIVES: the probe's ids sort in their scheduled order) and
+routing-att-key-group (declared equivalent).
 """
 
 from __future__ import annotations
