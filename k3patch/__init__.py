@@ -4,4 +4,6 @@ The library API (no printing, no exits): `k3patch.tree.locate`, `k3patch.scan.sc
 `k3patch.engine.apply`, `k3patch.engine.revert`, `k3patch.verify.verify`.
 """
 
-__version__ = "0.1.0"
+from k3patch.version import VERSION as __version__
+
+__all__ = ["__version__"]

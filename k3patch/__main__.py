@@ -17,9 +17,9 @@ def main() -> None:
 def _main() -> None:
     if sys.argv[1:] == ["--version"]:
         # Entrypoints log it on every start: not worth importing typer (150-200 ms) for.
-        from k3patch import __version__
+        from k3patch.version import VERSION
 
-        print(f"k3patch {__version__}")
+        print(f"k3patch {VERSION}")
         sys.exit(0)
     # K3PATCH_NO_FASTPATH=1 always runs the full path (to compare the two, or to rule it out).
     if not os.environ.get("K3PATCH_NO_FASTPATH"):

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from k3patch import __version__
+from k3patch.version import VERSION
 
 
 class _FlagsWithoutTypes:
@@ -105,7 +105,7 @@ class _Group(_FlagsWithoutTypes, typer.core.TyperGroup):
         from k3patch.exitcodes import ExitCode
 
         if argv == ["--version"]:
-            print(f"k3patch {__version__}")
+            print(f"k3patch {VERSION}")
             return 0
         if argv[:1] == ["--version"]:  # never read as the command after it having run
             return _fail("k3patch", ExitCode.USAGE, "--version takes nothing after it", False)

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from k3patch import __version__
+from k3patch.version import VERSION
 from k3patch.verdicts import summary as summary_verdict
 
 JSON_SCHEMA_VERSION = 1
@@ -110,7 +110,7 @@ def apply_fields(
 def envelope(command: str, exit_code: int, payload: Mapping[str, Any]) -> str:
     data = {
         "schema_version": JSON_SCHEMA_VERSION,
-        "k3patch_version": __version__,
+        "k3patch_version": VERSION,
         "command": command,
         "exit_code": exit_code,
         **payload,

@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from k3patch import __version__, formats, safefs
+from k3patch import formats, safefs
+from k3patch.version import VERSION
 from k3patch.errors import EnvironmentProblem
 from k3patch.pycache import imported_instead, stale_bytecode
 from k3patch.verdicts import SiteResult
@@ -92,7 +93,7 @@ class StateRecord(NamedTuple):
     files: dict[str, FileState]
     scan: dict[str, str | None]
     results: list[SiteResult]
-    k3patch_version: str = __version__
+    k3patch_version: str = VERSION
 
     def to_bytes(self) -> bytes:
         data = {
@@ -205,7 +206,7 @@ def load(
     raw = _json_object(data, where)
     if raw.get("schema_version") != SCHEMA:
         raise RecordOtherSchema(
-            f"{where} has schema {raw.get('schema_version')!r}, this k3patch {__version__} reads "
+            f"{where} has schema {raw.get('schema_version')!r}, this k3patch {VERSION} reads "
             f"schema {SCHEMA}; use the k3patch that wrote it (nothing was written, its saved "
             "originals are kept)"
         )
@@ -229,7 +230,7 @@ def fresh(record: StateRecord | None, hashes: Mapping[str, str | None]) -> bool:
     exactly these hashes of every registered target. Its classification then stands."""
     return (
         record is not None
-        and record.k3patch_version == __version__
+        and record.k3patch_version == VERSION
         and record.patch_set == patch_set()
         and record.scan == dict(hashes)
     )
