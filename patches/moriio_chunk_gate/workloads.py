@@ -12,6 +12,7 @@ import logging
 import pickle
 import random
 import tempfile
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -460,11 +461,14 @@ def probe_workloads(model_dir: str, checks: Checks, seeds: Any = range(WORKLOADS
         checks.note(f"every request sent to a decode node: {drive.all_remote}")
 
 
+RELEASE_LOOKUP = "req, existing_blocks = self._reqs_need_pending_save[req_id]"
+
+
 class Drive:
-    """Workloads through this tree. vLLM 0.27.1 and older raise a KeyError in the connector's
-    build_connector_meta for a running request without kv_transfer_params that gets a block
-    (vLLM's own, guarded since 0.28.0; a proxied prefill node never gets one): there every
-    workload's requests are all sent to a decode node once the first one shows it."""
+    """Workloads through this tree. vLLM 0.27.1 and older raise a KeyError at RELEASE_LOOKUP
+    for a running request without kv_transfer_params that gets a block (vLLM's own, guarded
+    since 0.28.0; a proxied prefill node gets none): there, once a workload shows it, every
+    request is sent to a decode node. A KeyError raised by any other line is a failure."""
 
     def __init__(self, model_dir: str) -> None:
         self.model_dir, self.all_remote = model_dir, ""
@@ -481,7 +485,8 @@ class Drive:
             seen, stall = run_workload(self.served(w), self.model_dir)
         except KeyError as exc:
             local = {router_id(f"w-r{i}") for i, a in enumerate(w.asks) if not a.remote}
-            if self.all_remote or exc.args[0] not in local:
+            line = traceback.extract_tb(exc.__traceback__)[-1].line
+            if self.all_remote or exc.args[0] not in local or line != RELEASE_LOOKUP:
                 raise
             self.all_remote = f"this release's connector cannot schedule one kept here ({exc!r})"
             return self.wrongs(w)
