@@ -55,6 +55,7 @@ def _vllm_scheduler(
     prefix_caching: bool = False,
     reserve: bool = True,
     cap: int = 0,
+    policy: str = "fcfs",
 ) -> Any:
     """vLLM's Scheduler with a MoRIIO producer, keyword arguments as this release takes them:
     `block`-token blocks, `budget` tokens a step, `pool` blocks."""
@@ -77,6 +78,7 @@ def _vllm_scheduler(
             is_encoder_decoder=False,
             scheduler_reserve_full_isl=reserve,
             long_prefill_token_threshold=cap,
+            policy=policy,
         ),
         cache_config=call_accepted(vc.CacheConfig, **cache, enable_prefix_caching=prefix_caching),
         kv_transfer_config=vc.KVTransferConfig(
@@ -167,6 +169,7 @@ class Ask:
     remote: bool = True
     external: int = 0
     decode: int = 1
+    priority: int = 0  # under priority scheduling: the lower, the sooner (and preempted later)
 
     def tokens(self, index: int) -> list[int]:
         base = [(self.family * 7919 + i) % 997 + 1 for i in range(min(self.shared, self.prompt))]
@@ -181,6 +184,7 @@ class Ask:
         if self.external:
             parts.append(f"{self.external} external")
         parts.append("remote" if self.remote else f"local, {self.decode} decode tokens")
+        parts += [f"priority {self.priority}"] * bool(self.priority)
         return ", ".join(parts)
 
 
@@ -197,9 +201,12 @@ class Workload:
     # long_prefill_token_threshold: at most this many tokens per request a step (0: no cap), so
     # several prompts share a step's budget chunk by chunk.
     cap: int = 0
+    # "priority": vLLM's priority scheduling (a resumed request can be scheduled after a new
+    # one in a step, and the lowest priority is preempted, not the last admitted).
+    policy: str = "fcfs"
 
     def describe(self) -> str:
-        head = f"block {self.block}, budget {self.budget}, pool {self.pool} blocks"
+        head = f"block {self.block}, budget {self.budget}, pool {self.pool} blocks, {self.policy}"
         head += "" if self.reserve else ", prompts admitted chunk by chunk"
         head += f", at most {self.cap} tokens a request a step" if self.cap else ""
         return head + "; " + "; ".join(f"r{i}: {a.describe()}" for i, a in enumerate(self.asks))
@@ -213,6 +220,7 @@ def generate(seed: int) -> Workload:
     budget = rng.choice((2048, 3000)) if k3 else rng.randrange(24, 260, 4)
     longest = MAX_LEN - K3_BLOCK if k3 else rng.randrange(60, 700)
     asks = []
+    by_priority = rng.random() < 0.35
     for _ in range(rng.randint(2, 6)):
         family = rng.randrange(3)
         prompt = rng.randint(1, longest)
@@ -225,6 +233,7 @@ def generate(seed: int) -> Workload:
             remote=remote,
             external=(rng.randint(0, prompt - 1) // block * block) if rng.random() < 0.2 else 0,
             decode=1 if remote else rng.randint(1, 12),
+            priority=rng.randrange(3) if by_priority else 0,
         )
         asks.append(ask)
     need = max(-(-(a.prompt + a.decode) // block) for a in asks) + 1
@@ -234,7 +243,9 @@ def generate(seed: int) -> Workload:
     tight = rng.random() < 0.6
     pool = rng.randint(need, need + total // 4) if tight else total + 4
     cap = rng.randrange(budget // 4, budget) if rng.random() < 0.5 else 0
-    return Workload(seed, block, budget, pool, tuple(asks), tight and rng.random() < 0.3, cap)
+    reserve = tight and rng.random() < 0.3
+    policy = "priority" if by_priority else "fcfs"
+    return Workload(seed, block, budget, pool, tuple(asks), reserve, cap, policy)
 
 
 @dataclass
@@ -263,7 +274,9 @@ def run_workload(w: Workload, model_dir: str) -> tuple[dict[str, Seen], str | No
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
 
-    scheduler = _vllm_scheduler(model_dir, w.block, w.budget, w.pool, True, w.reserve, w.cap)
+    scheduler = _vllm_scheduler(
+        model_dir, w.block, w.budget, w.pool, True, w.reserve, w.cap, w.policy
+    )
     hasher = _block_hasher(w.block)
     connector = scheduler.connector.connector_scheduler
     names = [router_id(f"w-r{i}") for i in range(len(w.asks))]
@@ -318,6 +331,7 @@ def run_workload(w: Workload, model_dir: str) -> tuple[dict[str, Seen], str | No
                         sampling_params=sampling,
                         pooling_params=None,
                         block_hasher=hasher,
+                        priority=ask.priority,
                         **fields,
                     )
                     if ask.remote:
@@ -351,7 +365,9 @@ def run_workload(w: Workload, model_dir: str) -> tuple[dict[str, Seen], str | No
             scheduler.update_from_output(output, model_output)
             if all(a.arrives <= step for a in w.asks) and not scheduler.requests:
                 return seen, None
-            if all(a.arrives <= step for a in w.asks) and not ids and not done:
+            # A step that only preempts (priority scheduling) schedules nothing: no stall.
+            preempted = any(step in s.preempted for s in seen.values())
+            if all(a.arrives <= step for a in w.asks) and not (ids or done or preempted):
                 return seen, f"the scheduler stalled at step {step}"
     return seen, f"not finished in {step} steps"
 
@@ -409,11 +425,13 @@ def _timeline(s: Seen) -> str:
     return f"prompt {s.prompt}; computed+scheduled {ran}{pre}"
 
 
-# One simplification of a request at a time: no external tokens, no shared prefix, no delay.
+# One simplification of a request at a time: no external tokens, no shared prefix, no delay, no
+# priority.
 _PLAINER = (
     lambda ask: replace(ask, external=0),
     lambda ask: replace(ask, shared=0),
     lambda ask: replace(ask, arrives=1),
+    lambda ask: replace(ask, priority=0),
 )
 
 

@@ -53,7 +53,9 @@ Route = tuple[list[int], list[int]]  # the block ids a layer's plan writes: (pre
 # reference model: every layer of every request writes, from that request's own blocks of the
 # layer's KV-cache group as allocated up to the step its save left, into that request's own
 # decode blocks of the same group. Request k's prefill block of group g at chunk c is
-# 10000 * (k + 1) + 100 * (g + 1) + c, its decode block BATCH_DECODE more. Seeded
+# 10000 * (k + 1) + 100 * (g + 1) + 50 - c, its decode block BATCH_DECODE more: a later chunk's
+# block has a lower id (a block another request freed can), so the order the lists keep is the
+# allocation order, never the ids'. Seeded
 # standard-library `random`: a failing seed is the same batch on every machine.
 BATCHES = 12  # seeds 0..BATCHES-1 in verify
 BATCH_DECODE = 5000
@@ -76,20 +78,15 @@ class Batch:
     chunks: tuple[tuple[int, ...], ...]
 
     def prefill_blocks(self, k: int, upto: int | None = None) -> list[list[int]]:
-        last = len(self.chunks[k]) if upto is None else upto
-        return [
-            [10000 * (k + 1) + 100 * (g + 1) + c for c in range(1, last + 1)]
-            if kind in self.growing
-            else [10000 * (k + 1) + 100 * (g + 1) + 1]
-            for g, (kind, _) in enumerate(LAYOUTS[self.layout])
-        ]
+        steps = range(len(self.chunks[k]) if upto is None else upto)
+        groups = range(len(LAYOUTS[self.layout]))
+        return [[b for s in steps for b in self.step_blocks(k, s)[g]] for g in groups]
 
     def step_blocks(self, k: int, step: int) -> list[list[int]]:
         """Request k's new blocks per group at `step` (0-based)."""
+        block = 10000 * (k + 1) + 49 - step
         return [
-            [10000 * (k + 1) + 100 * (g + 1) + step + 1]
-            if step == 0 or kind in self.growing
-            else []
+            [block + 100 * (g + 1)] if step == 0 or kind in self.growing else []
             for g, (kind, _) in enumerate(LAYOUTS[self.layout])
         ]
 
