@@ -65,21 +65,17 @@ def _vllm_scheduler(
     scheduler = importlib.import_module("vllm.v1.core.sched.scheduler")
     structured_output = importlib.import_module("vllm.v1.structured_output")
     extra = {"host_ip": "127.0.0.1", "handshake_port": 6301, "notify_port": 6401}
-    sched = dict(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=MAX_LEN)
+    sched = dict(
+        max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=MAX_LEN, policy=policy
+    )
+    sched.update(enable_chunked_prefill=True, is_encoder_decoder=False)
+    sched.update(scheduler_reserve_full_isl=reserve, long_prefill_token_threshold=cap)
     cache = dict(block_size=block, gpu_memory_utilization=0.9, cache_dtype="auto")
     config = vc.VllmConfig(
         model_config=vc.ModelConfig(
             model=model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=MAX_LEN
         ),
-        scheduler_config=call_accepted(
-            vc.SchedulerConfig,
-            **sched,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-            scheduler_reserve_full_isl=reserve,
-            long_prefill_token_threshold=cap,
-            policy=policy,
-        ),
+        scheduler_config=call_accepted(vc.SchedulerConfig, **sched),
         cache_config=call_accepted(vc.CacheConfig, **cache, enable_prefix_caching=prefix_caching),
         kv_transfer_config=vc.KVTransferConfig(
             kv_connector="MoRIIOConnector", kv_role="kv_producer", kv_connector_extra_config=extra
@@ -87,13 +83,8 @@ def _vllm_scheduler(
         device_config=vc.DeviceConfig("cpu"),
     )
     config.cache_config.num_gpu_blocks = pool
-    spec = call_accepted(
-        specs.FullAttentionSpec,
-        block_size=block,
-        num_kv_heads=1,
-        head_size=1,
-        dtype=torch.float32,
-    )
+    spec = dict(block_size=block, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    spec = call_accepted(specs.FullAttentionSpec, **spec)
     groups = [specs.KVCacheGroupSpec(["layer"], spec)]
     kv_cache = specs.KVCacheConfig(num_blocks=pool, kv_cache_tensors=[], kv_cache_groups=groups)
     return call_accepted(
