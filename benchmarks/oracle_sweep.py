@@ -67,7 +67,7 @@ def sweep(name: str, scratch: Path) -> list[dict]:
     found = json.loads(cli("verify", "--vllm", str(site), "--python", PYTHON, "--json").stdout)
     wall = round(time.monotonic() - start, 1)
     for row in rows:
-        check = next(p for p in found["patches"] if p["id"] == row["patch"])
+        check = next(p for p in found["verify"]["patches"] if p["id"] == row["patch"])
         probe = check.get("probe") or {}
         row.update(apply_rc=applied.returncode, verdict=check["verdict"], verify_s=wall)
         row.update(applied_ok=probe.get("ok"), applied_summary=str(probe.get("summary"))[:300])

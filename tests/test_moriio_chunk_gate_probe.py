@@ -234,12 +234,14 @@ def workloads(draw) -> Workload:
             remote=remote,
             external=external,
             decode=1 if remote else draw(st.integers(1, 12)),
+            priority=draw(st.integers(0, 2)),
         )
         asks.append(ask)
     need = max(-(-(a.prompt + a.decode) // block) for a in asks) + 1
     pool = draw(st.integers(need, need + sum(-(-(a.prompt + a.decode) // block) for a in asks)))
     cap = draw(st.one_of(st.just(0), st.integers(max(1, budget // 4), budget)))
-    return Workload(None, block, budget, pool, tuple(asks), draw(st.booleans()), cap)
+    policy = draw(st.sampled_from(("fcfs", "priority")))
+    return Workload(None, block, budget, pool, tuple(asks), draw(st.booleans()), cap, policy)
 
 
 @pytest.mark.wheel
