@@ -10,6 +10,7 @@ import contextlib
 import functools
 import importlib.util
 import inspect
+import json
 import logging
 import logging.handlers
 import os
@@ -300,3 +301,33 @@ class Checks:
             what=self.what, ran=self.ran, failed=len(self.failures), failures=failures
         )
         return ProbeOutcome(not self.failures, summary, tuple(self.lines))
+
+
+def seeded(checks: Checks, noun: str, seeds: Any, generate: Any, wrongs: Any, shrink: Any) -> None:
+    """An oracle over generated cases: per seed the case `generate(seed)`, judged by `wrongs(case)`
+    -> (what went wrong, a summary), a check naming the seed; the first failing case shrunk by
+    `shrink(case, fails)` and reported by its `describe()`. A raise: this tree cannot be driven."""
+    first: Any = None
+    for seed in seeds:
+        case = generate(seed)
+        try:
+            wrong, about = wrongs(case)
+        except Exception as exc:
+            return checks.fail(f"{noun} seed {seed}: cannot drive this tree: {exc!r}")
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        verdict = "FAILED: " + "; ".join(wrong) if wrong else "ok"
+        short = f"{noun} seed {seed}: {wrong[0] if wrong else ''}{more}"
+        if not checks.record(f"{noun} seed {seed} ({about}): {verdict}", not wrong, short):
+            first = (seed, case) if first is None else first
+    if first is not None:
+        small = shrink(first[1], lambda c: bool(wrongs(c)[0]))
+        wrong = "; ".join(wrongs(small)[0] or ["(no longer fails)"])
+        checks.fail(f"smallest failing {noun} of seed {first[0]}: {small.describe()} -> {wrong}")
+    return None
+
+
+def serve(lines: Any, answer: Callable[[str], Any], parse: Any, wrongs: Any) -> None:
+    """An oracle for a test driver (hypothesis draws the cases; its interpreter has no vLLM): per
+    JSON case read from `lines`, `answer` gets the JSON list of what `wrongs` says went wrong."""
+    for line in lines:
+        answer(json.dumps(wrongs(parse(json.loads(line)))[0]))

@@ -289,6 +289,57 @@ def verify_python() -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# A probe's oracle for hypothesis: one long-lived child of the tree's interpreter (vLLM imported
+# once) runs `serve` (probekit.serve) of a probe module; judge(case) -> what went wrong.
+ORACLE_CHILD = """
+import importlib, sys, types
+sys.path.insert(0, sys.argv[1])
+for name, where in (("k3patch", sys.argv[2]), ("k3patch.patches", sys.argv[3])):
+    module = types.ModuleType(name)
+    module.__path__ = [where]
+    sys.modules[name] = module
+serve = getattr(importlib.import_module(sys.argv[4]), sys.argv[5])
+serve(iter(sys.stdin.readline, ""), lambda line: print("K3PATCH-ORACLE " + line, flush=True))
+"""
+
+
+class OracleChild:
+    """`serve` ("module:function") in the tree at `site`; `judge(case)` sends a dataclass."""
+
+    def __init__(self, python: str, site: Path, serve: str) -> None:
+        import dataclasses
+
+        import k3patch
+        from k3patch.registry import patches_dir
+
+        self.asdict = dataclasses.asdict
+        package = str(Path(k3patch.__file__).parent)
+        args = [python, "-c", ORACLE_CHILD, str(site), package, str(patches_dir())]
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
+        self.child = subprocess.Popen(
+            [*args, *serve.split(":")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+
+    def judge(self, case: object) -> list[str]:
+        assert self.child.stdin is not None and self.child.stdout is not None
+        self.child.stdin.write(json.dumps(self.asdict(case)) + "\n")  # type: ignore[call-overload]
+        self.child.stdin.flush()
+        for line in self.child.stdout:  # vLLM logs to stdout too
+            if line.startswith("K3PATCH-ORACLE "):
+                return json.loads(line.split(" ", 1)[1])
+        raise AssertionError("the oracle child died")
+
+    def close(self) -> None:
+        if self.child.stdin is not None:
+            self.child.stdin.close()
+        self.child.wait(timeout=60)
+
+
+# --------------------------------------------------------------------------------------------
 # Patch tables in the spirit of LibCST's CodemodTest: a patch run in memory over a few files
 # (paths relative to the `vllm` package), no tree, no CLI.
 

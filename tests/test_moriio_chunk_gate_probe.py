@@ -10,33 +10,25 @@ that the tree's gate gets wrong, and only those; applied, and on upstream's fix,
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import re
 import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
-from conftest import built_fork_tree, run_cli, slow_except
+from conftest import OracleChild, built_fork_tree, run_cli, slow_except
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
-from k3patch.patches.moriio_chunk_gate.probe import (
+from k3patch.patches.moriio_chunk_gate.probe import SCHEDULED, TABLE, Prefill
+from k3patch.patches.moriio_chunk_gate.workloads import (
     K3_BLOCK,
     MAX_LEN,
-    SCHEDULED,
-    TABLE,
     WORKLOADS,
     Ask,
-    Prefill,
     Workload,
     generate,
     workload_from,
 )
 
-import k3patch
 from k3patch import scan
-from k3patch.registry import patches_dir
 from k3patch.tree import locate
 from k3patch.verdicts import Verdict
 
@@ -99,19 +91,8 @@ def slack_wrong(row: Prefill) -> bool:
 # Every tree where the patch is pending, with what its unpatched gate gets wrong. A plain
 # pytest runs 0.31.0, fork a and fork d (each kind of gate once); .ci/run every tree (slow).
 KEPT = ("0.31.0", "fork-a", "fork-d")
-# Open defect: the workload oracle cannot drive the Scheduler of these releases (KeyError on the
-# request id in its first workload), so their probe fails on the applied tree too.
-CANNOT_DRIVE = pytest.mark.xfail(
-    strict=True, reason="open: the chunk-gate oracle cannot drive vLLM 0.23.0/0.27.1's Scheduler"
-)
 PENDING = [
-    pytest.param(
-        tree,
-        wrong,
-        id=tree,
-        marks=(() if tree in KEPT else (pytest.mark.slow,))
-        + ((CANNOT_DRIVE,) if tree in ("0.23.0", "0.27.1") else ()),
-    )
+    pytest.param(tree, wrong, id=tree, marks=() if tree in KEPT else (pytest.mark.slow,))
     for tree, wrong in [
         *((v, block_count_wrong) for v in ("0.23.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0")),
         *(("0.31.0", block_count_wrong), *((f"fork-{n}", block_count_wrong) for n in "abc")),
@@ -150,6 +131,10 @@ def test_pending_tree_fails_the_rows_its_gate_gets_wrong_and_passes_all_applied(
     after = found["patches"][PATCH_ID]["probe"]
     assert after["ok"] is True, after["summary"]
     assert all(row_results(after).values())
+    # 0.27.1 and older crash on a running request without kv_transfer_params (vLLM's own, fixed
+    # in 0.28.0): there, and only there, every workload request is sent to a decode node.
+    all_remote = [c for c in after["checks"] if c.startswith("every request sent to a decode")]
+    assert bool(all_remote) is (tree in ("0.23.0", "0.27.1")), all_remote
     assert any(K3_FIXED in c for c in after["checks"])
     ((line, ok),) = case_results(after, RESUMED_K3).items()
     assert ok and line.endswith(RESUMED_K3 + RESUMED_RIGHT), line
@@ -206,60 +191,22 @@ def test_with_group_routing_on_the_fork(verified):
 # long-lived child of the tree's interpreter (vLLM imported once) by probe.serve_workloads,
 # which answers what the reference model says went wrong. verify runs the same oracle on
 # seeded standard-library workloads (no hypothesis in an image's Python).
-
-ORACLE_CHILD = """
-import sys, types
-sys.path.insert(0, sys.argv[1])
-for name, where in (("k3patch", sys.argv[2]), ("k3patch.patches", sys.argv[3])):
-    module = types.ModuleType(name)
-    module.__path__ = [where]
-    sys.modules[name] = module
-from k3patch.patches.moriio_chunk_gate.probe import serve_workloads
-def answer(line):
-    print("K3PATCH-ORACLE " + line, flush=True)
-serve_workloads(iter(sys.stdin.readline, ""), answer)
-"""
-
-
-class Oracle:
-    """The child: `judge(workload)` -> what went wrong on its tree (empty: all right)."""
-
-    def __init__(self, python: str, site: Path) -> None:
-        package = Path(k3patch.__file__).parent
-        args = [python, "-c", ORACLE_CHILD, str(site), str(package), str(patches_dir())]
-        env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
-        self.child = subprocess.Popen(
-            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
-        )
-
-    def judge(self, w: Workload) -> list[str]:
-        assert self.child.stdin is not None and self.child.stdout is not None
-        self.child.stdin.write(json.dumps(dataclasses.asdict(w)) + "\n")
-        self.child.stdin.flush()
-        for line in self.child.stdout:  # vLLM logs to stdout too
-            if line.startswith("K3PATCH-ORACLE "):
-                return json.loads(line.split(" ", 1)[1])
-        raise AssertionError("the oracle child died")
-
-    def close(self) -> None:
-        if self.child.stdin is not None:
-            self.child.stdin.close()
-        self.child.wait(timeout=60)
+SERVE = "k3patch.patches.moriio_chunk_gate.workloads:serve_workloads"
 
 
 @pytest.fixture(scope="module")
 def oracles(tmp_path_factory, verify_python):
-    """oracles(name, patched) -> an Oracle on fork tree `name`, unpatched or applied."""
-    made: dict[tuple[str, bool], Oracle] = {}
+    """oracles(name, patched) -> the oracle on fork tree `name`, unpatched or applied."""
+    made: dict[tuple[str, bool], OracleChild] = {}
 
-    def get(name: str, patched: bool) -> Oracle:
+    def get(name: str, patched: bool) -> OracleChild:
         if (name, patched) not in made:
             site = tmp_path_factory.mktemp(f"oracle-{name}-{patched}") / "site"
             shutil.copytree(built_fork_tree(name), site, ignore=shutil.ignore_patterns(".complete"))
             if patched:
                 proc = run_cli("apply", "--vllm", str(site), "--quiet")
                 assert proc.returncode == 0, proc.stdout + proc.stderr
-            made[name, patched] = Oracle(verify_python, site)
+            made[name, patched] = OracleChild(verify_python, site, SERVE)
         return made[name, patched]
 
     yield get
@@ -287,12 +234,14 @@ def workloads(draw) -> Workload:
             remote=remote,
             external=external,
             decode=1 if remote else draw(st.integers(1, 12)),
+            priority=draw(st.integers(0, 2)),
         )
         asks.append(ask)
     need = max(-(-(a.prompt + a.decode) // block) for a in asks) + 1
     pool = draw(st.integers(need, need + sum(-(-(a.prompt + a.decode) // block) for a in asks)))
     cap = draw(st.one_of(st.just(0), st.integers(max(1, budget // 4), budget)))
-    return Workload(None, block, budget, pool, tuple(asks), draw(st.booleans()), cap)
+    policy = draw(st.sampled_from(("fcfs", "priority")))
+    return Workload(None, block, budget, pool, tuple(asks), draw(st.booleans()), cap, policy)
 
 
 @pytest.mark.wheel
@@ -343,7 +292,7 @@ def test_seeded_workloads_are_the_same_everywhere():
 def test_unpatched_fork_fails_generated_workloads_naming_seed_and_case(probed, verified):
     before = probed("fork:a", PATCH_ID)
     assert re.search(r"workload seed \d+: r\d+ saved at step", before["summary"])
-    assert "smallest failing case of seed " in before["summary"]
+    assert "smallest failing workload of seed " in before["summary"]
     after = verified("fork:a")["patches"][PATCH_ID]["probe"]["checks"]
     lines = [c for c in after if c.startswith("workload seed ")]
     assert len(lines) == WORKLOADS and all(c.endswith(": ok") for c in lines), lines

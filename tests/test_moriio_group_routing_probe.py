@@ -34,9 +34,7 @@ be refused at the worker's layer maps with a ValueError (the fork trees build th
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -46,22 +44,17 @@ from typing import Any
 
 import probe_child
 import pytest
-from conftest import built_fork_tree, run_cli, slow_except
+from conftest import OracleChild, built_fork_tree, run_cli, slow_except
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from k3patch.patches.moriio_group_routing import PATCH
+from k3patch.patches.moriio_group_routing.batches import BATCHES, LAYOUTS, Batch
 from k3patch.patches.moriio_group_routing.probe import (
     ATTENTION_LAYOUT,
-    BATCHES,
     CASES,
     KIND_NAMES,
-    LAYOUTS,
     TWO_ATTENTION_LAYOUT,
-    Batch,
 )
-
-import k3patch
-from k3patch.registry import patches_dir
 
 pytestmark = pytest.mark.verify
 ONLY = ["--only", "moriio-group-routing"]
@@ -331,7 +324,6 @@ def test_verify_passes_on_upstream(verified, version):
 def test_an_installed_k3patch_ships_and_loads_the_probe(
     tmp_path, make_tree, verify_python, k3patch_source
 ):
-    import subprocess
 
     root = k3patch_source
     target = tmp_path / "k3patch-install"
@@ -352,21 +344,9 @@ def test_an_installed_k3patch_ships_and_loads_the_probe(
 
 # --------------------------------------------------------------------------------------------
 # The batch oracle (several requests share one scheduler and one worker): seeded batches in
-# verify, hypothesis-drawn ones here, each judged by probe.serve_batches in one long-lived child
+# verify, hypothesis-drawn ones here, each judged by batches.serve_batches in one long-lived child
 # of the tree's interpreter.
-
-BATCH_CHILD = """
-import sys, types
-sys.path.insert(0, sys.argv[1])
-for name, where in (("k3patch", sys.argv[2]), ("k3patch.patches", sys.argv[3])):
-    module = types.ModuleType(name)
-    module.__path__ = [where]
-    sys.modules[name] = module
-from k3patch.patches.moriio_group_routing.probe import serve_batches
-def answer(line):
-    print("K3PATCH-ORACLE " + line, flush=True)
-serve_batches(iter(sys.stdin.readline, ""), answer)
-"""
+SERVE = "k3patch.patches.moriio_group_routing.batches:serve_batches"
 
 
 @pytest.fixture(scope="module")
@@ -375,26 +355,9 @@ def batch_oracle(tmp_path_factory, verify_python):
     shutil.copytree(built_fork_tree("a"), site, ignore=shutil.ignore_patterns(".complete"))
     proc = run_cli("apply", "--vllm", str(site), "--quiet")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    package = Path(k3patch.__file__).parent
-    args = [verify_python, "-c", BATCH_CHILD, str(site), str(package), str(patches_dir())]
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
-    child = subprocess.Popen(
-        args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
-    )
-
-    def judge(batch: Batch) -> list[str]:
-        assert child.stdin is not None and child.stdout is not None
-        child.stdin.write(json.dumps(dataclasses.asdict(batch)) + "\n")
-        child.stdin.flush()
-        for line in child.stdout:
-            if line.startswith("K3PATCH-ORACLE "):
-                return json.loads(line.split(" ", 1)[1])
-        raise AssertionError("the oracle child died")
-
-    yield judge
-    assert child.stdin is not None
-    child.stdin.close()
-    child.wait(timeout=60)
+    oracle = OracleChild(verify_python, site, SERVE)
+    yield oracle.judge
+    oracle.close()
 
 
 @st.composite

@@ -249,3 +249,49 @@ def test_triton_on_host_stands_in_launched_kernels_and_missing_host_helpers():
     assert [triton.cdiv(a, b) for a, b in ((7, 2), (8, 4), (0, 3))] == [4, 2, 0]
     real = types.SimpleNamespace(next_power_of_2=None, cdiv=None)
     assert "triton" not in probekit.triton_on_host(func, {"triton": real}, print)
+
+
+class Case(types.SimpleNamespace):
+    def describe(self) -> str:
+        return f"n={self.n}"
+
+
+def test_seeded_names_each_seed_and_shrinks_the_first_failing_case():
+    # Cases fail when n >= 5; the shrink halves n while it still fails.
+    def wrongs(case: Case) -> tuple[list[str], str]:
+        return ([f"n {case.n} too big"] if case.n >= 5 else []), f"n {case.n}"
+
+    def shrink(case: Case, fails) -> Case:
+        while fails(Case(n=case.n // 2)):
+            case = Case(n=case.n // 2)
+        return case
+
+    checks = Checks("oracle")
+    probekit.seeded(checks, "thing", [1, 40, 3, 22], lambda s: Case(n=s), wrongs, shrink)
+    assert checks.lines == [
+        "thing seed 1 (n 1): ok",
+        "thing seed 40 (n 40): FAILED: n 40 too big",
+        "thing seed 3 (n 3): ok",
+        "thing seed 22 (n 22): FAILED: n 22 too big",
+    ]
+    assert checks.failures[-1] == "smallest failing thing of seed 40: n=5 -> n 5 too big"
+    assert checks.failures[:2] == ["thing seed 40: n 40 too big", "thing seed 22: n 22 too big"]
+
+
+def test_seeded_stops_at_a_tree_it_cannot_drive():
+    def wrongs(case: Case) -> tuple[list[str], str]:
+        raise KeyError("r0")
+
+    checks = Checks("oracle")
+    probekit.seeded(checks, "thing", [7, 8], lambda s: Case(n=s), wrongs, lambda c, f: c)
+    assert checks.failures == ["thing seed 7: cannot drive this tree: KeyError('r0')"]
+    assert checks.outcome().ok is False
+
+
+def test_serve_answers_each_json_case_with_what_went_wrong():
+    answers: list[str] = []
+    lines = iter(['{"n": 9}\n', '{"n": 1}\n'])
+    probekit.serve(
+        lines, answers.append, lambda d: Case(**d), lambda c: ([f"n {c.n}"] * (c.n > 5), "")
+    )
+    assert answers == ['["n 9"]', "[]"]

@@ -5,18 +5,9 @@ once, with the final chunk, carrying every block allocated by then."""
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import importlib
 import itertools
-import json
-import logging
-import pickle
-import random
-import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from k3patch.patch import ProbeOutcome
@@ -25,9 +16,16 @@ from k3patch.shapes import match
 
 from ..moriio_group_routing.standins import CONNECTOR, drive_prefill, kv_params, stub_request
 from .names import attribute_assignments
+from .workloads import (
+    CHUNK,
+    K3_BLOCK,
+    _seen_in_output,
+    _vllm_scheduler,
+    probe_workloads,
+    router_id,
+    scheduler_setting,
+)
 
-CHUNK = 2048  # max_num_batched_tokens in K3's recipe
-K3_BLOCK = 5760  # K3's attention page padded to the KDA page
 SMALL_BLOCK = 16
 
 # (request id, prompt, (tokens, new blocks) per step, the one step (from 1) whose metadata must
@@ -119,14 +117,6 @@ def _table() -> tuple[Prefill, ...]:
 
 
 TABLE = _table()
-
-# The proxy's request id carries both nodes' ZMQ addresses (kv_params' ports): 0.23.0's
-# add_new_req reads the decode peer's from it and raises without them (0.28.0 falls back).
-_PEER = "host:127.0.0.1,handshake:6301,notify:61005"
-
-
-def router_id(name: str) -> str:
-    return f"{name}___prefill_addr_{_PEER}___decode_addr_{_PEER}_{'0' * 32}"
 
 
 def _scheduler(mc: Any, block_size: int) -> Any:
@@ -229,10 +219,6 @@ def _direct_case(scheduler: Any, title: str, requests: tuple[Request, ...], chec
     _direct(scheduler, planned, checks, [f"{title} [{req_id}]" for req_id, *_ in requests])
 
 
-# The second probe: vLLM's own Scheduler on CPU, built as vLLM's unit tests build one (a MoRIIO
-# producer, one full-attention group in K3's block, a config.json written here: no download).
-MAX_LEN = 16384
-
 # (request id, row): the rows that tell each wrong gate of G1 and G2 from the right one (2,611:
 # 2,048 + 563 in one 5,760-token block; 5,000: three chunks; slack of 1 and 2 after one and two
 # chunks, a block count at chunk 3, one chunk, the truncation).
@@ -243,81 +229,6 @@ SCHEDULED = tuple(
         *((n, True) for n in (4098, 2049)),
     )
 )
-
-# A model vLLM knows, small; only its config is read (the scheduler runs no model).
-_PROBE_MODEL_CONFIG = (
-    '{"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 64, '
-    '"num_attention_heads": 2, "num_hidden_layers": 1, "ffn_dim": 128, "vocab_size": 1000, '
-    '"max_position_embeddings": 65536, "word_embed_proj_dim": 64}'
-)
-
-
-def _vllm_scheduler(
-    model_dir: str,
-    block: int = K3_BLOCK,
-    budget: int = CHUNK,
-    pool: int = 64,
-    prefix_caching: bool = False,
-    reserve: bool = True,
-    cap: int = 0,
-) -> Any:
-    """vLLM's Scheduler with a MoRIIO producer, keyword arguments as this release takes them:
-    `block`-token blocks, `budget` tokens a step, `pool` blocks."""
-    torch = importlib.import_module("torch")
-    vc = importlib.import_module("vllm.config")
-    specs = importlib.import_module("vllm.v1.kv_cache_interface")
-    scheduler = importlib.import_module("vllm.v1.core.sched.scheduler")
-    structured_output = importlib.import_module("vllm.v1.structured_output")
-    extra = {"host_ip": "127.0.0.1", "handshake_port": 6301, "notify_port": 6401}
-    sched = dict(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=MAX_LEN)
-    cache = dict(block_size=block, gpu_memory_utilization=0.9, cache_dtype="auto")
-    config = vc.VllmConfig(
-        model_config=vc.ModelConfig(
-            model=model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=MAX_LEN
-        ),
-        scheduler_config=call_accepted(
-            vc.SchedulerConfig,
-            **sched,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-            scheduler_reserve_full_isl=reserve,
-            long_prefill_token_threshold=cap,
-        ),
-        cache_config=call_accepted(vc.CacheConfig, **cache, enable_prefix_caching=prefix_caching),
-        kv_transfer_config=vc.KVTransferConfig(
-            kv_connector="MoRIIOConnector", kv_role="kv_producer", kv_connector_extra_config=extra
-        ),
-        device_config=vc.DeviceConfig("cpu"),
-    )
-    config.cache_config.num_gpu_blocks = pool
-    spec = call_accepted(
-        specs.FullAttentionSpec,
-        block_size=block,
-        num_kv_heads=1,
-        head_size=1,
-        dtype=torch.float32,
-    )
-    groups = [specs.KVCacheGroupSpec(["layer"], spec)]
-    kv_cache = specs.KVCacheConfig(num_blocks=pool, kv_cache_tensors=[], kv_cache_groups=groups)
-    return call_accepted(
-        scheduler.Scheduler,
-        vllm_config=config,
-        kv_cache_config=kv_cache,
-        structured_output_manager=structured_output.StructuredOutputManager(config),
-        block_size=block,
-        log_stats=False,
-    )
-
-
-def _seen_in_output(output: Any, req_id: str) -> int | None:
-    """The request's num_computed_tokens as scheduler_output tells it."""
-    for new in getattr(output, "scheduled_new_reqs", None) or ():
-        if new.req_id == req_id:
-            return int(new.num_computed_tokens)
-    cached = output.scheduled_cached_reqs
-    if req_id in cached.req_ids:
-        return int(cached.num_computed_tokens[list(cached.req_ids).index(req_id)])
-    return None
 
 
 def drive_scheduler(scheduler: Any, name: str, row: Prefill, checks: Checks) -> None:
@@ -391,29 +302,6 @@ def drive_scheduler(scheduler: Any, name: str, row: Prefill, checks: Checks) -> 
     )
 
 
-@contextlib.contextmanager
-def scheduler_setting(mc: Any) -> Iterator[str]:
-    """What vLLM's Scheduler needs here, undone on exit; yields the directory of the model's
-    config."""
-    with Swap() as swap, tempfile.TemporaryDirectory(prefix="k3patch-probe-model-") as model:
-        # The scheduler side sets the process-wide MoRIIO role: later probes get theirs back.
-        swap.on_exit(mc.set_role, mc.get_role())
-        logging.disable(logging.WARNING)
-        swap.on_exit(logging.disable, logging.NOTSET)
-        for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-            swap.env(key, "1")
-        # A fork's mamba_n1 truncates every request with this set; the rows say which to cut.
-        swap.env("K3_MAMBA_N1_FORCE", None)
-        # vLLM inspects the model class in a child interpreter unless its cache (keyed by the
-        # release's model file) holds it: 10-15 s in a fresh container. Here, in this process
-        # (CPU only, so nothing initialises a GPU), with a cache of its own.
-        swap.env("VLLM_CACHE_ROOT", model)
-        registry = importlib.import_module("vllm.model_executor.models.registry")
-        swap.attr(registry, "_run_in_subprocess", lambda fn: fn())
-        Path(model, "config.json").write_text(_PROBE_MODEL_CONFIG)
-        yield model
-
-
 def probe_chunk_gate() -> ProbeOutcome:
     """Both probes: the direct drive of build_connector_meta, then vLLM's own Scheduler."""
     checks, mc = Checks("chunk gate"), importlib.import_module(CONNECTOR)
@@ -438,363 +326,3 @@ def probe_chunk_gate() -> ProbeOutcome:
         "driven directly and under vLLM's Scheduler ({ran} checks)",
         broken="wrong in {failed} of {ran} checks: {failures}",
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# The oracle: generated workloads through vLLM's own Scheduler and the tree's MoRIIO connector.
-# Reference model (what must happen, whatever the gate's code): each request sent to a decode
-# node leaves in exactly one step's reqs_to_save, the step whose chunk computes its last prompt
-# token (progress counted as the scheduler counts it: prefix-cache hits and tokens the connector
-# reports as external included), carrying the request's own blocks as the scheduler holds them at
-# that step; a request kept on this node is never sent. Workloads mix several requests per step,
-# random prompts and chunk budgets, shared prefixes (cache hits), pools small enough to preempt,
-# requests that sit out steps. The generator is seeded standard-library `random`: the same seed
-# is the same workload on every machine.
-WORKLOADS = 40  # seeds 0..WORKLOADS-1 in verify
-SHRINK_RUNS = 24  # at most this many re-runs to shrink the first failing workload
-
-
-@dataclass(frozen=True)
-class Ask:
-    """One request of a workload. `family`/`shared`: its first `shared` tokens are those of every
-    request of its family (a prefix-cache hit once one of them computed them); `arrives`: the
-    step before which it is added; `remote`: sent to a decode node (max_tokens 1, as the proxy
-    asks a prefill node), else kept here and decoding `decode` tokens; `external`: tokens the
-    connector reports as already loaded."""
-
-    prompt: int
-    family: int = 0
-    shared: int = 0
-    arrives: int = 1
-    remote: bool = True
-    external: int = 0
-    decode: int = 1
-
-    def tokens(self, index: int) -> list[int]:
-        base = [(self.family * 7919 + i) % 997 + 1 for i in range(min(self.shared, self.prompt))]
-        return base + [(index * 104729 + i) % 991 + 1000 for i in range(self.prompt - len(base))]
-
-    def describe(self) -> str:
-        parts = [f"prompt {self.prompt}"]
-        if self.shared:
-            parts.append(f"first {self.shared} shared with family {self.family}")
-        if self.arrives > 1:
-            parts.append(f"arrives at step {self.arrives}")
-        if self.external:
-            parts.append(f"{self.external} external")
-        parts.append("remote" if self.remote else f"local, {self.decode} decode tokens")
-        return ", ".join(parts)
-
-
-@dataclass(frozen=True)
-class Workload:
-    seed: int | None  # None: a shrunk or written workload
-    block: int
-    budget: int  # max_num_batched_tokens
-    pool: int  # KV blocks on this node
-    asks: tuple[Ask, ...]
-    # scheduler_reserve_full_isl (vLLM 0.28.0+): admit a request only when its whole prompt fits;
-    # False admits it chunk by chunk, so a full pool preempts requests in mid-prefill.
-    reserve: bool = True
-    # long_prefill_token_threshold: at most this many tokens per request a step (0: no cap), so
-    # several prompts share a step's budget chunk by chunk.
-    cap: int = 0
-
-    def describe(self) -> str:
-        head = f"block {self.block}, budget {self.budget}, pool {self.pool} blocks"
-        head += "" if self.reserve else ", prompts admitted chunk by chunk"
-        head += f", at most {self.cap} tokens a request a step" if self.cap else ""
-        return head + "; " + "; ".join(f"r{i}: {a.describe()}" for i, a in enumerate(self.asks))
-
-
-def generate(seed: int) -> Workload:
-    """Workload `seed`: K3's block and chunk in some, small blocks and budgets in the others."""
-    rng = random.Random(seed)
-    k3 = rng.random() < 0.25
-    block = K3_BLOCK if k3 else rng.choice((16, 32, 64))
-    budget = rng.choice((2048, 3000)) if k3 else rng.randrange(24, 260, 4)
-    longest = MAX_LEN - K3_BLOCK if k3 else rng.randrange(60, 700)
-    asks = []
-    for _ in range(rng.randint(2, 6)):
-        family = rng.randrange(3)
-        prompt = rng.randint(1, longest)
-        remote = rng.random() < 0.75
-        ask = Ask(
-            prompt=prompt,
-            family=family,
-            shared=rng.choice((0, prompt // 2, prompt, rng.randint(0, prompt))),
-            arrives=rng.choice((1, 1, 1, rng.randint(2, 6))),
-            remote=remote,
-            external=(rng.randint(0, prompt - 1) // block * block) if rng.random() < 0.2 else 0,
-            decode=1 if remote else rng.randint(1, 12),
-        )
-        asks.append(ask)
-    need = max(-(-(a.prompt + a.decode) // block) for a in asks) + 1
-    total = sum(-(-(a.prompt + a.decode) // block) for a in asks)
-    # A tight pool, prompts admitted chunk by chunk and a cap that keeps several prompts growing
-    # at once: preemption in mid-prefill.
-    tight = rng.random() < 0.6
-    pool = rng.randint(need, need + total // 4) if tight else total + 4
-    cap = rng.randrange(budget // 4, budget) if rng.random() < 0.5 else 0
-    return Workload(seed, block, budget, pool, tuple(asks), tight and rng.random() < 0.3, cap)
-
-
-@dataclass
-class Seen:
-    """What the drive saw of one request: per step it ran (step, computed before, scheduled),
-    its steps preempted, the saves (step, blocks sent), the step and blocks the model wants."""
-
-    ran: list[tuple[int, int, int]] = field(default_factory=list)
-    preempted: list[int] = field(default_factory=list)
-    saves: list[tuple[int, list[int]]] = field(default_factory=list)
-    due: tuple[int, list[int]] | None = None
-    prompt: int = 0
-
-
-def _flat(blocks: Any) -> list[int]:
-    blocks = list(blocks or ())
-    if blocks and isinstance(blocks[0], list | tuple):
-        return [int(b) for group in blocks[:1] for b in group]
-    return [int(b) for b in blocks]
-
-
-def run_workload(w: Workload, model_dir: str) -> tuple[dict[str, Seen], str | None]:
-    """`w` through vLLM's Scheduler (a MoRIIO producer of this tree); per request what was
-    seen, or why the drive itself could not finish (a stall, a scheduler error)."""
-    from vllm import SamplingParams
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request, RequestStatus
-
-    scheduler = _vllm_scheduler(model_dir, w.block, w.budget, w.pool, True, w.reserve, w.cap)
-    hasher = _block_hasher(w.block)
-    connector = scheduler.connector.connector_scheduler
-    names = [router_id(f"w-r{i}") for i in range(len(w.asks))]
-    asks = dict(zip(names, w.asks, strict=True))
-    seen = {name: Seen(prompt=a.prompt) for name, a in asks.items()}
-    build, matched = connector.build_connector_meta, scheduler.connector.get_num_new_matched_tokens
-    step = 0
-
-    def watched(output: Any) -> Any:
-        for req_id, n in output.num_scheduled_tokens.items():
-            if req_id in seen:
-                before = _seen_in_output(output, req_id)
-                if before is None:
-                    before = int(scheduler.requests[req_id].num_computed_tokens)
-                seen[req_id].ran.append((step, before, int(n)))
-                prompt = seen[req_id].prompt
-                if asks[req_id].remote and before < prompt <= before + n and not seen[req_id].due:
-                    blocks = scheduler.kv_cache_manager.get_block_ids(req_id)
-                    seen[req_id].due = (step, _flat(blocks))
-        meta = build(output)
-        for req_id, save in (getattr(meta, "reqs_to_save", None) or {}).items():
-            if req_id in seen:
-                seen[req_id].saves.append((step, _flat(save.local_block_ids)))
-        return meta
-
-    def external(request: Any, computed: int, *args: Any, **kwargs: Any) -> Any:
-        found, load_async = matched(request, computed, *args, **kwargs)
-        ask = asks.get(request.request_id)
-        if ask is None or not ask.external or request.num_computed_tokens:
-            return found, load_async
-        return max(found or 0, ask.external - computed, 0), False
-
-    def preempting(request: Any, *args: Any, **kwargs: Any) -> Any:
-        if request.request_id in seen:
-            seen[request.request_id].preempted.append(step)
-        return preempt(request, *args, **kwargs)
-
-    acked: set[str] = set()
-    preempt = scheduler._preempt_request
-    with Swap() as swap:
-        swap.attr(scheduler, "_preempt_request", preempting)
-        swap.attr(connector, "build_connector_meta", watched)
-        swap.attr(scheduler.connector, "get_num_new_matched_tokens", external)
-        limit = 12 + 4 * sum(a.prompt + a.decode for a in w.asks) // max(w.budget, 1)
-        for step in range(1, limit + len(w.asks) * 8):
-            for i, (name, ask) in enumerate(asks.items()):
-                if ask.arrives == step:
-                    sampling = SamplingParams(max_tokens=ask.decode, ignore_eos=True)
-                    fields = dict(request_id=name, prompt_token_ids=ask.tokens(i))
-                    request = call_accepted(
-                        Request,
-                        sampling_params=sampling,
-                        pooling_params=None,
-                        block_hasher=hasher,
-                        **fields,
-                    )
-                    if ask.remote:
-                        params = kv_params("decode", f"t-w{i}")
-                        request.kv_transfer_params = {**params, "do_remote_prefill": False}
-                    scheduler.add_request(request)
-            output = scheduler.schedule()
-            ids = list(output.num_scheduled_tokens)
-            live = [scheduler.requests[r] for r in ids]
-            sampled = [[7] if r.num_computed_tokens >= r.num_tokens else [] for r in live]
-            done = {
-                r
-                for r, req in scheduler.requests.items()
-                if RequestStatus.is_finished(req.status) and r not in acked
-            }
-            acked |= done
-            ran: dict[str, Any] = dict(req_ids=ids, logprobs=None, prompt_logprobs_dict={})
-            ran.update(req_id_to_index={r: i for i, r in enumerate(ids)}, pooler_output=[])
-            if done:
-                ran["kv_connector_output"] = _kv_output(finished_sending=done)
-            model_output = call_accepted(ModelRunnerOutput, sampled_token_ids=sampled, **ran)
-            scheduler.update_from_output(output, model_output)
-            if all(a.arrives <= step for a in w.asks) and not scheduler.requests:
-                return seen, None
-            if all(a.arrives <= step for a in w.asks) and not ids and not done:
-                return seen, f"the scheduler stalled at step {step}"
-    return seen, f"not finished in {step} steps"
-
-
-def _kv_output(**fields: Any) -> Any:
-    outputs = importlib.import_module("vllm.v1.outputs")
-    return call_accepted(outputs.KVConnectorOutput, **fields)
-
-
-def _block_hasher(block: int) -> Any:
-    """The block hasher vLLM's engine gives each request, so shared prefixes hit the cache;
-    None where this release has none to give (its requests then hash themselves, or never)."""
-    utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
-    if not hasattr(utils, "get_request_block_hasher"):
-        return None
-    try:
-        sha256 = importlib.import_module("vllm.utils.hashing").sha256
-    except (ImportError, AttributeError):
-        sha256 = _sha256
-    utils.init_none_hash(sha256)
-    return utils.get_request_block_hasher(block, sha256)
-
-
-def _sha256(value: Any) -> bytes:
-    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
-
-
-def judge_workload(w: Workload, seen: dict[str, Seen], stall: str | None) -> list[str]:
-    """What the reference model says went wrong, per request (empty: all right)."""
-    wrong = []
-    for i, (ask, s) in enumerate(zip(w.asks, seen.values(), strict=True)):
-        steps = [st for st, _ in s.saves]
-        if not ask.remote:
-            if s.saves:
-                wrong.append(f"r{i} is not sent to a decode node but was saved at step(s) {steps}")
-            continue
-        if s.due is None:
-            if stall is None:
-                wrong.append(f"r{i} never computed its last prompt token (harness)")
-            continue
-        if steps != [s.due[0]]:
-            when = f"at step(s) {steps}" if steps else "never"
-            wrong.append(f"r{i} saved {when}, expected once at step {s.due[0]} ({_timeline(s)})")
-        elif s.saves[0][1] != s.due[1]:
-            sent, want = s.saves[0][1], s.due[1]
-            wrong.append(f"r{i} sent blocks {sent}, expected its own {want} ({_timeline(s)})")
-    if stall and not wrong:
-        wrong.append(stall)
-    return wrong
-
-
-def _timeline(s: Seen) -> str:
-    ran = ", ".join(f"step {st}: {before}+{n}" for st, before, n in s.ran)
-    pre = f"; preempted at step(s) {s.preempted}" if s.preempted else ""
-    return f"prompt {s.prompt}; computed+scheduled {ran}{pre}"
-
-
-# One simplification of a request at a time: no external tokens, no shared prefix, no delay.
-_PLAINER = (
-    lambda ask: replace(ask, external=0),
-    lambda ask: replace(ask, shared=0),
-    lambda ask: replace(ask, arrives=1),
-)
-
-
-def shrink(w: Workload, fails: Any) -> Workload:
-    """A smaller workload that still fails (`fails(w)` true), found deterministically: drop
-    requests, then drop each one's extras, then halve prompts; at most SHRINK_RUNS re-runs."""
-    runs = 0
-
-    def tries(candidate: Workload) -> bool:
-        nonlocal runs
-        if runs >= SHRINK_RUNS:
-            return False
-        runs += 1
-        return bool(fails(candidate))
-
-    def fit(asks: tuple[Ask, ...]) -> Workload:
-        need = max(-(-(a.prompt + a.decode) // w.block) for a in asks) + 1
-        return replace(w, seed=None, pool=max(w.pool, need), asks=asks)
-
-    i = len(w.asks) - 1
-    while i >= 0 and len(w.asks) > 1:
-        smaller = fit(w.asks[:i] + w.asks[i + 1 :])
-        if tries(smaller):
-            w = smaller
-        i -= 1
-    for i, ask in enumerate(w.asks):
-        for plainer in _PLAINER:
-            plain = plainer(ask)
-            if plain != ask:
-                simpler = fit((*w.asks[:i], plain, *w.asks[i + 1 :]))
-                if tries(simpler):
-                    w, ask = simpler, simpler.asks[i]
-    return w
-
-
-def probe_workloads(model_dir: str, checks: Checks, seeds: Any = range(WORKLOADS)) -> None:
-    """The oracle over workloads `seeds`: a check per workload; the first failing one shrunk."""
-    first: Workload | None = None
-    for seed in seeds:
-        w = generate(seed)
-        try:
-            seen, stall = run_workload(w, model_dir)
-        except Exception as exc:  # this release's Scheduler cannot be driven so: a failure
-            checks.fail(
-                f"workload seed {seed}: cannot drive this tree: {type(exc).__name__}: {exc}"
-            )
-            return
-        wrong = judge_workload(w, seen, stall)
-        pre = sum(len(s.preempted) for s in seen.values())
-        hits = sum(1 for s in seen.values() if s.ran and s.ran[0][1] > 0)
-        line = (
-            f"workload seed {seed} ({len(w.asks)} requests, {pre} preemption(s), {hits} starting "
-            f"with cached or external tokens): "
-        )
-        checks.record(
-            line + ("ok" if not wrong else "FAILED: " + "; ".join(wrong)),
-            not wrong,
-            f"workload seed {seed}: {wrong[0] if wrong else ''}"
-            + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""),
-        )
-        if wrong and first is None:
-            first = w
-    if first is not None:
-
-        def fails(c: Workload) -> bool:
-            return bool(judge_workload(c, *run_workload(c, model_dir)))
-
-        small = shrink(first, fails)
-        wrong = judge_workload(small, *run_workload(small, model_dir))
-        checks.fail(
-            f"smallest failing case of seed {first.seed}: {small.describe()} -> "
-            + "; ".join(wrong or ["(no longer fails)"])
-        )
-
-
-def workload_from(data: dict[str, Any]) -> Workload:
-    """A Workload from its `dataclasses.asdict` form (JSON)."""
-    asks = tuple(Ask(**ask) for ask in data["asks"])
-    return Workload(**{**data, "asks": asks})
-
-
-def serve_workloads(lines: Iterator[str], answer: Any) -> None:
-    """The oracle for a test driver (hypothesis draws the workloads, its own interpreter has
-    no vLLM): per JSON workload read from `lines`, `answer` gets the JSON list of what went
-    wrong. Runs under the same setting as the probe."""
-    mc = importlib.import_module(CONNECTOR)
-    with Swap() as swap, scheduler_setting(mc) as model:
-        swap.attr(mc, "get_role", lambda: mc.ROLE.PRODUCER)
-        for line in lines:
-            w = workload_from(json.loads(line))
-            answer(json.dumps(judge_workload(w, *run_workload(w, model))))

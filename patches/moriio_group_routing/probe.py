@@ -11,12 +11,8 @@ On upstream 0.31.0+ it checks the group split and, 0.33.0+, the MLA plan.
 from __future__ import annotations
 
 import importlib
-import json
-import random
-import threading
 import weakref
-from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from k3patch import probekit
@@ -24,9 +20,20 @@ from k3patch.patch import ProbeOutcome
 from k3patch.probekit import Checks, Stub, Swap, stand_in
 from k3patch.shapes import find_expressions
 
+from .batches import (
+    ATTENTION_LAYOUT,
+    K3_LAYOUT,
+    KIND_NAMES,
+    TWO_ATTENTION_LAYOUT,
+    TWO_GROUP_LAYOUT,
+    Route,
+    _layout,
+    listener,
+    probe_batches,
+    write_layers,
+)
 from .forms import FIELD_NAME
 from .standins import (
-    BLOCK_SIZE,
     COMMON,
     CONNECTOR,
     ENGINE,
@@ -39,33 +46,16 @@ from .standins import (
     kv_cache_config,
     kv_params,
     prefill_worker,
-    stub_kv_caches,
     stub_request,
     stub_vllm_config,
 )
 
 PATCH_ID = "moriio-group-routing"
 DECODE_OFFSET = 1000
-KIND_NAMES = {"mamba": "KDA", "mla": "MLA", "sliding": "sliding-window"}
-
-
-def _layout(*groups: tuple[str, tuple[int, ...]]) -> Layout:
-    suffix = {"mamba": "kda", "mla": "mla", "attention": "attn", "sliding": "swa"}
-    return tuple((k, tuple(f"model.layers.{n}.{suffix[k]}" for n in ns)) for k, ns in groups)
-
-
-# vLLM backs the j-th layer of every KDA group with one tensor: same-index KDA layers of different
-# groups have equal geometry.
-K3_LAYOUT = _layout(("mamba", (0, 4)), ("mamba", (1, 5)), ("mamba", (2, 6)), ("mla", (3, 7)))
-TWO_GROUP_LAYOUT = _layout(("attention", (0, 2)), ("mamba", (1, 3)))
-# No Mamba group: the fork's `[0]`/`[1]` choice sends a sliding-window group's layers to group 0.
-ATTENTION_LAYOUT = _layout(("attention", (0, 1)))
-TWO_ATTENTION_LAYOUT = _layout(("attention", (0, 2)), ("sliding", (1, 3)))
 # No attention group at all: MoRIIO WRITE has no group to route attention KV by.
 ALL_MAMBA_LAYOUT = _layout(("mamba", (0, 2)), ("mamba", (1, 3)))
 # Upstream's checks keep their own layer names and block numbers (group g's 10g+1, decode 100 more).
 UPSTREAM_LAYOUT = _layout(("mamba", (0, 3)), ("mamba", (1, 4)), ("mamba", (2, 5)), ("mla", (6, 7)))
-Route = tuple[list[int], list[int]]  # the block ids a layer's plan writes: (prefill, decode)
 # Per-request state the recipe's older scripts add and never remove (nor does k3patch: revert is
 # exact): a note on every fork tree; any other entry left behind is a failure.
 OLDER_SCRIPT_LEAKS = {
@@ -339,10 +329,7 @@ def drive_write(case: Case) -> Stub:
 
         # 3. Prefill node: the notify listener stores where decode wants the KV.
         common.set_role(common.ROLE.PRODUCER)
-        # `paths` is read when the worker is collected (its __del__ shuts it down).
-        wrapper = stand_in(engine.MoRIIOWrapper, lock=threading.Lock(), paths={}, done_req_ids=[])
-        wrapper._terminal_transfer_ids, wrapper.done_remote_allocate_req_dict = OrderedDict(), {}
-        wrapper.done_write_cache_req_ids = []
+        wrapper = listener(engine)
         if case.one_sided == UNFIXED_DECODE:  # the keys of the unfixed fork's send_notify_block
             lists = case.decode_blocks()
             fork: dict[str, Any] = dict(req_id="req-decode", transfer_id=TRANSFER_ID, decode_rank=0)
@@ -350,47 +337,25 @@ def drive_write(case: Case) -> Stub:
             fork["mamba_block_notify_list"] = lists[1] if len(lists) > 1 else []
             notified[0] = engine.msgpack.dumps(fork)
         _, drive.refused = probekit.attempt(wrapper._handle_message, notified[0])
-        request_info = wrapper.done_remote_allocate_req_dict.get(TRANSFER_ID)
-        if request_info is None:
+        info = wrapper.done_remote_allocate_req_dict.get(TRANSFER_ID)
+        if info is None:
             drive.refused = drive.refused or "no remote allocation stored"
             return drive
 
         if case.one_sided == UNFIXED_PREFILL and hasattr(meta, FIELD_NAME):
             setattr(meta, FIELD_NAME, None)  # where the tree has per-group lists, none sent
 
-        # 4. Prefill worker: its own layer maps, then a write task per layer.
-        worker = prefill_worker(connector, case.layout)
-        layers = [name for _, names in case.layout for name in names]
-        tasks: list[Any] = []
-        offsets = probekit.Calls(
-            lambda layer, local, remote, *a, **k: (list(local), list(remote), [1] * len(local))
-        )
-        vars(worker).update(
-            kv_caches=stub_kv_caches(case.layout),
-            layer_name_to_local_kv_cache_metadata={name: [b""] for name in layers},
-            moriio_wrapper=wrapper,
-            _writer=Stub(schedule_write=tasks.append),
-            _compute_block_transfer_offsets=offsets,
-        )
-        with Swap() as cuda:
-            if "torch" in vars(connector):  # schedule_write_blocks records a CUDA event
-                event = Stub(record=lambda *a: None, synchronize=lambda: None)
-                stream = Stub(current_stream=lambda: None, Event=lambda *a, **k: event)
-                cuda.attr(connector, "torch", Stub(cuda=stream))
-            for name in layers:
-                worker._write_blocks_for_req(request.request_id, meta, name, None)
-
-        # 5. The writer's plan for every layer.
-        writer = stand_in(engine.MoRIIOWriter, _worker_ref=weakref.ref(worker))
+        # 4. Prefill worker: its own layer maps, a write task per layer; 5. the writer's plans.
+        at = write_layers(connector, engine, case.layout, wrapper, [(request.request_id, meta)])
         peer = Stub(engine_id="decode", num_blocks=4096, block_len=1, kv_caches_base_addr=[0])
         plan: Any
-        for task in tasks:
-            plan, error = probekit.attempt(writer._prepare_transfer_plan, task, request_info, peer)
+        for task in at.tasks:
+            plan, error = probekit.attempt(at.writer._prepare_transfer_plan, task, info, peer)
             if error is not None:
                 drive.errors[task.layer_name] = error
                 continue
             ids = plan.transfer_local_offsets
-            by = next((args[0] for args, _, answer in offsets.calls if answer[0] is ids), None)
+            by = next((args[0] for args, _, answer in at.offsets.calls if answer[0] is ids), None)
             drive.routes[task.layer_name] = ((list(ids), list(plan.transfer_remote_offsets)), by)
     return drive
 
@@ -461,236 +426,3 @@ def probe_upstream(connector: Any) -> ProbeOutcome:
         checks.record(line, got == want, f"{line}, expected local {want[0]} remote {want[1]}")
     checks.note("KDA layers take upstream's separate Mamba plan (not exercised here)")
     return checks.outcome(holds=holds, broken="{failures}")
-
-
-# ---------------------------------------------------------------------------------------------
-# The oracle over generated batches: several requests share one prefill scheduler, one decode
-# scheduler, one notify listener and one prefill worker, their chunks run side by side. The
-# reference model: every layer of every request writes, from that request's own blocks of the
-# layer's KV-cache group as allocated up to the step its save left, into that request's own
-# decode blocks of the same group. Request k's prefill block of group g at chunk c is
-# 10000 * (k + 1) + 100 * (g + 1) + c, its decode block BATCH_DECODE more. Seeded
-# standard-library `random`: a failing seed is the same batch on every machine.
-BATCHES = 12  # seeds 0..BATCHES-1 in verify
-BATCH_DECODE = 5000
-LAYOUTS = {
-    "K3": K3_LAYOUT,
-    "two-group": TWO_GROUP_LAYOUT,
-    "attention only": ATTENTION_LAYOUT,
-    "two attention groups": TWO_ATTENTION_LAYOUT,
-}
-
-
-@dataclass(frozen=True)
-class Batch:
-    """`layout` (a LAYOUTS key); the kinds whose groups gain a block at every later chunk; per
-    request its prefill chunks (tokens each)."""
-
-    seed: int | None
-    layout: str
-    growing: tuple[str, ...]
-    chunks: tuple[tuple[int, ...], ...]
-
-    def prefill_blocks(self, k: int, upto: int | None = None) -> list[list[int]]:
-        last = len(self.chunks[k]) if upto is None else upto
-        return [
-            [10000 * (k + 1) + 100 * (g + 1) + c for c in range(1, last + 1)]
-            if kind in self.growing
-            else [10000 * (k + 1) + 100 * (g + 1) + 1]
-            for g, (kind, _) in enumerate(LAYOUTS[self.layout])
-        ]
-
-    def step_blocks(self, k: int, step: int) -> list[list[int]]:
-        """Request k's new blocks per group at `step` (0-based)."""
-        return [
-            [10000 * (k + 1) + 100 * (g + 1) + step + 1]
-            if step == 0 or kind in self.growing
-            else []
-            for g, (kind, _) in enumerate(LAYOUTS[self.layout])
-        ]
-
-    def describe(self) -> str:
-        grows = ", ".join(self.growing) or "none"
-        asks = "; ".join(f"r{k}: chunks {list(c)}" for k, c in enumerate(self.chunks))
-        return f"{self.layout} layout, growing {grows}; {asks}"
-
-
-def generate_batch(seed: int) -> Batch:
-    rng = random.Random(seed)
-    layout = rng.choice(sorted(LAYOUTS))
-    kinds = sorted({kind for kind, _ in LAYOUTS[layout]})
-    growing = tuple(k for k in kinds if rng.random() < 0.6)
-    chunks = tuple(
-        tuple(rng.randint(1, BLOCK_SIZE) for _ in range(rng.randint(1, 4)))
-        for _ in range(rng.randint(2, 4))
-    )
-    return Batch(seed, layout, growing, chunks)
-
-
-def drive_batch(batch: Batch) -> tuple[dict[tuple[int, str], Route | str], list[int | None]]:
-    """The batch through the tree's WRITE path: per (request, layer) the route its plan writes
-    or its error; per request the step (from 1) its save left, None: never."""
-    common, connector, engine = map(importlib.import_module, (COMMON, CONNECTOR, ENGINE))
-    layout = LAYOUTS[batch.layout]
-    routes: dict[tuple[int, str], Route | str] = {}
-    with Swap() as swap:
-        swap.on_exit(common.set_role, common.get_role())
-        prefill = connector.MoRIIOConnectorScheduler(stub_vllm_config("kv_producer"), "prefill")
-        requests = [
-            stub_request(f"req-p{k}", sum(c), kv_params("decode", f"tx-{k}"))
-            for k, c in enumerate(batch.chunks)
-        ]
-        plans = [
-            (r, [(t, batch.step_blocks(k, s)) for s, t in enumerate(batch.chunks[k])])
-            for k, r in enumerate(requests)
-        ]
-        sent = drive_prefill(prefill, plans)
-        saves = [
-            next((s for s, saved in enumerate(sent, 1) if r.request_id in saved), None)
-            for r in requests
-        ]
-        metas = [
-            sent[s - 1][r.request_id] if s else None for r, s in zip(requests, saves, strict=True)
-        ]
-
-        decode = connector.MoRIIOConnectorScheduler(stub_vllm_config("kv_consumer"), "decode")
-        notified: list[bytes] = []
-        decode.paths = probekit.Always(Stub(send=notified.append))
-        for k, chunks in enumerate(batch.chunks):
-            d = stub_request(f"req-d{k}", sum(chunks), kv_params("prefill", f"tx-{k}"))
-            blocks = [[b + BATCH_DECODE for b in g] for g in batch.prefill_blocks(k)]
-            decode.update_state_after_alloc(d, block_ids(blocks), sum(chunks))
-
-        common.set_role(common.ROLE.PRODUCER)
-        wrapper = stand_in(engine.MoRIIOWrapper, lock=threading.Lock(), paths={}, done_req_ids=[])
-        wrapper._terminal_transfer_ids, wrapper.done_remote_allocate_req_dict = OrderedDict(), {}
-        wrapper.done_write_cache_req_ids = []
-        for message in notified:
-            wrapper._handle_message(message)
-        infos = wrapper.done_remote_allocate_req_dict
-
-        worker = prefill_worker(connector, layout)
-        layers = [name for _, names in layout for name in names]
-        tasks: list[Any] = []
-        offsets = probekit.Calls(
-            lambda layer, local, remote, *a, **k: (list(local), list(remote), [1] * len(local))
-        )
-        vars(worker).update(
-            kv_caches=stub_kv_caches(layout),
-            layer_name_to_local_kv_cache_metadata={name: [b""] for name in layers},
-            moriio_wrapper=wrapper,
-            _writer=Stub(schedule_write=tasks.append),
-            _compute_block_transfer_offsets=offsets,
-        )
-        with Swap() as cuda:
-            if "torch" in vars(connector):
-                event = Stub(record=lambda *a: None, synchronize=lambda: None)
-                stream = Stub(current_stream=lambda: None, Event=lambda *a, **k: event)
-                cuda.attr(connector, "torch", Stub(cuda=stream))
-            for name in layers:  # as the forward pass runs: layer by layer over the batch
-                for k, meta in enumerate(metas):
-                    if meta is not None:
-                        worker._write_blocks_for_req(requests[k].request_id, meta, name, None)
-        writer = stand_in(engine.MoRIIOWriter, _worker_ref=weakref.ref(worker))
-        peer = Stub(engine_id="decode", num_blocks=1 << 20, block_len=1, kv_caches_base_addr=[0])
-        for task in tasks:
-            k = int(str(task.transfer_id).rsplit("-", 1)[1])
-            info = infos.get(task.transfer_id)
-            if info is None:
-                routes[k, task.layer_name] = "no remote allocation stored"
-                continue
-            plan: Any
-            plan, error = probekit.attempt(writer._prepare_transfer_plan, task, info, peer)
-            if error is not None:
-                routes[k, task.layer_name] = error
-                continue
-            routes[k, task.layer_name] = (
-                list(plan.transfer_local_offsets),
-                list(plan.transfer_remote_offsets),
-            )
-    return routes, saves
-
-
-def judge_batch(
-    batch: Batch, routes: dict[tuple[int, str], Route | str], saves: list[int | None]
-) -> list[str]:
-    """What the reference model says went wrong (empty: all right)."""
-    wrong = []
-    for k, save in enumerate(saves):
-        if save is None:
-            continue  # held by a chunk gate: moriio-chunk-gate's question, not routing's
-        local = batch.prefill_blocks(k, save)
-        for g, (kind, names) in enumerate(LAYOUTS[batch.layout]):
-            want = (local[g], [b + BATCH_DECODE for b in batch.prefill_blocks(k)[g]])
-            for name in names:
-                got = routes.get((k, name), "no transfer planned")
-                if got != want:
-                    what = f"{KIND_NAMES.get(kind, kind)} group {g}, saved at chunk {save}"
-                    head = f"r{k} {name} ({what})"
-                    if isinstance(got, str):
-                        wrong.append(f"{head}: {got}")
-                    else:
-                        wrong.append(
-                            f"{head}: local {got[0]} -> remote {got[1]}, expected local "
-                            f"{want[0]} -> remote {want[1]}"
-                        )
-    return wrong
-
-
-def probe_batches(checks: Checks, seeds: Any = range(BATCHES)) -> None:
-    """A check per generated batch; the first failing one shrunk (requests dropped, chunks cut)."""
-    first: Batch | None = None
-    for seed in seeds:
-        batch = generate_batch(seed)
-        try:
-            wrong = judge_batch(batch, *drive_batch(batch))
-        except ProbeSetupError as exc:
-            checks.fail(f"batch seed {seed}: cannot drive this tree: {exc}")
-            return
-        line = f"batch seed {seed} ({batch.describe()}): "
-        checks.record(
-            line + ("ok" if not wrong else "FAILED: " + "; ".join(wrong)),
-            not wrong,
-            f"batch seed {seed}: {wrong[0] if wrong else ''}"
-            + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""),
-        )
-        if wrong and first is None:
-            first = batch
-    if first is not None:
-        small = shrink_batch(first)
-        wrong = judge_batch(small, *drive_batch(small))
-        checks.fail(
-            f"smallest failing batch of seed {first.seed}: {small.describe()} -> {wrong[0]}"
-        )
-
-
-def shrink_batch(batch: Batch) -> Batch:
-    """Deterministic: drop requests, then each request's later chunks, while it still fails."""
-
-    def fails(b: Batch) -> bool:
-        return bool(judge_batch(b, *drive_batch(b)))
-
-    k = len(batch.chunks) - 1
-    while k >= 0 and len(batch.chunks) > 1:
-        smaller = replace(batch, seed=None, chunks=batch.chunks[:k] + batch.chunks[k + 1 :])
-        if fails(smaller):
-            batch = smaller
-        k -= 1
-    for k in range(len(batch.chunks)):
-        while len(batch.chunks[k]) > 1:
-            cut = (*batch.chunks[:k], batch.chunks[k][:-1], *batch.chunks[k + 1 :])
-            if not fails(replace(batch, seed=None, chunks=cut)):
-                break
-            batch = replace(batch, seed=None, chunks=cut)
-    return batch
-
-
-def serve_batches(lines: Any, answer: Any) -> None:
-    """The batch oracle for a test driver (hypothesis draws the batches): per JSON batch read
-    from `lines`, `answer` gets the JSON list of what went wrong."""
-    importlib.import_module(CONNECTOR)
-    for line in lines:
-        data = json.loads(line)
-        data["chunks"] = tuple(tuple(c) for c in data["chunks"])
-        batch = Batch(**{**data, "growing": tuple(data["growing"])})
-        answer(json.dumps(judge_batch(batch, *drive_batch(batch))))
