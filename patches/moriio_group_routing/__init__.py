@@ -6,8 +6,8 @@ groups, `[0]` attention and `[1]` Mamba; K3 has three KDA (Mamba) groups, then M
 MLA layers were written into a KDA group's blocks, and 0.28.0's offsets cache, keyed by tensor
 geometry that K3's KDA groups share, misroutes any per-group choice made inside it. Fix: every
 group's block ids travel end to end (FORK_SITES, one site per hop); the transfer plan indexes them
-with the layer's group and caches offsets per layer; a peer without them fails loudly. Check:
-`k3patch verify` drives the patched WRITE path on CPU with K3's layout (probe.py).
+with the layer's group and caches offsets per group and geometry; a peer without them fails
+loudly. Check: `k3patch verify` drives the patched WRITE path on CPU with K3's layout (probe.py).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ FORK_SITES = (
     in_engine(
         "MoRIIOWriter._prepare_transfer_plan",
         "each layer's transfer indexes the per-group lists with the layer's own group, and its "
-        "offsets are cached per layer",
+        "offsets are cached per group and tensor geometry",
         Plan(),
         needs=(
             "MoRIIOError bound in moriio_engine",

@@ -239,7 +239,8 @@ def _is_debug_block(imp: ast.stmt, gate: ast.stmt) -> bool:
 def _regions(fn: ast.FunctionDef) -> list[tuple[str, list[ast.stmt], bool]]:
     """Each known region: (its form "k3patch"/"fork"/"legacy", its statements, has K3_MAMBA_BC)."""
     found = []
-    for (kind, debug), pattern in {("k3patch", False): forms.K3PATCH_PLAN, **forms.PLANS}.items():
+    ours = {("k3patch", False): forms.K3PATCH_PLAN, ("per-layer", False): forms.PER_LAYER_PLAN}
+    for (kind, debug), pattern in {**ours, **forms.PLANS}.items():
         for block, i, holes in search(pattern, fn):
             if not debug or _is_debug_block(holes["HOLE_debug_import"], holes["HOLE_debug_gate"]):
                 found.append((kind, block[i : i + len(parse_pattern(pattern))], debug))
@@ -265,8 +266,8 @@ class Plan(Part):
             return drift(why, clip_lines(src.segment(node), 60), expected, node.lineno)
         kind, stmts, debug = found[0]
         goes = f"; {forms.DEBUG_GOES}" if debug else ""
-        if kind == "k3patch":
-            return Look(APPLIED, stmts[0].lineno)
+        if kind in ("k3patch", "per-layer"):
+            return Look(APPLIED, stmts[0].lineno, why=forms.PER_LAYER_NOTE * (kind == "per-layer"))
         if kind == "fork":
             return Look(PENDING, stmts[0].lineno, why=forms.FORK_DEFECT + goes)
         why = f"the older k3-group-routing fix: {forms.GEOMETRY_DEFECT}; {forms.LEGACY_CAVEATS}"
@@ -323,12 +324,14 @@ class Site:
         line = next((look.line for _, look in looks if look.line), None)
         if verdict is DRIFTED:
             return next(look for _, look in looks if look.verdict is DRIFTED), evidence
+        # An applied site's notes are its applied parts' (a note on the older fix is moot).
+        notes = [k.why for _, k in looks if k.why and (verdict is PENDING or k.verdict is APPLIED)]
+        why = "; ".join((self.what, *notes))
         if verdict is APPLIED:
-            return Look(APPLIED, line, why=self.what, shape="k3patch"), evidence
+            return Look(APPLIED, line, why=why, shape="k3patch"), evidence
         if verdict is PENDING:
-            notes = [look.why for _, look in looks if look.why]
             shape = next((look.shape for _, look in looks if look.shape), forms.FORK_SHAPE)
-            return Look(PENDING, line, why="; ".join((self.what, *notes)), shape=shape), evidence
+            return Look(PENDING, line, why=why, shape=shape), evidence
         why = "partly in k3patch's shape, partly in the fork's: edited by hand?"
         return drift(why, line=line), evidence
 
