@@ -111,14 +111,10 @@ if offsets is None:
     request_info.transfer_offsets[geometry_key] = offsets
 """
 
-# k3patch's first plan, on operators' trees, keyed its offsets by layer: the same transfers (a
-# layer's offsets follow from its group's block ids and spec and its tensor's geometry), each
-# computed again for every layer of a request. It reads applied (benchmarks/RESULTS.md).
+# k3patch's first plan, on operators' trees, cached offsets per layer: the same transfers (they
+# follow from the group's block ids and spec and the tensor's geometry); reads applied.
 PER_LAYER_PLAN = K3PATCH_PLAN.replace("(_k3patch_group, *", "(task.layer_name, *")
-PER_LAYER_NOTE = (
-    "k3patch's first plan: offsets cached per layer, the same transfers as per group and "
-    "geometry, computed for every layer (apply leaves it)"
-)
+PER_LAYER_NOTE = "k3patch's first plan: offsets cached per layer (the same transfers, more work)"
 
 # The fork's statements (apply_kimik3_moriio_mamba_blockids.py on 0.28.0) k3patch anchors on.
 FORK_FIELDS = {
