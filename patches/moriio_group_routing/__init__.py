@@ -72,8 +72,9 @@ def _is_debug_block(imp: ast.stmt, gate: ast.stmt) -> bool:
 def _regions(fn: ast.FunctionDef) -> list[tuple[str, list[ast.stmt], bool]]:
     """Each known region: (its form "k3patch"/"fork"/"legacy", its statements, has K3_MAMBA_BC)."""
     found = []
-    ours = {("k3patch", False): forms.K3PATCH_PLAN, ("per-layer", False): forms.PER_LAYER_PLAN}
-    for (kind, debug), pattern in {**ours, **forms.PLANS}.items():
+    # By pattern: where k3patch's plan has no per-layer key to swap (a mutant's), it is one form.
+    ours = {forms.PER_LAYER_PLAN: ("per-layer", False), forms.K3PATCH_PLAN: ("k3patch", False)}
+    for pattern, (kind, debug) in {**ours, **{v: k for k, v in forms.PLANS.items()}}.items():
         for block, i, holes in search(pattern, fn):
             if not debug or _is_debug_block(holes["HOLE_debug_import"], holes["HOLE_debug_gate"]):
                 found.append((kind, block[i : i + len(parse_pattern(pattern))], debug))
