@@ -19,7 +19,6 @@ from k3patch.patches.moriio_chunk_gate.names import (
     unbound_names,
     unset_attributes,
 )
-from k3patch.patches.moriio_group_routing.sites import clip_lines, combined_verdict, named_items
 
 from k3patch.astkit import (
     attribute_owner,
@@ -34,6 +33,7 @@ from k3patch.astkit import (
 )
 from k3patch.fingerprints import Shape
 from k3patch.shapes import VersionRange, match
+from k3patch.sitemodel import clip_lines, combined_verdict, named_items
 from k3patch.verdicts import Verdict
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ast
 import difflib
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -18,11 +20,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, sites_of, slow_after, status_json, tree_hashes
+from conftest import ROOT, run_cli, sites_of, slow_after, status_json, tree_hashes
 from cycle import assert_full_cycle
 from patch_table import Change, assert_rewrite, assert_sites, assert_untouched, changes
 
-from k3patch.registry import all_patches
+import k3patch
+from k3patch.registry import all_patches, patches_dir
 
 pytestmark = pytest.mark.wheel
 
@@ -278,10 +281,10 @@ POST_IMAGE = [
 """),
         added=lines("""\
     # k3patch moriio-group-routing: each layer's KV goes to its own KV-cache
-    # group's blocks on both nodes (K3: KDA groups 0-2, MLA group 3), and its
-    # offsets are cached per layer: K3's KDA groups share one tensor geometry
-    # but not their block ids. Without per-group ids (a peer that lacks this
-    # fix) the write fails, never guesses.
+    # group's blocks on both nodes (K3: KDA groups 0-2, MLA group 3). Offsets
+    # are cached per group and tensor geometry: K3's KDA groups share one
+    # geometry but not their block ids. Without per-group ids (a peer that
+    # lacks this fix) the write fails, never guesses.
     _k3patch_local = task.k3patch_group_block_ids
     _k3patch_remote = request_info.k3patch_group_block_ids
     if _k3patch_local is None or _k3patch_remote is None:
@@ -291,7 +294,7 @@ POST_IMAGE = [
             + "; both nodes need k3patch moriio-group-routing"
         )
     _k3patch_group = self.worker._k3patch_group_of_layer[task.layer_name]
-    geometry_key = (task.layer_name, *_get_write_geometry_key(layer_cache))
+    geometry_key = (_k3patch_group, *_get_write_geometry_key(layer_cache))
     offsets = request_info.transfer_offsets.get(geometry_key)
     if offsets is None:
         offsets = self.worker._compute_block_transfer_offsets(
@@ -444,11 +447,11 @@ def test_apply_from_every_state_then_again_then_revert(fork_tree, name):
 
 
 @pytest.mark.parametrize("name", slow_after(["a", "a-nodebug", "c", "d"]))
-def test_the_plan_becomes_k3patchs_form_with_offsets_cached_per_layer(fork_tree, name):
+def test_the_plan_becomes_k3patchs_form_with_offsets_cached_per_group(fork_tree, name):
     _tree, before, after = applied(fork_tree, name)
     fn = plan_function(after[ENGINE])
     source = ast.unparse(fn)
-    assert "geometry_key = (task.layer_name, *_get_write_geometry_key(layer_cache))" in source
+    assert "geometry_key = (_k3patch_group, *_get_write_geometry_key(layer_cache))" in source
     assert "self.worker._k3patch_group_of_layer[task.layer_name]" in source
     # Nothing of the old choice (fork or older fix) or of its debug block is left, and nothing
     # falls back: no try, no getattr default, no group 0.
@@ -752,3 +755,121 @@ def test_the_mamba_blockids_script_half_done_on_029_is_drift_not_upstream(make_t
     assert set(by_file) == {ENGINE[5:]}
     assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 1
     assert tree_hashes(tree) == before
+
+
+# --------------------------------------------------------------------------------------------
+# The offsets cache: per KV-cache group and tensor geometry (issue 28 item 4). k3patch's first
+# post-image keyed it per layer; operators' trees carry that form.
+
+GROUP_KEY = "geometry_key = (_k3patch_group, *_get_write_geometry_key(layer_cache))"
+LAYER_KEY = "geometry_key = (task.layer_name, *_get_write_geometry_key(layer_cache))"
+# The commit before the key changed: its k3patch wrote the per-layer form.
+PER_LAYER_RELEASE = "1bdcf73c38c421a482aabf47a1ad56975c5fb752"
+SENDS_CHILD = """
+import json, sys, types
+sys.path.insert(0, sys.argv[1])
+for name, where in (("k3patch", sys.argv[2]), ("k3patch.patches", sys.argv[3])):
+    module = types.ModuleType(name)
+    module.__path__ = [where]
+    sys.modules[name] = module
+from k3patch import probekit
+from k3patch.patches.moriio_group_routing import probe
+made = []
+class Counted(probekit.Calls):
+    def __init__(self, answer):
+        super().__init__(answer)
+        made.append(self)
+probekit.Calls = Counted
+for seed in range(int(sys.argv[4])):
+    made.clear()
+    batch = probe.generate_batch(seed)
+    routes, saves = probe.drive_batch(batch)
+    print("K3PATCH-SENDS " + json.dumps(dict(
+        seed=seed, layout=batch.layout, saves=saves,
+        routes=sorted([k, name, route] for (k, name), route in routes.items()),
+        wrong=probe.judge_batch(batch, routes, saves),
+        calls=sum(len(c.calls) for c in made))))
+"""
+
+
+def test_offsets_per_group_and_geometry_send_what_per_layer_sent(fork_tree, verify_python):
+    # The oracle (verify's batch probe: several requests share one prefill scheduler, decode
+    # scheduler, notify listener and worker, their chunks side by side) drives the tree's real
+    # plan on the same generated batches twice: keyed per group (today's post-image) and per
+    # layer (the first). Every (request, layer) route (the blocks written, local and remote)
+    # and every save's step must be equal, the reference model must find nothing wrong in
+    # either, and per request the offsets are computed once per group (the probe's tensors:
+    # one geometry per group) instead of once per layer.
+    tree = fork_tree("a", full=True)
+    assert run_cli("apply", "--vllm", str(tree), *ONLY).returncode == 0
+    per_layer = tree.parent / "per-layer"
+    shutil.copytree(tree, per_layer)
+    engine = (tree / ENGINE).read_text()
+    assert engine.count(GROUP_KEY) == 1
+    (per_layer / ENGINE).write_text(engine.replace(GROUP_KEY, LAYER_KEY))
+    seeds, runs = 40, {}
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
+    for label, site in (("group", tree), ("per-layer", per_layer)):
+        args = [str(site), str(Path(k3patch.__file__).parent), str(patches_dir()), str(seeds)]
+        proc = subprocess.run(
+            [verify_python, "-c", SENDS_CHILD, *args], capture_output=True, text=True, env=env
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found = [
+            line.split(" ", 1)[1] for line in proc.stdout.splitlines() if "K3PATCH-SENDS " in line
+        ]
+        runs[label] = [json.loads(line) for line in found]
+    group, layer = runs["group"], runs["per-layer"]
+    assert len(group) == len(layer) == seeds
+    layouts = {"K3": 4, "two-group": 2, "attention only": 1, "two attention groups": 2}
+    for g, p in zip(group, layer, strict=True):
+        assert g["wrong"] == p["wrong"] == [], (g["seed"], g["wrong"], p["wrong"])
+        assert (g["saves"], g["routes"]) == (p["saves"], p["routes"]), g["seed"]
+        requests = sum(1 for s in g["saves"] if s is not None)
+        layers = sum(1 for _k, _name, _route in p["routes"])
+        assert p["calls"] == layers, p["seed"]
+        assert g["calls"] == requests * layouts[g["layout"]], (g["seed"], g["calls"])
+    assert {g["layout"] for g in group} == set(layouts)
+    assert sum(p["calls"] - g["calls"] for g, p in zip(group, layer, strict=True)) > 0
+
+
+@pytest.mark.parametrize("name", slow_after(["a", "c", "d"]))
+def test_a_tree_the_first_release_applied_reads_applied_and_reverts_exact(
+    fork_tree, tmp_path, name
+):
+    # An operator's fleet has trees patched by the k3patch that keyed offsets per layer. Those
+    # route the same (the oracle test above): they read applied, with a note, apply leaves every
+    # byte, and revert (from that release's record) gives back the pristine files.
+    if subprocess.run(["git", "cat-file", "-e", PER_LAYER_RELEASE], cwd=ROOT).returncode:
+        pytest.skip(f"this checkout's history lacks {PER_LAYER_RELEASE[:7]} (a shallow clone)")
+    archive = subprocess.run(
+        ["git", "archive", PER_LAYER_RELEASE, "k3patch", "patches"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout
+    src = tmp_path / "release"
+    src.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    lib = tmp_path / "lib"
+    shutil.copytree(src / "k3patch", lib / "k3patch")
+    shutil.copytree(src / "patches", lib / "k3patch" / "patches", dirs_exist_ok=True)
+    tree = fork_tree(name)
+    pristine = tree_hashes(tree)
+    # From `lib`, so that `-m k3patch` finds that release, not the installed one.
+    old = run_cli("apply", "--vllm", str(tree), *ONLY, env={"PYTHONPATH": str(lib)}, cwd=lib)
+    assert old.returncode == 0, old.stdout + old.stderr
+    assert LAYER_KEY in (tree / ENGINE).read_text()
+    written = source_hashes(tree)
+    data = status_json(tree, *ONLY)
+    patch = patch_of(data)
+    assert (data["_rc"], patch["verdict"]) == (0, "applied"), patch
+    plan = next(s for s in patch["sites"] if s["site"] == PLAN)
+    assert plan["shape"] == "k3patch"
+    assert "offsets cached per layer" in plan["detail"], plan["detail"]
+    again = run_cli("apply", "--vllm", str(tree), *ONLY)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert source_hashes(tree) == written, "apply rewrote the first release's plan"
+    back = run_cli("revert", "--vllm", str(tree))
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert tree_hashes(tree) == pristine, "revert is not byte-identical"

@@ -6,40 +6,32 @@ groups, `[0]` attention and `[1]` Mamba; K3 has three KDA (Mamba) groups, then M
 MLA layers were written into a KDA group's blocks, and 0.28.0's offsets cache, keyed by tensor
 geometry that K3's KDA groups share, misroutes any per-group choice made inside it. Fix: every
 group's block ids travel end to end (FORK_SITES, one site per hop); the transfer plan indexes them
-with the layer's group and caches offsets per layer; a peer without them fails loudly. Check:
-`k3patch verify` drives the patched WRITE path on CPU with K3's layout (probe.py).
+with the layer's group and caches offsets per group and geometry; a peer without them fails
+loudly. Check: `k3patch verify` drives the patched WRITE path on CPU with K3's layout (probe.py).
 """
 
 from __future__ import annotations
 
+import ast
 import re
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
-from k3patch import astkit
+from k3patch import astkit, sitemodel
+from k3patch.fingerprints import dedent
 from k3patch.patch import Patch, ProbeOutcome
-from k3patch.shapes import match
-from k3patch.sources import Sources
+from k3patch.shapes import match, parse_pattern, search
+from k3patch.sitemodel import Function, Insert, Item, Look, Part, Site, drift, takes
+from k3patch.sources import SourceFile, Sources
 from k3patch.verdicts import SiteResult, Verdict
 
 from . import forms
-from .forms import FIELD_NAME, FORK_FIELDS
-from .sites import (
-    Function,
-    Insert,
-    Item,
-    LegacyGrowth,
-    Plan,
-    Site,
-    clip_lines,
-    combined_verdict,
-    keyword,
-    takes,
-)
+from .forms import FIELD_COMMENT, FIELD_NAME, FORK_FIELDS
 from .upstream import NATIVE_SHAPES, SINGLE_GROUP_SHAPE
 
 if TYPE_CHECKING:
-    from k3patch.codemod import Codemods
+    from k3patch.codemod import Codemod, Codemods
 
 # Plain constants: the no-op path reads `files` from this text without importing it.
 COMMON = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_common.py"
@@ -58,23 +50,104 @@ def _mentions(text: str) -> bool:
     return any(word in text for word in _WORDS) and _MENTIONS.search(text) is not None
 
 
+def keyword(callee: str, added: str) -> Item:
+    """k3patch's keyword argument `added` beside the fork's (forms.FORK_KEYWORDS) to `callee`."""
+    return Item("keyword", forms.FORK_KEYWORDS[callee], added, callee)
+
+
+def _is_debug_block(imp: ast.stmt, gate: ast.stmt) -> bool:
+    """`import os as X` + `if X.environ.get('K3_MAMBA_BC', '0') == '1': ...` that only logs:
+    no else branch, and nothing bound that the offsets call or the cache store reads."""
+    alias = imp.names[0] if isinstance(imp, ast.Import) and len(imp.names) == 1 else None
+    if alias is None or alias.name != "os" or not alias.asname:
+        return False
+    if not isinstance(gate, ast.If) or gate.orelse:
+        return False
+    bound = astkit.stored_names([gate]) | astkit.imported_names(gate)
+    read_later = {"offsets", "geometry_key", "_k3_local", "_k3_remote", "task", "request_info"}
+    test = forms.DEBUG_TEST.format(alias=alias.asname)
+    return match(test, gate.test) is not None and not bound & read_later
+
+
+def _regions(fn: ast.FunctionDef) -> list[tuple[str, list[ast.stmt], bool]]:
+    """Each known region: (its form "k3patch"/"fork"/"legacy", its statements, has K3_MAMBA_BC)."""
+    found = []
+    # By pattern: where k3patch's plan has no per-layer key to swap (a mutant's), it is one form.
+    ours = {forms.PER_LAYER_PLAN: ("per-layer", False), forms.K3PATCH_PLAN: ("k3patch", False)}
+    for pattern, (kind, debug) in {**ours, **{v: k for k, v in forms.PLANS.items()}}.items():
+        for block, i, holes in search(pattern, fn):
+            if not debug or _is_debug_block(holes["HOLE_debug_import"], holes["HOLE_debug_gate"]):
+                found.append((kind, block[i : i + len(parse_pattern(pattern))], debug))
+    return found
+
+
+@dataclass(frozen=True)
+class Plan(Part):
+    """The per-layer choice of block ids and the offsets cache in the transfer plan."""
+
+    evidence = True
+
+    def look(self, src: SourceFile, node: ast.FunctionDef, scope: str) -> Look:
+        found = _regions(node)
+        if len(found) != 1:
+            why = f"{scope}: the per-layer block-id choice is in no known shape"
+            expected = (
+                f"fork: {forms.PLANS['fork', True]}",
+                f"older k3-group-routing fix: {forms.PLANS['legacy', True]}",
+                f"k3patch: {dedent(forms.K3PATCH_PLAN)}",
+            )
+            why += f" ({len(found)} candidate regions)" if found else ""
+            return drift(why, sitemodel.clip_lines(src.segment(node), 60), expected, node.lineno)
+        kind, stmts, debug = found[0]
+        goes, line = f"; {forms.DEBUG_GOES}" * debug, stmts[0].lineno
+        if kind in ("k3patch", "per-layer"):
+            return Look(Verdict.APPLIED, line, why=forms.PER_LAYER_NOTE * (kind == "per-layer"))
+        if kind == "fork":
+            return Look(Verdict.PENDING, line, why=forms.FORK_DEFECT + goes)
+        why = f"the older k3-group-routing fix: {forms.GEOMETRY_DEFECT}; {forms.LEGACY_CAVEATS}"
+        why += f"; {forms.LEGACY_DEBUG_DEFECT}{goes}" if debug else ""
+        return Look(Verdict.PENDING, line, why=why, shape=forms.LEGACY_SHAPE)
+
+    def rewrite(self, src: SourceFile, file: Codemod, node: ast.FunctionDef) -> None:
+        file.replace(_regions(node)[0][1], forms.K3PATCH_PLAN)
+
+
+@dataclass(frozen=True)
+class LegacyGrowth(Part):
+    """No opinion; a note on the older fix's capture (in `capture_in`) and its chunked growth."""
+
+    capture_in: str
+
+    def look(self, src: SourceFile, node: ast.FunctionDef, scope: str) -> Look:
+        capture = astkit.find_def(src.tree, self.capture_in)
+        if capture is None or not search(forms.LEGACY_CAPTURE, capture):
+            return Look(None)
+        if search(forms.CHUNKED_ALLGRP, node):
+            why = "the older fix's chunked companion grows its all-group lists per chunk"
+            return Look(None, why=why, shape=forms.LEGACY_CHUNKED_SHAPE)
+        why = f"older k3-group-routing fix: {forms.FIRST_CHUNK_DEFECT}"
+        return Look(None, why=why, shape=forms.LEGACY_SHAPE)
+
+
 SCHED, WORKER = "MoRIIOConnectorScheduler", "MoRIIOConnectorWorker"
 USAA = f"{SCHED}.update_state_after_alloc"
 NOTIFY = "k3patch_group_block_notify"
 
-in_connector, in_engine = (partial(Site, file=rel) for rel in (CONNECTOR, ENGINE))
+in_common, in_connector, in_engine = (partial(Site, file=f, shape=forms.FORK_SHAPE) for f in FILES)
+
+
+def _field(cls: str, what: str) -> Site:
+    item = Item("field", FORK_FIELDS[cls], forms.FIELD, comment=FIELD_COMMENT)
+    return in_common(f"{cls}.{FIELD_NAME}", what, item, scope=cls)
+
+
 FORK_SITES = (
-    *(
-        Site(f"{cls}.{FIELD_NAME}", what, Item("field", FORK_FIELDS[cls], forms.FIELD), file=COMMON)
-        for cls, what in (
-            ("WriteTask", "the write task carries every group's local block ids"),
-            (
-                "RemoteAllocInfo",
-                "the decode node's block ids of every group, as the prefill node received them",
-            ),
-            ("ReqMeta", "the connector metadata carries every group's block ids"),
-        )
+    _field("WriteTask", "the write task carries every group's local block ids"),
+    _field(
+        "RemoteAllocInfo",
+        "the decode node's block ids of every group, as the prefill node received them",
     ),
+    _field("ReqMeta", "the connector metadata carries every group's block ids"),
     in_connector(
         f"{SCHED}.__init__",
         "a per-request dict of every group's blocks beside the fork's `_reqs_save_mamba`",
@@ -83,12 +156,12 @@ FORK_SITES = (
     in_connector(
         f"{USAA} (prefill capture)",
         "the prefill scheduler captures every group's blocks, not only [1]",
-        Insert(forms.CAPTURE, "_k3patch_save_groups", fork=forms.FORK_CAPTURE),
+        Insert(forms.CAPTURE, "_k3patch_save_groups", pre=forms.FORK_CAPTURE),
     ),
     in_connector(
         f"{USAA} (decode notify)",
         "the decode scheduler sends every group's blocks to the prefill node",
-        Insert(forms.NOTIFY, "_k3patch_group_notify", fork=forms.FORK_NOTIFY),
+        Insert(forms.NOTIFY, "_k3patch_group_notify", pre=forms.FORK_NOTIFY),
         keyword("send_notify_block", f"{NOTIFY}=_k3patch_group_notify"),
         needs=("update_state_after_alloc(..., num_external_tokens)", takes("num_external_tokens")),
     ),
@@ -136,7 +209,7 @@ FORK_SITES = (
     in_engine(
         "MoRIIOWriter._prepare_transfer_plan",
         "each layer's transfer indexes the per-group lists with the layer's own group, and its "
-        "offsets are cached per layer",
+        "offsets are cached per group and tensor geometry",
         Plan(),
         needs=(
             "MoRIIOError bound in moriio_engine",
@@ -194,7 +267,7 @@ class MoriioGroupRouting(Patch):
         results = [r._replace(expected=expected) for r in self._each_file(Verdict.DRIFTED, why)]
         plan = astkit.find_def(engine.tree, "MoRIIOWriter._prepare_transfer_plan")
         if plan is not None:
-            found = clip_lines(engine.segment(plan))
+            found = sitemodel.clip_lines(engine.segment(plan))
             results[-1] = results[-1]._replace(line=plan.lineno, found=found)
         return results
 
@@ -219,7 +292,7 @@ def _one_change(results: list[SiteResult]) -> list[SiteResult]:
         return results
     states = []
     for rel in FILES:
-        verdict = combined_verdict(r.verdict for r in results if r.file == rel)
+        verdict = sitemodel.combined_verdict(r.verdict for r in results if r.file == rel)
         states.append(f"{rel.rsplit('/', 1)[-1]} {verdict.value if verdict else 'partly applied'}")
     tail = f"; the three files are one change, nothing will be written ({', '.join(states)})"
     return [r._replace(detail=r.detail + tail) if r.verdict is drifted else r for r in results]

@@ -86,10 +86,10 @@ if self._k3patch_save_groups:
 
 K3PATCH_PLAN = """
 # k3patch moriio-group-routing: each layer's KV goes to its own KV-cache
-# group's blocks on both nodes (K3: KDA groups 0-2, MLA group 3), and its
-# offsets are cached per layer: K3's KDA groups share one tensor geometry
-# but not their block ids. Without per-group ids (a peer that lacks this
-# fix) the write fails, never guesses.
+# group's blocks on both nodes (K3: KDA groups 0-2, MLA group 3). Offsets
+# are cached per group and tensor geometry: K3's KDA groups share one
+# geometry but not their block ids. Without per-group ids (a peer that
+# lacks this fix) the write fails, never guesses.
 _k3patch_local = task.k3patch_group_block_ids
 _k3patch_remote = request_info.k3patch_group_block_ids
 if _k3patch_local is None or _k3patch_remote is None:
@@ -99,7 +99,7 @@ if _k3patch_local is None or _k3patch_remote is None:
         + "; both nodes need k3patch moriio-group-routing"
     )
 _k3patch_group = self.worker._k3patch_group_of_layer[task.layer_name]
-geometry_key = (task.layer_name, *_get_write_geometry_key(layer_cache))
+geometry_key = (_k3patch_group, *_get_write_geometry_key(layer_cache))
 offsets = request_info.transfer_offsets.get(geometry_key)
 if offsets is None:
     offsets = self.worker._compute_block_transfer_offsets(
@@ -110,6 +110,11 @@ if offsets is None:
     )
     request_info.transfer_offsets[geometry_key] = offsets
 """
+
+# k3patch's first plan, on operators' trees, cached offsets per layer: the same transfers (they
+# follow from the group's block ids and spec and the tensor's geometry); reads applied.
+PER_LAYER_PLAN = K3PATCH_PLAN.replace("(_k3patch_group, *", "(task.layer_name, *")
+PER_LAYER_NOTE = "k3patch's first plan: offsets cached per layer (the same transfers, more work)"
 
 # The fork's statements (apply_kimik3_moriio_mamba_blockids.py on 0.28.0) k3patch anchors on.
 FORK_FIELDS = {

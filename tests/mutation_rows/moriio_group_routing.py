@@ -6,7 +6,7 @@ from __future__ import annotations
 from .common import FIRST, ISSUE_28, ROUTING, ROUTING_DECL, ROUTING_FORMS, Sub, Variant
 
 PLAN_ARGS = "        _k3patch_local[_k3patch_group],\n        _k3patch_remote[_k3patch_group],\n"
-CACHE_KEY = "geometry_key = (task.layer_name, *_get_write_geometry_key(layer_cache))"
+CACHE_KEY = "geometry_key = (_k3patch_group, *_get_write_geometry_key(layer_cache))"
 GROWTH = "_k3patch_group + list(_k3patch_added)"
 LAYER_GROUP = "            group_of_layer[layer_name] = index\n"
 # SAVE_GROUPS's two loops: each chunk's new blocks join their lists, then each save takes them.

@@ -1,6 +1,8 @@
-"""moriio-group-routing's sites and their parts (private to this patch): each part sees one piece
-of its site's class or function in the fork's shape (pending), k3patch's (applied), neither
-(drifted) or has no opinion (None)."""
+"""Declared sites for a patch whose change spans several classes and functions: a Site is one
+class or function of one file, found by its dotted scope; each of its Parts sees one piece of it
+in the pre-image's form (pending), k3patch's (applied), neither (drifted) or has no opinion
+(None), and rewrites that piece into the file's codemod. A Site combines its parts' looks into
+one verdict."""
 
 from __future__ import annotations
 
@@ -15,9 +17,6 @@ from k3patch.shapes import match, matches_each, parse_pattern, search
 from k3patch.sources import SourceFile
 from k3patch.verdicts import SiteResult, Verdict
 
-from . import forms
-from .forms import FIELD_COMMENT, FIELD_NAME
-
 if TYPE_CHECKING:
     from k3patch.codemod import Codemod
 
@@ -31,8 +30,8 @@ class Look:
     line: int | None = None
     found: str = ""
     expected: tuple[str, ...] = ()
-    why: str = ""  # the drift reason, or what is wrong with a pending form beyond the fork's bug
-    shape: str = ""  # the form seen, when it is not the plain fork's
+    why: str = ""  # the drift reason, or what is wrong with a pending form beyond the patch's bug
+    shape: str = ""  # the form seen, when it is not the site's pending shape
 
 
 def drift(why: str, found: str = "", expected: tuple = (), line: int | None = None) -> Look:
@@ -40,7 +39,7 @@ def drift(why: str, found: str = "", expected: tuple = (), line: int | None = No
 
 
 class Part:
-    evidence = False  # anchored on the fork's own statements: either shape makes it a fork tree
+    evidence = False  # anchored on the pre-image's own statements: either form makes it this tree
 
     def look(self, src: SourceFile, node: Any, scope: str) -> Look:
         """`node`: the site's class (a field site) or function, `scope` its path (for reports)."""
@@ -53,17 +52,18 @@ class Part:
 @dataclass(frozen=True)
 class Insert(Part):
     """Statements k3patch adds after the one statement `anchor` (patterns) picks out, else before
-    the final `return`; with `fork` (the fork's exact assignment), any assignment to its target."""
+    the final `return`; with `pre` (the pre-image's exact assignment), any assignment to its
+    target."""
 
     added: str
     marker: str  # a name of k3patch's text: used elsewhere in the function, it is drift
     anchor: tuple[str, ...] = ()
-    fork: str | None = None
+    pre: str | None = None
     evidence: bool = True  # False where the anchor is upstream's own statement
 
     @property
     def anchors(self) -> tuple[str, ...]:
-        return self.anchor if self.fork is None else (self.fork.split(" = ")[0] + " = HOLE_value",)
+        return self.anchor if self.pre is None else (self.pre.split(" = ")[0] + " = HOLE_value",)
 
     def _find(self, fn: ast.FunctionDef) -> list[tuple[list[ast.stmt], int]]:
         if not self.anchors:
@@ -80,12 +80,12 @@ class Insert(Part):
         at = body[i]
         if not self.anchors and not isinstance(at, ast.Return):
             return drift(f"{scope} does not end in a return", src.segment(at), line=at.lineno)
-        if self.fork is not None and match(self.fork, at) is None:
-            why = f"{scope}: {describe} is not in the fork's shape"
-            return drift(why, src.segment(at), (self.fork,), at.lineno)
+        if self.pre is not None and match(self.pre, at) is None:
+            why = f"{scope}: {describe} is not in the pre-image's shape"
+            return drift(why, src.segment(at), (self.pre,), at.lineno)
         count = len(parse_pattern(self.added))
-        # A script the recipe re-runs at each container start (xfer_probe inserts its dump after
-        # the anchor again) may push k3patch's statements down the block: they still count.
+        # A script that runs again at each container start may insert its own lines after the
+        # anchor once more, pushing k3patch's statements down the block: they still count.
         starts = range(i + 1, len(body) - count + 1) if self.anchors else [i - count]
         for j in starts:
             if j >= 0 and match(self.added, body[j : j + count]) is not None:
@@ -111,14 +111,15 @@ class Insert(Part):
 
 @dataclass(frozen=True)
 class Item(Part):
-    """One item k3patch appends in the one holder with the fork's item: a dataclass "field", a
-    "param", a "keyword" argument to `callee` or a dict literal's "key", each written as the code
-    has it; a `fork` without a value only has to be there."""
+    """One item k3patch appends in the one holder with the pre-image's item `pre`: a dataclass
+    "field" (under `comment`), a "param", a "keyword" argument to `callee` or a dict literal's
+    "key", each written as the code has it; a `pre` without a value only has to be there."""
 
     kind: str
-    fork: str
+    pre: str
     added: str
     callee: str = ""
+    comment: str = ""
     evidence = True
 
     def _parse(self, text: str) -> tuple[str, list[str]]:
@@ -145,7 +146,7 @@ class Item(Part):
     def _holders(self, node: Any) -> list[Any]:
         if self.kind in ("field", "param"):
             return [node]
-        kind, name = ast.Call if self.kind == "keyword" else ast.Dict, self._parse(self.fork)[0]
+        kind, name = ast.Call if self.kind == "keyword" else ast.Dict, self._parse(self.pre)[0]
         found = [n for n in ast.walk(node) if isinstance(n, kind) and name in named_items(n)]
         return [n for n in found if isinstance(n, ast.Dict) or astkit.callee_name(n) == self.callee]
 
@@ -157,11 +158,11 @@ class Item(Part):
         if len(holders) != 1:
             return self._missing(src, node, scope, len(holders))
         items = self._items(holders[0])
-        fork, fork_parts = self._parse(self.fork)
+        pre, pre_parts = self._parse(self.pre)
         name, parts = self._parse(self.added)
-        # The fork's keyword picks the call, so it must be the fork's whatever else is there.
-        if self.kind == "keyword" and not matches_each(fork_parts, items[fork][2]):
-            why = f"{scope}: {fork}= is not passed in the fork's shape"
+        # The pre-image's keyword picks the call, so it must be as written whatever else is there.
+        if self.kind == "keyword" and not matches_each(pre_parts, items[pre][2]):
+            why = f"{scope}: {pre}= is not passed in the pre-image's shape"
             return drift(why, src.segment(holders[0]), line=holders[0].lineno)
         if name in items:
             mine, line, mine_parts = items[name]
@@ -169,31 +170,25 @@ class Item(Part):
                 return Look(APPLIED, line)
             why = f"{scope}: {self.kind} {name} is not k3patch's"
             return drift(why, src.segment(mine), (self.added,), line)
-        if fork not in items or not matches_each(fork_parts, items[fork][2]):
+        if pre not in items or not matches_each(pre_parts, items[pre][2]):
             return self._missing(src, node, scope, 0)
-        return Look(PENDING, items[fork][1])
+        return Look(PENDING, items[pre][1])
 
     def _missing(self, src: SourceFile, node: Any, scope: str, found: int) -> Look:
         where = {"field": "dataclass", "param": "signature", "key": "dict literal"}
         what = where.get(self.kind, f"{self.callee}(...) call")
-        why = f"{scope}: expected one {what} with the fork's `{self.fork}`, found {found}"
-        return drift(why, clip_lines(src.segment(node)), (self.fork,), node.lineno)
+        why = f"{scope}: expected one {what} with the pre-image's `{self.pre}`, found {found}"
+        return drift(why, clip_lines(src.segment(node)), (self.pre,), node.lineno)
 
     def rewrite(self, src: SourceFile, file: Codemod, node: Any) -> None:
         holder = self._holders(node)[0]
         if self.kind in ("field", "param"):
-            added = f"{FIELD_COMMENT}\n{self.added}" if self.kind == "field" else self.added
-            file.append_to(holder, added)
+            file.append_to(holder, f"{self.comment}\n{self.added}" if self.comment else self.added)
             return
         # The codemod edits the innermost statement that holds the call or dict literal: the
         # statements holding it form one chain, which ast.walk visits outermost first.
         holding = [s for s in ast.walk(node) if isinstance(s, ast.stmt) and holder in ast.walk(s)]
         file.append_to(holder, self.added, within=holding[-1])
-
-
-def keyword(callee: str, added: str) -> Item:
-    """k3patch's keyword argument `added` beside the fork's (forms.FORK_KEYWORDS) to `callee`."""
-    return Item("keyword", forms.FORK_KEYWORDS[callee], added, callee)
 
 
 def takes(name: str) -> Holds:
@@ -222,87 +217,23 @@ class Function(Part):
         file.append_definition(self.source)
 
 
-def _is_debug_block(imp: ast.stmt, gate: ast.stmt) -> bool:
-    """`import os as X` + `if X.environ.get('K3_MAMBA_BC', '0') == '1': ...` that only logs:
-    no else branch, and nothing bound that the offsets call or the cache store reads."""
-    alias = imp.names[0] if isinstance(imp, ast.Import) and len(imp.names) == 1 else None
-    if alias is None or alias.name != "os" or not alias.asname:
-        return False
-    if not isinstance(gate, ast.If) or gate.orelse:
-        return False
-    bound = astkit.stored_names([gate]) | astkit.imported_names(gate)
-    read_later = {"offsets", "geometry_key", "_k3_local", "_k3_remote", "task", "request_info"}
-    test = forms.DEBUG_TEST.format(alias=alias.asname)
-    return match(test, gate.test) is not None and not bound & read_later
-
-
-def _regions(fn: ast.FunctionDef) -> list[tuple[str, list[ast.stmt], bool]]:
-    """Each known region: (its form "k3patch"/"fork"/"legacy", its statements, has K3_MAMBA_BC)."""
-    found = []
-    for (kind, debug), pattern in {("k3patch", False): forms.K3PATCH_PLAN, **forms.PLANS}.items():
-        for block, i, holes in search(pattern, fn):
-            if not debug or _is_debug_block(holes["HOLE_debug_import"], holes["HOLE_debug_gate"]):
-                found.append((kind, block[i : i + len(parse_pattern(pattern))], debug))
-    return found
-
-
-@dataclass(frozen=True)
-class Plan(Part):
-    """The per-layer choice of block ids and the offsets cache in the transfer plan."""
-
-    evidence = True
-
-    def look(self, src: SourceFile, node: ast.FunctionDef, scope: str) -> Look:
-        found = _regions(node)
-        if len(found) != 1:
-            why = f"{scope}: the per-layer block-id choice is in no known shape"
-            expected = (
-                f"fork: {forms.PLANS['fork', True]}",
-                f"older k3-group-routing fix: {forms.PLANS['legacy', True]}",
-                f"k3patch: {dedent(forms.K3PATCH_PLAN)}",
-            )
-            why += f" ({len(found)} candidate regions)" if found else ""
-            return drift(why, clip_lines(src.segment(node), 60), expected, node.lineno)
-        kind, stmts, debug = found[0]
-        goes = f"; {forms.DEBUG_GOES}" if debug else ""
-        if kind == "k3patch":
-            return Look(APPLIED, stmts[0].lineno)
-        if kind == "fork":
-            return Look(PENDING, stmts[0].lineno, why=forms.FORK_DEFECT + goes)
-        why = f"the older k3-group-routing fix: {forms.GEOMETRY_DEFECT}; {forms.LEGACY_CAVEATS}"
-        why += f"; {forms.LEGACY_DEBUG_DEFECT}{goes}" if debug else ""
-        return Look(PENDING, stmts[0].lineno, why=why, shape=forms.LEGACY_SHAPE)
-
-    def rewrite(self, src: SourceFile, file: Codemod, node: ast.FunctionDef) -> None:
-        file.replace(_regions(node)[0][1], forms.K3PATCH_PLAN)
-
-
-@dataclass(frozen=True)
-class LegacyGrowth(Part):
-    """No opinion; a note on the older fix's capture (in `capture_in`) and its chunked growth."""
-
-    capture_in: str
-
-    def look(self, src: SourceFile, node: ast.FunctionDef, scope: str) -> Look:
-        capture = astkit.find_def(src.tree, self.capture_in)
-        if capture is None or not search(forms.LEGACY_CAPTURE, capture):
-            return Look(None)
-        if search(forms.CHUNKED_ALLGRP, node):
-            why = "the older fix's chunked companion grows its all-group lists per chunk"
-            return Look(None, why=why, shape=forms.LEGACY_CHUNKED_SHAPE)
-        why = f"older k3-group-routing fix: {forms.FIRST_CHUNK_DEFECT}"
-        return Look(None, why=why, shape=forms.LEGACY_SHAPE)
-
-
 class Site:
-    """One hop the block ids take (`what` it makes right): its parts look at one class (a field
-    site) or method; `needs`: a precondition of k3patch's text (its words, a test)."""
+    """One class or function of `file` (`scope`, a dotted path; default: the name's first word)
+    and what its change makes right (`what`): its parts look at it; `needs`: a precondition of
+    k3patch's text (its words, a test); `shape`: the name of its pending form."""
 
     def __init__(
-        self, name: str, what: str, *parts: Part, file: str, needs: tuple[str, Holds] | None = None
+        self,
+        name: str,
+        what: str,
+        *parts: Part,
+        file: str,
+        needs: tuple[str, Holds] | None = None,
+        scope: str = "",
+        shape: str = "",
     ) -> None:
         self.name, self.file, self.what, self.parts, self.needs = name, file, what, parts, needs
-        self.scope = name.split(" ")[0].removesuffix(f".{FIELD_NAME}")
+        self.scope, self.shape = scope or name.split(" ")[0], shape
 
     def node(self, src: SourceFile) -> ast.ClassDef | ast.FunctionDef | None:
         if "." in self.scope:
@@ -323,13 +254,15 @@ class Site:
         line = next((look.line for _, look in looks if look.line), None)
         if verdict is DRIFTED:
             return next(look for _, look in looks if look.verdict is DRIFTED), evidence
+        # An applied site's notes are its applied parts' (a note on a pending form is moot).
+        notes = [k.why for _, k in looks if k.why and (verdict is PENDING or k.verdict is APPLIED)]
+        why = "; ".join((self.what, *notes))
         if verdict is APPLIED:
-            return Look(APPLIED, line, why=self.what, shape="k3patch"), evidence
+            return Look(APPLIED, line, why=why, shape="k3patch"), evidence
         if verdict is PENDING:
-            notes = [look.why for _, look in looks if look.why]
-            shape = next((look.shape for _, look in looks if look.shape), forms.FORK_SHAPE)
-            return Look(PENDING, line, why="; ".join((self.what, *notes)), shape=shape), evidence
-        why = "partly in k3patch's shape, partly in the fork's: edited by hand?"
+            shape = next((look.shape for _, look in looks if look.shape), self.shape)
+            return Look(PENDING, line, why=why, shape=shape), evidence
+        why = "partly in k3patch's shape, partly in the pre-image's: edited by hand?"
         return drift(why, line=line), evidence
 
     def result(self, patch_id: str, src: SourceFile) -> tuple[SiteResult, bool]:
