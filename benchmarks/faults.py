@@ -413,9 +413,8 @@ def install() -> None:
 def preload() -> None:
     """Import what a run imports (so each fork starts warm): k3patch, the CLI, the codemods and
     every patch module."""
-    import k3patch.patches
-
     import k3patch
+    import k3patch.patches
 
     for name in ("cli", "engine", "codemod", "fastpath", "transaction", "exitcodes", "render"):
         importlib.import_module(f"k3patch.{name}")

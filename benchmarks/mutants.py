@@ -58,8 +58,9 @@ RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 # The rows live with the patches, one table per patch (tests/mutation_rows/<folder>.py), found
 # there; nothing here names a patch.
 sys.path.insert(0, str(ROOT / "tests"))
-from k3patch.patches import declared_files  # noqa: E402
 from mutation_rows import FOLDERS, TABLES, VARIANTS, Sub, Variant  # noqa: E402
+
+from k3patch.patches import declared_files  # noqa: E402
 
 __all__ = ["TABLES", "VARIANTS", "Sub", "Variant"]
 

@@ -22,7 +22,6 @@ for name, where in (("k3patch", ROOT / "k3patch"), ("k3patch.patches", ROOT / "p
 
 from k3patch.patches.moriio_chunk_gate import workloads  # noqa: E402
 from k3patch.patches.moriio_group_routing.forms import FIELD_NAME  # noqa: E402
-
 from k3patch.probekit import Swap  # noqa: E402
 
 mc = importlib.import_module(workloads.CONNECTOR)

@@ -9,8 +9,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from k3patch.version import VERSION
 from k3patch.verdicts import summary as summary_verdict
+from k3patch.version import VERSION
 
 JSON_SCHEMA_VERSION = 1
 STATE_SCHEMA_VERSION = 1

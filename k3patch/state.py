@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from k3patch import formats, safefs
-from k3patch.version import VERSION
 from k3patch.errors import EnvironmentProblem
 from k3patch.pycache import imported_instead, stale_bytecode
 from k3patch.verdicts import SiteResult
+from k3patch.version import VERSION
 
 STATE_FILE = "state.json"
 STATE_REL = f".k3patch/{STATE_FILE}"

@@ -12,10 +12,10 @@ import pytest
 from conftest import run_cli, slow_after, slow_except, tree_hashes
 from conftest import status_json as _status_json
 from cycle import assert_full_cycle
-from k3patch.patches import aiter_mla_gfx942 as aiter
-from k3patch.patches.aiter_mla_gfx942 import probe as truth
 
 from k3patch.fingerprints import source_fingerprint
+from k3patch.patches import aiter_mla_gfx942 as aiter
+from k3patch.patches.aiter_mla_gfx942 import probe as truth
 from k3patch.verdicts import Verdict
 
 VERSIONS = ["0.29.0", "0.31.0", "0.33.0", "0.34.0"]

@@ -29,12 +29,12 @@ from conftest import (
     tree_hashes,
 )
 from cycle import assert_full_cycle
-from k3patch.patches import kda_gather_diagnostic as kda
-from k3patch.patches.kda_gather_diagnostic import sites as kda_sites
-from k3patch.patches.kda_gather_diagnostic import syncs
 
 from k3patch import verify as verify_mod
 from k3patch.codemod import Codemods
+from k3patch.patches import kda_gather_diagnostic as kda
+from k3patch.patches.kda_gather_diagnostic import sites as kda_sites
+from k3patch.patches.kda_gather_diagnostic import syncs
 from k3patch.sources import Sources
 from k3patch.tree import locate
 from k3patch.verdicts import Verdict

@@ -4,6 +4,18 @@ from __future__ import annotations
 
 import ast
 
+from k3patch.astkit import (
+    attribute_owner,
+    bindings,
+    blocks,
+    callee_name,
+    find_class,
+    imported_names,
+    parameter_names,
+    stored_names,
+    walk,
+)
+from k3patch.fingerprints import Shape
 from k3patch.patches.kda_gather_diagnostic import imported_module, string_constants
 from k3patch.patches.kda_gather_diagnostic.syncs import truth_tests
 from k3patch.patches.moriio_chunk_gate.names import (
@@ -19,19 +31,6 @@ from k3patch.patches.moriio_chunk_gate.names import (
     unbound_names,
     unset_attributes,
 )
-
-from k3patch.astkit import (
-    attribute_owner,
-    bindings,
-    blocks,
-    callee_name,
-    find_class,
-    imported_names,
-    parameter_names,
-    stored_names,
-    walk,
-)
-from k3patch.fingerprints import Shape
 from k3patch.shapes import VersionRange, match
 from k3patch.sitemodel import clip_lines, combined_verdict, named_items
 from k3patch.verdicts import Verdict

@@ -21,13 +21,13 @@ from conftest import built_fork_tree, pristine_tree, run_cli, slow_after, tree_h
 from conftest import sites_of as _sites_of
 from conftest import status_json as _status_json
 from cycle import assert_full_cycle
-from k3patch.patches import moriio_chunk_gate as gate
-from k3patch.patches.moriio_chunk_gate import gates
-from k3patch.patches.moriio_chunk_gate import sites as gate_sites
 from patch_table import Change, assert_rewrite, assert_untouched
 
 from k3patch.astkit import find_def
 from k3patch.codemod import Codemods
+from k3patch.patches import moriio_chunk_gate as gate
+from k3patch.patches.moriio_chunk_gate import gates
+from k3patch.patches.moriio_chunk_gate import sites as gate_sites
 from k3patch.sources import Sources
 from k3patch.verdicts import Verdict
 

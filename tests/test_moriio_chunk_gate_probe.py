@@ -17,6 +17,8 @@ import pytest
 from conftest import OracleChild, built_fork_tree, run_cli, slow_except
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
+
+from k3patch import scan
 from k3patch.patches.moriio_chunk_gate.probe import SCHEDULED, TABLE, Prefill
 from k3patch.patches.moriio_chunk_gate.workloads import (
     K3_BLOCK,
@@ -27,8 +29,6 @@ from k3patch.patches.moriio_chunk_gate.workloads import (
     generate,
     workload_from,
 )
-
-from k3patch import scan
 from k3patch.tree import locate
 from k3patch.verdicts import Verdict
 

@@ -47,6 +47,7 @@ import pytest
 from conftest import OracleChild, built_fork_tree, run_cli, slow_except
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from k3patch.patches.moriio_group_routing import PATCH
 from k3patch.patches.moriio_group_routing.batches import BATCHES, LAYOUTS, Batch
 from k3patch.patches.moriio_group_routing.probe import (

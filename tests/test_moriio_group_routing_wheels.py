@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli, slow_after, slow_except, tree_hashes
+
 from k3patch.patches.moriio_group_routing import PATCH
 
 pytestmark = pytest.mark.wheel

@@ -245,7 +245,6 @@ def test_a_selection_that_leaves_nothing_verified_nothing(make_tree):
     from typer.testing import CliRunner
 
     from k3patch.cli import app
-
     from k3patch.registry import all_patches
 
     site = make_tree("0.31.0")
