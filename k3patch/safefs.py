@@ -223,21 +223,17 @@ def read_in(root: Path | str, rel: str, *, what: str = "file") -> bytes | None:
 
 def regular_files(root: Path | str, rel_dir: str, pattern: re.Pattern[str]) -> list[str]:
     """The names matching `pattern` of the regular files in `root/rel_dir` (none when absent)."""
-    dfd = open_dir_if_there(root, rel_dir)
-    if dfd is None:
-        return []
-    try:
-        return [
-            e.name
-            for e in os.scandir(dfd)
-            if pattern.match(e.name) and e.is_file(follow_symlinks=False)
-        ]
-    finally:
-        os.close(dfd)
+    return _names(root, rel_dir, pattern, directories=False)
 
 
 def directories(root: Path | str, rel_dir: str, pattern: re.Pattern[str]) -> list[str]:
     """The names matching `pattern` of the directories (not links) in `root/rel_dir`."""
+    return _names(root, rel_dir, pattern, directories=True)
+
+
+def _names(
+    root: Path | str, rel_dir: str, pattern: re.Pattern[str], directories: bool
+) -> list[str]:
     dfd = open_dir_if_there(root, rel_dir)
     if dfd is None:
         return []
@@ -245,7 +241,8 @@ def directories(root: Path | str, rel_dir: str, pattern: re.Pattern[str]) -> lis
         return [
             e.name
             for e in os.scandir(dfd)
-            if pattern.match(e.name) and e.is_dir(follow_symlinks=False)
+            if pattern.match(e.name)
+            and (e.is_dir if directories else e.is_file)(follow_symlinks=False)
         ]
     finally:
         os.close(dfd)
