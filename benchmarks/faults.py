@@ -59,6 +59,7 @@ import io
 import json
 import marshal
 import os
+import pickle
 import pkgutil
 import py_compile
 import re
@@ -112,6 +113,7 @@ class _Armed:
     tripped = False
     calls: ClassVar[list[dict[str, Any]]] = []
     seen: tuple[str, str] | None = None
+    log_calls = False  # a faulted run records its calls too (--check-memo)
     code_dirs: tuple[str, ...] = ()
 
 
@@ -179,10 +181,11 @@ def _gate(func: str, rel: str | None, space: bool) -> int | None:
     if _A.mode is None or rel is None:
         return None
     _A.count += 1
-    if _A.mode == "record":
+    if _A.mode == "record" or _A.log_calls:
         where, chain = _where()
         _A.calls.append({"func": func, "path": rel, "where": where, "chain": chain, "space": space})
-        return None
+        if _A.mode == "record":
+            return None
     if _A.count == _A.target:
         _A.seen = (func, rel)
         if _A.kind == "kill":
@@ -408,6 +411,116 @@ def install() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The memo: the planning (libcst rewrite of each patch) computed once per input, in the server.
+# ---------------------------------------------------------------------------------------------
+class _Memo:
+    """The planning of a run is pure given the bytes of the files it reads: `scan.classify`
+    (ast parse and site matching of one patch), `engine._rewrite` (one patch's libcst rewrite,
+    source text to new text) and `engine._check` (compile and re-classify the new text). They
+    are most of a run's CPU (about 2 of 2.5 CPU-s of an apply) and make no filesystem call of
+    their own beyond the reads of `sources`, which is lazy (a file is read the first time
+    something asks for it). A child computes each once per input and hands it to the server
+    (memo.pickle), whose later children inherit it. A hit makes the very reads the computation
+    made (`sources[rel]` for each file it read first, in order), and is used only when those
+    reads return the bytes they returned then; otherwise it is computed. So a run makes the
+    same calls with the memo as without: `--check-memo` records each row both ways and
+    compares the call lists, and tests/test_faults.py fails if they differ."""
+
+    on = True
+    entries: ClassVar[dict[str, tuple[tuple[tuple[str, str], ...], Any]]] = {}
+    new: ClassVar[dict[str, tuple[tuple[tuple[str, str], ...], Any]]] = {}
+    modules: ClassVar[set[str]] = set()
+    hits: ClassVar[Counter[str]] = Counter()
+    misses: ClassVar[Counter[str]] = Counter()
+
+
+def _digest(data: bytes | None) -> str:
+    return "absent" if data is None else hashlib.sha256(data).hexdigest()
+
+
+def _memoized(name: str, real: Any, sources_at: int, copy: Any) -> Any:
+    """`real` memoized on its arguments' repr (but the Sources at `sources_at`) and the digests
+    of the files the Sources had read."""
+
+    def memo(*args: Any) -> Any:
+        if not _Memo.on:
+            return real(*args)
+        sources = args[sources_at]
+        known = dict(sources._files)  # read before: no call reads them again
+        inputs = sorted((rel, _digest(f.data)) for rel, f in known.items())
+        rest = [a for i, a in enumerate(args) if i != sources_at]
+        key = hashlib.sha256(repr((name, sources.version, _key(rest), inputs)).encode()).hexdigest()
+        found = _Memo.entries.get(key)
+        if found is not None:
+            reads, result = found
+            if all(_digest(sources[rel].data) == digest for rel, digest in reads):
+                _Memo.hits[name] += 1
+                return copy(result)
+            # Other bytes than when computed: compute (the reads are made already).
+        _Memo.misses[name] += 1
+        result = real(*args)
+        reads = tuple(
+            (rel, _digest(f.data)) for rel, f in sources._files.items() if rel not in known
+        )
+        _Memo.entries[key] = _Memo.new[key] = (reads, copy(result))
+        return result
+
+    memo.__name__ = getattr(real, "__name__", name)
+    return memo
+
+
+def install_memo() -> None:
+    """Memoize the planning in k3patch's modules (where the callers look the names up)."""
+    from k3patch import engine, scan
+
+    classify = _memoized("classify", scan.classify, 1, list)
+    scan.classify = engine.classify = classify  # type: ignore[attr-defined]
+    engine._rewrite = _memoized("rewrite", engine._rewrite, 1, dict)
+    engine._check = _memoized(
+        "check", engine._check, 2, lambda found: {k: list(v) for k, v in found.items()}
+    )
+
+
+def _key(value: Any) -> Any:
+    """A stable stand-in for an argument's repr: a patch by its id (its repr would be an
+    address), a set sorted, containers element by element."""
+    if hasattr(value, "classify") and hasattr(value, "rewrite") and hasattr(value, "id"):
+        return ("patch", value.id)
+    if isinstance(value, set | frozenset):
+        return ("set", sorted(map(repr, value)))
+    if isinstance(value, tuple | list) and not hasattr(value, "_fields"):
+        return (type(value).__name__, [_key(v) for v in value])
+    if isinstance(value, dict):
+        return ("dict", [(_key(k), _key(v)) for k, v in value.items()])
+    return value
+
+
+def _memo_out(out: Path) -> None:
+    # The modules a run imported that the server has not: the server imports them after the
+    # run, so later children start warm (typer's adapters import pydantic: 0.3 CPU-s a run).
+    new = [name for name in sys.modules if name not in _Memo.modules]
+    if new:
+        with open(out / "modules.json", "w") as handle:
+            json.dump(new, handle)
+    if _Memo.new:
+        with open(out / "memo.pickle", "wb") as handle:
+            pickle.dump(_Memo.new, handle)
+
+
+def _memo_in(out: Path) -> None:
+    for name in _read_json(out / "modules.json") or []:
+        if name not in sys.modules and not name.startswith("__main__"):
+            with _suppress_all():
+                importlib.import_module(name)
+    _Memo.modules = set(sys.modules)
+    try:
+        with open(out / "memo.pickle", "rb") as handle:
+            _Memo.entries.update(pickle.load(handle))
+    except (OSError, EOFError, pickle.UnpicklingError):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
 # The fork server: one child per run.
 # ---------------------------------------------------------------------------------------------
 def preload() -> None:
@@ -448,10 +561,12 @@ def run(
     target: int = 0,
     kind: str = "",
     timeout: int = 120,
+    log_calls: bool = False,
+    memo: bool | None = None,
 ) -> RunResult:
     """`k3patch ARGS --vllm SITE` in a forked child, as `python -m k3patch` runs it."""
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("stdout", "stderr", "hit.json", "calls.json"):
+    for name in ("stdout", "stderr", "hit.json", "calls.json", "memo.pickle", "modules.json"):
         with _suppress():
             os.unlink(out / name)
     sys.stdout.flush()
@@ -468,6 +583,9 @@ def run(
                 os.close(got)
             _A.root = os.path.realpath(site)
             _A.mode, _A.target, _A.kind = mode, target, kind
+            _A.log_calls = log_calls
+            if memo is not None:
+                _Memo.on = memo
             _A.persistent = kind == "disk full"
             sys.argv = ["k3patch", *args, "--vllm", str(site)]
             try:
@@ -476,6 +594,7 @@ def run(
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
             mode_was, _A.mode = _A.mode, None
+            _memo_out(out)
             with open(out / "calls.json", "w") as handle:
                 json.dump({"calls": _A.calls, "count": _A.count}, handle)
             if mode_was == "fault" and _A.seen is not None:
@@ -492,6 +611,7 @@ def run(
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
+    _memo_in(out)
     done = _read_json(out / "calls.json") or {}
     seen = _read_json(out / "hit.json")
     return RunResult(
@@ -511,6 +631,14 @@ class _suppress:
 
     def __exit__(self, *exc: Any) -> bool:
         return exc[0] is not None and issubclass(exc[0], OSError | ValueError)
+
+
+class _suppress_all:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> bool:
+        return exc[0] is not None and issubclass(exc[0], Exception)
 
 
 def _read_json(path: Path) -> Any:
@@ -699,6 +827,13 @@ class Row:
     examples: list[dict[str, Any]] = field(default_factory=list)
     call_kinds: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
+    memo_checked: bool = False  # the recording made the same calls with and without the memo
+    cpu: float = 0.0  # CPU seconds of the server and its children (the runs, cp, ...)
+
+
+def cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 FAILURE_KINDS = ("half-patched", "unrecoverable journal", "leftovers", "wrong exit code")
@@ -706,9 +841,11 @@ FAILURE_KINDS += ("wrong end state",)
 
 
 class Campaign:
-    def __init__(self, work: Path, verbose: bool = False) -> None:
+    def __init__(self, work: Path, verbose: bool = False, check_memo: bool = False) -> None:
         self.work = work
         self.verbose = verbose
+        self.check_memo = check_memo  # every faulted run also without the memo, compared
+        self.memo_differences: list[str] = []
 
     # -- set-up --------------------------------------------------------------------------
     def prepare(self, tree: str, commands: list[str]) -> tuple[dict[str, Path], Reference]:
@@ -831,9 +968,16 @@ class Campaign:
         problems per failure kind, and whether call n was the recorded call."""
         site = copy_tree(snap, self.work / "site")
         op, end = RUNS[command], END[RUNS[command]]
-        got = run([op], site, self.work / "out", mode="fault", target=n, kind=kind)
+        checked = self.check_memo and kind != "kill"  # a killed run hands back no calls
+        args = {"mode": "fault", "target": n, "kind": kind, "log_calls": checked}
+        got = run([op], site, self.work / "out", **args)
         matched = got.seen == (expect["func"], expect["path"])
         found: dict[str, list[str]] = {k: [] for k in FAILURE_KINDS}
+        if checked:
+            plain = copy_tree(snap, self.work / "twin")  # as long a name: the same wrapping
+            bare = run([op], plain, self.work / "out-no-memo", **args, memo=False)
+            if differs := memo_difference(got, bare, site, plain):
+                self.memo_differences.append(f"{command} {kind} at call {n}: {differs}")
         journal = (site / "vllm/.k3patch/journal.json").exists()
         killed = got.signal == signal.SIGKILL
         if got.code is None and not killed:
@@ -867,9 +1011,11 @@ class Campaign:
                 found["wrong exit code"].append(
                     f"exit 3 with {len(lines)} stderr lines: {' | '.join(lines)[:300]}"
                 )
-        # The fault lifted: the same command again. On a tree exactly as it started that run is
-        # the uninterrupted one, already checked (Campaign.row): not run again.
-        if not killed and fingerprint(site) == fingerprint(snap):
+        # The fault lifted: the same command again. On a tree exactly as it started (every
+        # entry's name, type, owner, mode, mtime, bytes and xattrs: the tree, .k3patch and the
+        # pycaches; a killed run too, whose flock died with it) that run is the uninterrupted
+        # one, already checked (Campaign.row): not run again.
+        if fingerprint(site) == fingerprint(snap):
             return {k: v for k, v in found.items() if v}, matched
         again = run([op], site, self.work / "out")
         lines = [line for line in again.stderr.splitlines() if line.strip()]
@@ -896,13 +1042,23 @@ class Campaign:
         funcs: set[str] | None = None,
         replay: list[dict[str, Any]] | None = None,
     ) -> Row:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), cpu_seconds()
         snap = snaps[START[command]]
         recorded = run(
             [RUNS[command]], copy_tree(snap, self.work / "site"), self.work / "out", mode="record"
         )
         calls = recorded.calls
         row = Row(command, tree, calls=len(calls), space_calls=sum(c["space"] for c in calls))
+        # The memo proves itself on every row: the recording again with the memo warm, and
+        # without it, make the very calls of the first (tests/test_faults.py holds this).
+        for memo in (True, False):
+            again = copy_tree(snap, self.work / "twin")
+            other = run([RUNS[command]], again, self.work / "out", mode="record", memo=memo)
+            if differs := memo_difference(recorded, other, self.work / "site", again):
+                what = "warm memo" if memo else "no memo"
+                self.memo_differences.append(f"{command} on {tree}, {what}: {differs}")
+        mine = f"{command} on {tree}"
+        row.memo_checked = not any(d.startswith(mine) for d in self.memo_differences)
         row.call_kinds.update(c["func"] for c in calls)
         # The uninterrupted run: what a run on a tree left as it started would do.
         wrong, left = self.end_state(self.work / "site", ref, END[RUNS[command]])
@@ -937,7 +1093,35 @@ class Campaign:
                     row.examples.append(example)
                     print(_describe(row, example), file=sys.stderr, flush=True)
         row.seconds = time.perf_counter() - start
+        row.cpu = cpu_seconds() - cpu
         return row
+
+
+def call_list(calls: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
+    """What a run did, call by call: function, path (temp names alike), k3patch call site and
+    its callers."""
+    return [(c["func"], c["path"], c["where"], c["chain"]) for c in calls]
+
+
+def memo_difference(a: RunResult, b: RunResult, site_a: Path, site_b: Path) -> str:
+    """How two runs of one command on two copies of one tree differ (one with the memo, one
+    without): their calls, exit codes, output (temp names alike) and the trees they left."""
+    if call_list(a.calls) != call_list(b.calls):
+        mine, theirs = call_list(a.calls), call_list(b.calls)
+        pairs = zip(mine, theirs, strict=False)
+        first = next((i for i, (x, y) in enumerate(pairs) if x != y), min(len(mine), len(theirs)))
+        return f"calls differ from call {first + 1} ({len(a.calls)} vs {len(b.calls)} calls)"
+    if (a.code, a.signal) != (b.code, b.signal):
+        return f"exit {a.code}/{a.signal} vs {b.code}/{b.signal}"
+    said = [
+        TEMP.sub("", (r.stdout + r.stderr).replace(str(site), "SITE"))
+        for r, site in ((a, site_a), (b, site_b))
+    ]
+    if said[0] != said[1]:
+        return f"output differs: {said[0][-300:]!r} vs {said[1][-300:]!r}"
+    if file_hashes(site_a) != file_hashes(site_b):
+        return "the trees differ"
+    return ""
 
 
 def _identity(call: dict[str, Any]) -> tuple[str, str, str, str]:
@@ -1076,7 +1260,7 @@ def write_report(section: str) -> None:
 
 
 _ROW_LINE = re.compile(
-    r"^(\S+) on (\S+): (\d+) calls, runs (\{.*\}), failures (\{.*\}), (\d+)s$", re.M
+    r"^(\S+) on (\S+): (\d+) calls, runs (\{.*\}), failures (\{.*\}), (\d+)s(?:, .*)?$", re.M
 )
 _FAIL_LINE = re.compile(
     r"^(\S+) on (\S+): (.+?) at call (\d+) (\S+) (.*?) \((\S+ \S+)(?: < (.*))?\)$"
@@ -1165,6 +1349,42 @@ def report_text(paths: list[str]) -> tuple[str, list[Row]]:
     return text, rows
 
 
+def write_json(
+    path: Path, commit: str, args: Any, elapsed: float, rows: list[Row], campaign: Campaign
+) -> None:
+    """The rows so far (written after every row: a campaign stopped early keeps its rows)."""
+    data = {
+        "commit": commit,
+        "sample": {"every": args.every, "offset": args.offset, "kinds": args.kinds},
+        "seconds": elapsed,
+        "memo": {
+            "on": _Memo.on,
+            "checked_runs": args.check_memo,
+            "differences": campaign.memo_differences,
+        },
+        "rows": [
+            {
+                "command": r.command,
+                "tree": r.tree,
+                "calls": r.calls,
+                "space_calls": r.space_calls,
+                "runs": dict(r.runs),
+                "failures": dict(r.failures),
+                "mismatched": r.mismatched,
+                "examples": r.examples,
+                "call_kinds": dict(r.call_kinds),
+                "seconds": r.seconds,
+                "cpu": r.cpu,
+                "memo_checked": r.memo_checked,
+            }
+            for r in rows
+        ],
+    }
+    temp = path.with_name(path.name + ".part")
+    temp.write_text(json.dumps(data, indent=1))
+    os.replace(temp, path)
+
+
 # ---------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -1182,6 +1402,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="write the table to RELIABILITY.md")
     parser.add_argument("--calls", action="store_true", help="print every recorded call")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--no-memo", action="store_true", help="plan afresh in every run")
+    parser.add_argument(
+        "--check-memo", action="store_true", help="run each faulted run without the memo too"
+    )
     parser.add_argument("--replay", nargs="+", default=None, help="rerun these --json failures")
     parser.add_argument("--report", nargs="+", default=None, help="tables from --json files")
     args = parser.parse_args(argv)
@@ -1200,10 +1424,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.dont_write_bytecode = True
     preload()
     install()
+    install_memo()
+    _Memo.on = not args.no_memo
+    _Memo.modules = set(sys.modules)
     work = Path(args.work or tempfile.mkdtemp(prefix="k3faults-"))
     work.mkdir(parents=True, exist_ok=True)
     os.chdir(work)  # python -m k3patch from an empty directory, as apply_sweep does
-    campaign = Campaign(work, verbose=args.verbose)
+    campaign = Campaign(work, verbose=args.verbose, check_memo=args.check_memo)
     replayed: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for path in args.replay or []:
         for raw in json.loads(Path(path).read_text())["rows"]:
@@ -1230,9 +1457,13 @@ def main(argv: list[str] | None = None) -> int:
                 replay=replayed.get((command, tree), []) if args.replay else None,
             )
             rows.append(row)
+            if args.json:
+                elapsed = time.perf_counter() - started
+                write_json(Path(args.json), meta["commit"], args, elapsed, rows, campaign)
             print(
                 f"{command} on {tree}: {row.calls} calls, runs {dict(row.runs)}, "
-                f"failures {dict(row.failures)}, {row.seconds:.0f}s",
+                f"failures {dict(row.failures)}, {row.seconds:.0f}s, {row.cpu:.0f} CPU-s "
+                f"({row.cpu / max(1, sum(row.runs.values())):.2f} CPU-s a run)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -1254,36 +1485,15 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows, args.kinds, header)
     print(text)
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "commit": commit,
-                    "sample": {"every": args.every, "offset": args.offset, "kinds": args.kinds},
-                    "seconds": elapsed,
-                    "rows": [
-                        {
-                            "command": r.command,
-                            "tree": r.tree,
-                            "calls": r.calls,
-                            "space_calls": r.space_calls,
-                            "runs": dict(r.runs),
-                            "failures": dict(r.failures),
-                            "mismatched": r.mismatched,
-                            "examples": r.examples,
-                            "call_kinds": dict(r.call_kinds),
-                            "seconds": r.seconds,
-                        }
-                        for r in rows
-                    ],
-                },
-                indent=1,
-            )
-        )
+        write_json(Path(args.json), commit, args, elapsed, rows, campaign)
     if args.write:
         write_report(text + "\n\n" + call_table(rows))
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
-    return 1 if any(r.failures or r.mismatched for r in rows) else 0
+    for line in campaign.memo_differences:
+        print(f"memo changed a run: {line}", file=sys.stderr)
+    failed = any(r.failures or r.mismatched for r in rows) or campaign.memo_differences
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
