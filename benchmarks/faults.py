@@ -66,6 +66,7 @@ import re
 import runpy
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -729,11 +730,47 @@ def make_tree(name: str, dest: Path) -> Path:
 
 
 def copy_tree(src: Path, dst: Path) -> Path:
-    """A copy that keeps owners, modes, times and xattrs (timestamp pycs stay valid)."""
+    """A copy that keeps owners, modes, times and xattrs (timestamp pycs stay valid), as
+    `cp -a` makes it, in this process (a `cp` per run cost a fork and exec of this large
+    process; `fingerprint` of the two is equal: tests/test_faults.py)."""
     if dst.exists():
         shutil.rmtree(dst)
-    subprocess.run(["cp", "-a", str(src), str(dst)], check=True)
+    _copy_entry(str(src), str(dst))
     return dst
+
+
+def _copy_entry(src: str, dst: str) -> None:
+    st = os.lstat(src)
+    if stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(src), dst)
+    elif stat.S_ISDIR(st.st_mode):
+        os.mkdir(dst)
+        with os.scandir(src) as entries:
+            for entry in entries:
+                _copy_entry(entry.path, os.path.join(dst, entry.name))
+    elif stat.S_ISREG(st.st_mode):
+        with open(src, "rb") as source, open(dst, "wb") as target:
+            target.write(source.read())
+    else:
+        raise ValueError(f"{src}: not a file, directory or link")
+    for name in os.listxattr(src, follow_symlinks=False):
+        os.setxattr(dst, name, os.getxattr(src, name, follow_symlinks=False), follow_symlinks=False)
+    os.lchown(dst, st.st_uid, st.st_gid)
+    if not stat.S_ISLNK(st.st_mode):
+        os.chmod(dst, stat.S_IMODE(st.st_mode))
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+
+_SNAPSHOT: dict[tuple[str, str], Any] = {}
+
+
+def of_snapshot(what: Any, snap: Path) -> Any:
+    """`what(snap)` for a start snapshot, computed once (a snapshot is never written after
+    `prepare`, which forgets these)."""
+    key = (what.__name__, str(snap))
+    if key not in _SNAPSHOT:
+        _SNAPSHOT[key] = what(snap)
+    return _SNAPSHOT[key]
 
 
 def file_hashes(site: Path) -> dict[str, str]:
@@ -793,23 +830,35 @@ def pyc_problems(site: Path) -> list[str]:
         if not used:
             continue
         rel = pyc.relative_to(site).as_posix()
-        try:
-            code = marshal.loads(data[16:])
-        except (EOFError, ValueError, TypeError):
+        pair = (hashlib.sha256(data).hexdigest(), hashlib.sha256(src).hexdigest(), opt)
+        if pair not in _JUDGED:  # the same pyc bytes against the same source: one verdict
+            _JUDGED[pair] = _pyc_verdict(data, src, opt)
+        if _JUDGED[pair] == "unmarshal":
             problems.append(f"{rel} would be loaded and does not unmarshal")
-            continue
-        key3 = (hashlib.sha256(src).hexdigest(), code.co_filename, opt)
-        if key3 not in _COMPILED:
-            try:
-                _COMPILED[key3] = compile(
-                    src, code.co_filename, "exec", dont_inherit=True, optimize=opt
-                )
-            except (SyntaxError, ValueError):
-                _COMPILED[key3] = None
-        if _COMPILED[key3] != code:
+        elif _JUDGED[pair] == "other":
             mode = {0: "timestamp", 1: "unchecked-hash"}.get(flags, "checked-hash")
             problems.append(f"{rel} ({mode}) would run other code than {stem}.py holds")
     return problems
+
+
+_JUDGED: dict[tuple[str, str, int], str] = {}
+
+
+def _pyc_verdict(data: bytes, src: bytes, opt: int) -> str:
+    """ "ok", "unmarshal" (it does not load) or "other" (it holds other code than `src`)."""
+    try:
+        code = marshal.loads(data[16:])
+    except (EOFError, ValueError, TypeError):
+        return "unmarshal"
+    key3 = (hashlib.sha256(src).hexdigest(), code.co_filename, opt)
+    if key3 not in _COMPILED:
+        try:
+            _COMPILED[key3] = compile(
+                src, code.co_filename, "exec", dont_inherit=True, optimize=opt
+            )
+        except (SyntaxError, ValueError):
+            _COMPILED[key3] = None
+    return "ok" if _COMPILED[key3] == code else "other"
 
 
 @dataclass
@@ -873,6 +922,7 @@ class Campaign:
         was swapped in (a journal, saved copies, one file written)."""
         base = self.work / f"{tree}-start"
         snaps: dict[str, Path] = {}
+        _SNAPSHOT.clear()
         if base.exists():
             shutil.rmtree(base)
         base.mkdir(parents=True)
@@ -1003,7 +1053,7 @@ class Campaign:
             found["wrong exit code"].append(f"died of signal {got.signal} (a hang?)")
         # A journal excuses files split between original and patched only where recovery is
         # what comes next: after a kill, or when the run left the files as it found them.
-        excused = journal and (killed or file_hashes(site) == file_hashes(snap))
+        excused = journal and (killed or file_hashes(site) == of_snapshot(file_hashes, snap))
         found["half-patched"] += self.half(site, ref, journal_excuses=excused)
         # A temp file the killed run before this one left is the recovery's to remove, and is
         # held to it after the run with the fault lifted; here only this run's own count.
@@ -1034,7 +1084,7 @@ class Campaign:
         # entry's name, type, owner, mode, mtime, bytes and xattrs: the tree, .k3patch and the
         # pycaches; a killed run too, whose flock died with it) that run is the uninterrupted
         # one, already checked (Campaign.row): not run again.
-        if fingerprint(site) == fingerprint(snap):
+        if fingerprint(site) == of_snapshot(fingerprint, snap):
             return {k: v for k, v in found.items() if v}, matched
         again = run([op], site, self.work / "out")
         lines = [line for line in again.stderr.splitlines() if line.strip()]
