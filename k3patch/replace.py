@@ -228,15 +228,13 @@ def replace_checked(
                 "content"
             )
         tmp = None if after is None else write_temp(dfd, name, after, old_fd, notes)
-        if _look(dfd, name) != seen:  # the last look: another writer's edit must be kept
-            if tmp is not None:
-                unlink_quietly(dfd, tmp)
-            raise changed(path)
         keep = None
         if kept is not None and old_fd is not None:
             keep = f".{name}.k3patch-tmp.{secrets.token_hex(8)}"
         ours = [n for n in (tmp,) if n]  # this run's temp names, until the rename settles them
         try:
+            if _look(dfd, name) != seen:  # the last look: another writer's edit must be kept
+                raise changed(path)
             about_to_rename()
             if tmp is None:
                 if keep is None:
@@ -255,10 +253,18 @@ def replace_checked(
             else:
                 ours = []  # swapped: `tmp` now names what stood at `name`
                 # Anything but the file we read means another writer renamed its own file in
-                # after our last look.
-                if _look(dfd, tmp) != seen:
+                # after our last look. A look that fails cannot tell: everything back as it
+                # stood, as for another writer's file.
+                failed: OSError | None = None
+                try:
+                    moved = _look(dfd, tmp)
+                except OSError as exc:
+                    moved, failed = None, exc
+                if failed is not None or moved != seen:
                     exchange(dfd, tmp, name)  # theirs back in place, ours out again
                     unlink_quietly(dfd, tmp)
+                    if failed is not None:
+                        raise failed
                     os.fsync(dfd)
                     raise ConcurrentChange(
                         f"{path} was replaced by another process while k3patch replaced it; "
@@ -267,7 +273,11 @@ def replace_checked(
                 if keep is None:
                     unlink_quietly(dfd, tmp)
                 else:
-                    os.rename(tmp, keep, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    try:
+                        os.rename(tmp, keep, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    except OSError:
+                        unlink_quietly(dfd, tmp)  # the file we read: a rollback writes its copy
+                        raise
         except BaseException:
             for leftover in ours:  # the new file never took its place: none of it stays
                 unlink_quietly(dfd, leftover)

@@ -1,0 +1,96 @@
+"""Defects the whole fault-injection campaign (benchmarks/faults.py, issue 26; the table is in
+benchmarks/RELIABILITY.md) found, each held here in the small: one filesystem call made to fail
+the way the campaign failed it, and the promise that broke (no k3patch temp file outlives a
+failed run; the file is whole).
+
+FAULTS-1: `replace_checked` wrote its temp file, then took the last look at the target
+(`os.stat`) outside the block that removes its own temp files on failure; and after an
+exchange, the look at what it swapped out, and the rename of that to the kept name, failed
+with the old file left under a temp name. Seen: recover-apply on fork tree a, ENOSPC/EIO/EACCES
+at `os.stat` in `_look` (the recovery has no litter sweep after it, the commit's rollback did).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from k3patch import replace
+from k3patch.errors import EnvironmentProblem
+
+OLD, NEW = b"old = 1\n", b"new = 2\n"
+
+
+def failing(monkeypatch, name: str, when) -> None:
+    """os.NAME raises EIO on the call `when(args, kwargs)` picks; every other call is real."""
+    real = getattr(os, name)
+
+    def fake(*args, **kwargs):
+        if when(args, kwargs):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(args[0]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(os, name, fake)
+
+
+def temps(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if replace.LITTER.match(p.name))
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    (tmp_path / "a.py").write_bytes(OLD)
+    return tmp_path
+
+
+def test_a_failed_last_look_removes_the_temp_file(root, monkeypatch):
+    failing(monkeypatch, "stat", lambda a, k: a[0] == "a.py" and "dir_fd" in k)
+    with pytest.raises(EnvironmentProblem):
+        replace.replace_checked(root, "a.py", OLD, NEW)
+    assert temps(root) == []
+    assert (root / "a.py").read_bytes() == OLD
+
+
+@pytest.mark.parametrize("kept", [None, []], ids=["removed", "kept"])
+def test_a_failed_look_at_the_swapped_out_file_leaves_no_temp_file(root, monkeypatch, kept):
+    if replace._renameat2() is None:
+        pytest.skip("no renameat2 here: the exchange branch is not taken")
+    failing(monkeypatch, "stat", lambda a, k: str(a[0]).startswith(".a.py.k3patch-tmp."))
+    with pytest.raises(EnvironmentProblem):
+        replace.replace_checked(root, "a.py", OLD, NEW, kept=kept)
+    assert temps(root) == []
+    assert (root / "a.py").read_bytes() == OLD, "swapped back: the file as it stood"
+    assert not kept
+
+
+def test_a_failed_rename_to_the_kept_name_leaves_no_temp_file(root, monkeypatch):
+    if replace._renameat2() is None:
+        pytest.skip("no renameat2 here: the exchange branch is not taken")
+    failing(monkeypatch, "rename", lambda a, k: str(a[0]).startswith(".a.py.k3patch-tmp."))
+    kept: list[str] = []
+    with pytest.raises(EnvironmentProblem):
+        replace.replace_checked(root, "a.py", OLD, NEW, kept=kept)
+    assert temps(root) == []
+    assert kept == [], "nothing kept: a rollback writes the saved copy"
+
+
+# FAULTS-2: revert began with `os.path.lexists(.k3patch)`, which reads any failure as "absent":
+# an EIO or EACCES on that one look made revert report "nothing recorded" and exit 0 on an
+# applied tree (recover-revert on fork tree a, ENOSPC/EIO/EACCES at call 14, os.lstat).
+@pytest.mark.wheel
+def test_revert_that_cannot_look_for_the_record_is_an_environment_error(make_tree, monkeypatch):
+    from k3patch import engine
+    from k3patch.tree import locate
+
+    site = make_tree("0.31.0")
+    engine.apply(locate(site))
+    tree = locate(site)
+    state = str(tree.state_dir)
+    failing(monkeypatch, "lstat", lambda a, k: str(a[0]) == state)
+    with pytest.raises(EnvironmentProblem, match=r"cannot look at .*\.k3patch: Input/output"):
+        engine.revert(tree)
+    monkeypatch.undo()
+    assert (site / "vllm/.k3patch/state.json").is_file(), "nothing removed"
