@@ -157,3 +157,50 @@ def test_the_memo_check_reports_a_memo_that_skips_calls(tmp_path):
     differences = data["memo"]["differences"]
     assert any("calls differ" in line for line in differences), differences
     assert not data["rows"][0]["memo_checked"]
+
+
+def _module(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        f"bench_{name}", ROOT / "benchmarks" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("first", ["faults", "reliability"])
+def test_the_two_writers_of_reliability_md_keep_each_others_blocks(tmp_path, monkeypatch, first):
+    """benchmarks/faults.py and benchmarks/reliability.py each replace only their own marked
+    block of RELIABILITY.md: the other's block, the title and the history stay, and
+    reliability.py reads its earlier rows from its own block only (the fault tables' rows look
+    like its rows)."""
+    faults, reliability = _module("faults"), _module("reliability")
+    page = tmp_path / "RELIABILITY.md"
+    monkeypatch.setattr(faults, "RESULTS", page)
+    monkeypatch.setattr(reliability, "RESULTS", page)
+    page.write_text(
+        "# Title\n\n"
+        f"{faults.BEGIN}\nold fault table\n| leftovers | apply 0.31.0 | EIO at os.close | 1 |\n"
+        f"{faults.FINISH}\n\n## History\n\n| an old case | 7 | 0 |\n\n"
+        f"{reliability.BEGIN}\n| case | runs | seen | failures |\n|---|---:|---|---:|\n"
+        f"| kept case | 5 | 5 seen | 0 |\n{reliability.FINISH}\n\nThe end.\n"
+    )
+    writes = {
+        "faults": lambda: faults.write_report("NEW FAULT TABLE"),
+        "reliability": lambda: reliability.write_block(
+            reliability.merge([("new case", 3, "3 seen", 0)], "Last run today.", "cmd")
+        ),
+    }
+    for name in (first, *(n for n in writes if n != first)):
+        writes[name]()
+    text = page.read_text()
+    assert text.startswith("# Title\n")
+    assert "NEW FAULT TABLE" in text and "old fault table" not in text
+    assert "## History\n\n| an old case | 7 | 0 |" in text and text.endswith("The end.\n")
+    block = reliability.own_block(text)
+    assert "| kept case | 5 | 5 seen | 0 |" in block and "| new case | 3 | 3 seen | 0 |" in block
+    assert "leftovers" not in block and "an old case" not in block
+    assert text.count(faults.BEGIN) == text.count(reliability.BEGIN) == 1
