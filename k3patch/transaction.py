@@ -189,7 +189,9 @@ class Transaction:
             # and the next run finishes the clean-up (saved copies without a record would
             # otherwise stop revert for good).
             self._prune_to_record()
-        done += self.remove_litter()
+        # With a journal, litter that cannot be removed keeps it (exit 3): once the journal and
+        # then `.k3patch` are gone no run looks for it again, and it would stay for good.
+        done += self.remove_litter(strict=journal is not None)
         if journal is not None:
             for entry in journal["files"]:
                 if entry["path"].endswith(".py"):
@@ -228,23 +230,29 @@ class Transaction:
         files = record.files.values() if record else []
         self.blobs.prune({fs.original for fs in files if fs.original})
 
-    def remove_litter(self) -> list[str]:
+    def remove_litter(self, strict: bool = False) -> list[str]:
         """Temp files left by a killed or failed run (regular files named so) next to the state
         files and beside every registered target, and in its `__pycache__` (where an earlier
         k3patch, killed while it wrote bytecode, left them), journal or not: a run that died
         after its journal was gone must not leave an old file's copy there for good. Runs under
         the lock, so no live run's temp file is there. A directory that cannot be opened, or a
-        file that cannot be removed, is left for the next run."""
+        file that cannot be removed, is left for the next run (`strict`: raises, once the rest
+        is removed)."""
         dirs = {".k3patch", f".k3patch/{BLOBS}"}
         for target in self.allowed - {state.STATE_REL}:
             folder = os.path.dirname(target)
             dirs.update((folder, os.path.join(folder, "__pycache__")))
         removed = []
+        failed: EnvironmentProblem | None = None
         for rel_dir in sorted(dirs):
-            with contextlib.suppress(EnvironmentProblem):
+            try:
                 for name in regular_files(self.package_dir, rel_dir, LITTER):
                     unlink_in(self.package_dir, f"{rel_dir}/{name}")
                     removed.append(f"removed {self.package_dir / rel_dir / name}")
+            except EnvironmentProblem as exc:
+                failed = failed or exc
+        if strict and failed is not None:
+            raise failed
         return removed
 
 

@@ -94,3 +94,34 @@ def test_revert_that_cannot_look_for_the_record_is_an_environment_error(make_tre
         engine.revert(tree)
     monkeypatch.undo()
     assert (site / "vllm/.k3patch/state.json").is_file(), "nothing removed"
+
+
+# FAULTS-3: the recovery removed the litter beside the targets best effort and then the journal:
+# a removal that failed (EIO, ENOSPC on NFS, EACCES) left a killed run's temp file, and, the
+# journal and then `.k3patch` gone, no later run looked for it again (revert of a tree with no
+# `.k3patch` does nothing), so it stayed for good. Seen: recover-revert on fork tree a, a fault
+# at the open of `vllm` or the unlink in `remove_litter`.
+@pytest.mark.wheel
+def test_a_recovery_that_cannot_remove_the_litter_keeps_its_journal(make_tree, monkeypatch):
+    from conftest import run_cli
+
+    from k3patch import engine
+    from k3patch.tree import locate
+
+    site = make_tree("0.31.0")
+    original = (site / "vllm/_aiter_ops.py").read_bytes()
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    env = {"K3PATCH_TEST_CRASH_AT": "blobs-written"}
+    assert run_cli("revert", "--vllm", str(site), env=env).returncode == 137
+    litter = "._aiter_ops.py.k3patch-tmp.0123456789abcdef"  # as a killed write leaves it
+    (site / "vllm" / litter).write_bytes(b"a killed run's copy\n")
+    failing(monkeypatch, "unlink", lambda a, k: a[0] == litter)
+    try:
+        engine.revert(locate(site))
+    except EnvironmentProblem:
+        assert (site / "vllm/.k3patch/journal.json").exists(), "the next run must look again"
+    monkeypatch.undo()
+    engine.revert(locate(site))  # the fault lifted
+    assert temps(site / "vllm") == []
+    assert (site / "vllm/_aiter_ops.py").read_bytes() == original
+    assert not (site / "vllm/.k3patch").exists()
