@@ -1153,6 +1153,13 @@ class Campaign:
                     continue
                 problems, matched = self.one(command, snap, ref, n, kind, call)
                 row.runs[kind] += 1
+                if sum(row.runs.values()) % 200 == 0:
+                    print(
+                        f"# progress: {command} on {tree}, {kind} at call {n} of {len(calls)}, "
+                        f"{sum(row.runs.values())} runs, {time.strftime('%H:%M:%S')}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 if not matched:
                     row.mismatched += 1
                 for what in problems:
@@ -1405,6 +1412,23 @@ def report_text(paths: list[str]) -> tuple[str, list[Row]]:
             else f"every {every}th call from call {sample.get('offset', 0) + 1}"
         )
         for raw in data["rows"]:
+            twin = next(
+                (r for r in rows if (r.command, r.tree) == (raw["command"], raw["tree"])), None
+            )
+            if (
+                twin is not None
+                and twin.calls == raw["calls"]
+                and not set(twin.runs) & set(raw["runs"])
+            ):
+                # One row run in several processes, a fault kind each: one row.
+                twin.runs.update(raw["runs"])
+                twin.failures.update(raw["failures"])
+                twin.mismatched += raw["mismatched"]
+                twin.seconds = max(twin.seconds, raw.get("seconds", 0.0))
+                twin.cpu += raw.get("cpu", 0.0)
+                twin.memo_checked = twin.memo_checked and raw.get("memo_checked", False)
+                seen += [(twin, e) for e in raw["examples"] if e.get("problems")]
+                continue
             row = Row(raw["command"], raw["tree"], raw["calls"], raw["space_calls"])
             row.runs.update(raw["runs"])
             row.failures.update(raw["failures"])
