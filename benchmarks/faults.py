@@ -1359,7 +1359,7 @@ _FAIL_LINE = re.compile(
 )
 
 
-def _from_log(text: str) -> dict[str, Any]:
+def _from_log(text: str, partial: bool = False) -> dict[str, Any]:
     """The finished rows of a run's log (its stderr), for a campaign stopped before its end:
     each row's summary line, and each failing run's lines."""
     meta = re.search(r"^# faults\.py (.*)$", text, re.M)
@@ -1377,6 +1377,10 @@ def _from_log(text: str) -> dict[str, Any]:
             what, _, detail = line.strip().partition(": ")
             if what in FAILURE_KINDS:
                 current["problems"][what] = [detail]
+    if partial:  # every row that failed a run, finished or not
+        for (cmd, tree), found_there in examples.items():
+            data["rows"].append({"command": cmd, "tree": tree, "examples": found_there})
+        return data
     for found in _ROW_LINE.finditer(text):
         cmd, tree, calls, runs, fails, seconds = found.groups()
         row = {"command": cmd, "tree": tree, "calls": int(calls), "space_calls": 0}
@@ -1549,7 +1553,10 @@ def main(argv: list[str] | None = None) -> int:
     campaign = Campaign(work, verbose=args.verbose, check_memo=args.check_memo)
     replayed: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for path in args.replay or []:
-        for raw in json.loads(Path(path).read_text())["rows"]:
+        text = Path(path).read_text()
+        # A --json file, or the log (stderr) of a campaign stopped before its rows ended.
+        data = json.loads(text) if text.lstrip().startswith("{") else _from_log(text, partial=True)
+        for raw in data["rows"]:
             failing = [e for e in raw["examples"] if e.get("problems") and e.get("func")]
             replayed.setdefault((raw["command"], raw["tree"]), []).extend(failing)
     rows = []
