@@ -386,7 +386,9 @@ def _commit(txn: Transaction, edits: list[FileEdit], op: str, old: StateRecord |
     try:
         return txn.commit(edits, op)
     except BaseException:
-        if txn.pending_journal() is not None:
+        # Committed (a sync after the journal's removal failed) or a journal left: no rollback
+        # happened, and the record and saved originals are the tree's.
+        if txn.committed or txn.pending_journal() is not None:
             raise
         if old is None:
             _remove_state_dir(txn)

@@ -126,15 +126,20 @@ def write_atomically(path: Path, data: bytes, *, root: Path) -> None:
     replace_checked(root, rel, read_in(root, rel), data)
 
 
-def unlink_in(root: Path, rel: str, *, rmdir: bool = False) -> None:
+def unlink_in(root: Path, rel: str, *, rmdir: bool = False, durable: bool = True) -> None:
     """Remove the file (with `rmdir`: the empty directory) `root/rel`, absent is fine, the
-    directories on the way not followed if links."""
+    directories on the way not followed if links. Not `durable`: a sync of the directory that
+    fails after the removal is no error."""
     dfd = open_dir_if_there(root, os.path.dirname(rel))
     if dfd is None:
         return
     try:
         (os.rmdir if rmdir else os.unlink)(os.path.basename(rel), dir_fd=dfd)
-        os.fsync(dfd)
+        try:
+            os.fsync(dfd)
+        except OSError:
+            if durable:
+                raise
     except FileNotFoundError:
         pass
     except OSError as exc:

@@ -57,6 +57,9 @@ class Transaction:
         self.package_dir = package_dir
         self.fault = fault or _fault_from_environment
         self.blobs = Blobs(package_dir)
+        # Set when the commit reached its end (the journal's removal): an error after that is
+        # not a failed commit, and nothing of it may be cleaned up as if it rolled back.
+        self.committed = False
         # The paths a journal may name: the registered targets and k3patch's own record.
         self.allowed = state.registered_targets() | {state.STATE_REL}
 
@@ -100,13 +103,16 @@ class Transaction:
                 notes += self._replace(edit, written, kept)
                 self.fault(f"replaced:{edit.rel}")
             for rel in list(kept):
-                unlink_in(self.package_dir, kept.pop(rel))
+                # Durable or not, the copy is gone: a failed sync here (a full disk) must not
+                # start a rollback that needs space to write that file back.
+                unlink_in(self.package_dir, kept.pop(rel), durable=False)
             self.fault("kept-removed")
         except BaseException:
             # Roll back what this run wrote; if that fails too the journal stays for the next run.
             with contextlib.suppress(Exception):
                 self._undo(written, kept)
             raise
+        self.committed = True
         unlink_in(self.package_dir, state.JOURNAL_REL)
         self.fault("journal-removed")
         return list(dict.fromkeys(actions + notes))  # a warning about a group: once

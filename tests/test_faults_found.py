@@ -125,3 +125,91 @@ def test_a_recovery_that_cannot_remove_the_litter_keeps_its_journal(make_tree, m
     assert temps(site / "vllm") == []
     assert (site / "vllm/_aiter_ops.py").read_bytes() == original
     assert not (site / "vllm/.k3patch").exists()
+
+
+def _hashes(site: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(site).as_posix(): p.read_bytes()
+        for p in sorted((site / "vllm").rglob("*.py"))
+        if "__pycache__" not in p.parts
+    }
+
+
+def _fail_after(monkeypatch, trigger, persistent: bool) -> None:
+    """os.fsync fails (ENOSPC) right after an os.unlink that `trigger` picks; `persistent`:
+    every later fsync and file creation too (a disk that filled up there and stays full)."""
+    real_unlink, real_fsync, real_open = os.unlink, os.fsync, os.open
+    armed = {"on": False, "spent": False}
+
+    def unlink(path, *a, **k):
+        real_unlink(path, *a, **k)
+        if trigger(str(path)) and not armed["spent"]:
+            armed["on"] = True
+
+    def fsync(fd):
+        if armed["on"]:
+            armed["on"] = persistent
+            armed["spent"] = True
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_fsync(fd)
+
+    def open_(path, flags, *a, **k):
+        if persistent and armed["spent"] and flags & os.O_CREAT:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "open", open_)
+
+
+def _lift_and_check(site: Path, original: dict[str, bytes], monkeypatch) -> None:
+    from k3patch import engine
+    from k3patch.tree import locate
+
+    monkeypatch.undo()
+    engine.apply(locate(site))  # the fault lifted
+    assert _hashes(site) != original
+    engine.revert(locate(site))
+    assert _hashes(site) == original, "the originals were saved: revert puts them back"
+
+
+# FAULTS-4: a sync that failed after the journal was removed (the commit done) was taken for a
+# failed commit: `_commit` found no journal, read that as "rolled back", and removed the record
+# and every saved original of a tree now fully patched; nothing could revert it. Seen: apply on
+# 0.31.0, ENOSPC/EIO/EACCES at the fsync or close after the journal's unlink (calls 603, 604).
+@pytest.mark.wheel
+def test_a_failed_sync_after_the_commit_keeps_the_saved_originals(make_tree, monkeypatch):
+    from k3patch import engine
+    from k3patch.tree import locate
+
+    site = make_tree("0.31.0")
+    original = _hashes(site)
+    _fail_after(monkeypatch, lambda p: p.endswith("journal.json"), persistent=False)
+    with pytest.raises(EnvironmentProblem):
+        engine.apply(locate(site))
+    assert (site / "vllm/.k3patch/state.json").is_file()
+    _lift_and_check(site, original, monkeypatch)
+
+
+# FAULTS-5: a disk that fills up at the sync after a kept old file's removal (the last step
+# before the journal goes) and stays full: the commit rolled back, and the file whose kept copy
+# was already gone needed space to be written back, so the run ended with one patch applied and
+# one rolled back (apply on 0.31.0, disk full at call 583, fsync of `vllm/`).
+@pytest.mark.wheel
+def test_a_full_disk_at_the_removal_of_a_kept_copy_leaves_a_whole_tree(make_tree, monkeypatch):
+    from k3patch import engine
+    from k3patch.tree import locate
+
+    site = make_tree("0.31.0")
+    original = _hashes(site)
+    _fail_after(monkeypatch, lambda p: ".k3patch-tmp." in p, persistent=True)
+    try:
+        engine.apply(locate(site))
+    except EnvironmentProblem:
+        pass
+    monkeypatch.undo()
+    now = _hashes(site)
+    changed = [rel for rel in original if now[rel] != original[rel]]
+    assert len(changed) in (0, 2), f"one patch applied, one not: {changed}"
+    _lift_and_check(site, original, monkeypatch)
