@@ -128,8 +128,8 @@ def write_atomically(path: Path, data: bytes, *, root: Path) -> None:
 
 def unlink_in(root: Path, rel: str, *, rmdir: bool = False, durable: bool = True) -> None:
     """Remove the file (with `rmdir`: the empty directory) `root/rel`, absent is fine, the
-    directories on the way not followed if links. Not `durable`: a sync of the directory that
-    fails after the removal is no error."""
+    directories on the way not followed if links; a directory that is not empty is left as it
+    is. Not `durable`: a sync of the directory that fails after the removal is no error."""
     dfd = open_dir_if_there(root, os.path.dirname(rel))
     if dfd is None:
         return
@@ -143,6 +143,8 @@ def unlink_in(root: Path, rel: str, *, rmdir: bool = False, durable: bool = True
     except FileNotFoundError:
         pass
     except OSError as exc:
+        if rmdir and exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return  # `finally` closes dfd
         raise env_error("remove", root / rel, exc) from None
     finally:
         os.close(dfd)

@@ -167,9 +167,10 @@ class Transaction:
     def remove_state_dir(self) -> None:
         """The record, an empty blobs/ and `.k3patch` itself; anything else is left where it is."""
         unlink_in(self.package_dir, state.STATE_REL)
-        with contextlib.suppress(EnvironmentProblem):  # not empty: the rest is not k3patch's
-            unlink_in(self.package_dir, f".k3patch/{BLOBS}", rmdir=True)
-            unlink_in(self.package_dir, ".k3patch", rmdir=True)
+        # Not empty: the rest is not k3patch's, left quietly (unlink_in); any other failure is
+        # an error, never a revert that says done and leaves `.k3patch`.
+        unlink_in(self.package_dir, f".k3patch/{BLOBS}", rmdir=True)
+        unlink_in(self.package_dir, ".k3patch", rmdir=True)
 
     # -- recovery ------------------------------------------------------------------------
     def pending_journal(self) -> dict[str, Any] | None:

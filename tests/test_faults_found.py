@@ -213,3 +213,28 @@ def test_a_full_disk_at_the_removal_of_a_kept_copy_leaves_a_whole_tree(make_tree
     changed = [rel for rel in original if now[rel] != original[rel]]
     assert len(changed) in (0, 2), f"one patch applied, one not: {changed}"
     _lift_and_check(site, original, monkeypatch)
+
+
+# FAULTS-6: revert removed `.k3patch` best effort: any failure of the last removals (opening a
+# directory, the rmdir of `blobs/` or `.k3patch`, the sync after) was silenced, so revert said
+# done, exit 0, and left an empty `.k3patch`. Only "not empty" (what is left is not k3patch's)
+# is to be left quietly. Seen: revert on 0.31.0, ENOSPC/EIO/EACCES at calls 555-562.
+@pytest.mark.wheel
+def test_a_revert_that_cannot_remove_k3patch_says_so(make_tree, monkeypatch):
+    from k3patch import engine
+    from k3patch.tree import locate
+
+    site = make_tree("0.31.0")
+    original = _hashes(site)
+    engine.apply(locate(site))
+    failing(monkeypatch, "rmdir", lambda a, k: a[0] == "blobs")
+    with pytest.raises(EnvironmentProblem, match="blobs"):
+        engine.revert(locate(site))
+    monkeypatch.undo()
+    assert _hashes(site) == original
+    engine.revert(locate(site))  # the fault lifted
+    assert not (site / "vllm/.k3patch").exists()
+    (site / "vllm/.k3patch/blobs").mkdir(parents=True)
+    (site / "vllm/.k3patch/notes.txt").write_text("the operator's\n")
+    engine.revert(locate(site))  # not k3patch's: left where it is, quietly
+    assert (site / "vllm/.k3patch/notes.txt").exists()
