@@ -1334,7 +1334,7 @@ compares a sample of faulted runs' calls, exit codes, output and trees, and repo
 memo that skips reads). The run with the fault lifted is skipped only when the faulted run
 (killed or not) left the tree, `.k3patch` and the pycaches exactly as the row started (every
 entry's name, type, owner, mode, mtime, bytes and xattrs): that run is the row's baseline run,
-checked once. A run costs about 0.11 CPU-s (1.6 before).
+checked once. A run costs 0.07-0.12 CPU-s (1.5-1.7 before; see below).
 """
 
 
