@@ -59,12 +59,14 @@ import io
 import json
 import marshal
 import os
+import pickle
 import pkgutil
 import py_compile
 import re
 import runpy
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -112,6 +114,7 @@ class _Armed:
     tripped = False
     calls: ClassVar[list[dict[str, Any]]] = []
     seen: tuple[str, str] | None = None
+    log_calls = False  # a faulted run records its calls too (--check-memo)
     code_dirs: tuple[str, ...] = ()
 
 
@@ -179,10 +182,11 @@ def _gate(func: str, rel: str | None, space: bool) -> int | None:
     if _A.mode is None or rel is None:
         return None
     _A.count += 1
-    if _A.mode == "record":
+    if _A.mode == "record" or _A.log_calls:
         where, chain = _where()
         _A.calls.append({"func": func, "path": rel, "where": where, "chain": chain, "space": space})
-        return None
+        if _A.mode == "record":
+            return None
     if _A.count == _A.target:
         _A.seen = (func, rel)
         if _A.kind == "kill":
@@ -408,6 +412,135 @@ def install() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The memo: the planning (libcst rewrite of each patch) computed once per input, in the server.
+# ---------------------------------------------------------------------------------------------
+class _Memo:
+    """The planning of a run is pure given the bytes of the files it reads: `scan.classify`
+    (ast parse and site matching of one patch), `engine._rewrite` (one patch's libcst rewrite,
+    source text to new text) and `engine._check` (compile and re-classify the new text). They
+    are most of a run's CPU (about 2 of 2.5 CPU-s of an apply) and make no filesystem call of
+    their own beyond the reads of `sources`, which is lazy (a file is read the first time
+    something asks for it). A child computes each once per input and hands it to the server
+    (memo.pickle), whose later children inherit it. A hit makes the very reads the computation
+    made (`sources[rel]` for each file it read first, in order), and is used only when those
+    reads return the bytes they returned then; otherwise it is computed. So a run makes the
+    same calls with the memo as without: `--check-memo` records each row both ways and
+    compares the call lists, and tests/test_faults.py fails if they differ."""
+
+    on = True
+    entries: ClassVar[dict[str, tuple[tuple[tuple[str, str], ...], Any]]] = {}
+    new: ClassVar[dict[str, tuple[tuple[tuple[str, str], ...], Any]]] = {}
+    modules: ClassVar[set[str]] = set()
+    hits: ClassVar[Counter[str]] = Counter()  # in this child
+    misses: ClassVar[Counter[str]] = Counter()
+    total_hits: ClassVar[Counter[str]] = Counter()  # in the server: every child's, summed
+    total_misses: ClassVar[Counter[str]] = Counter()
+
+
+def _digest(data: bytes | None) -> str:
+    return "absent" if data is None else hashlib.sha256(data).hexdigest()
+
+
+def _memoized(name: str, real: Any, sources_at: int, copy: Any) -> Any:
+    """`real` memoized on its arguments' repr (but the Sources at `sources_at`) and the digests
+    of the files the Sources had read."""
+
+    def memo(*args: Any) -> Any:
+        if not _Memo.on:
+            return real(*args)
+        sources = args[sources_at]
+        known = dict(sources._files)  # read before: no call reads them again
+        inputs = sorted((rel, _digest(f.data)) for rel, f in known.items())
+        rest = [a for i, a in enumerate(args) if i != sources_at]
+        key = hashlib.sha256(repr((name, sources.version, _key(rest), inputs)).encode()).hexdigest()
+        found = _Memo.entries.get(key)
+        if found is not None:
+            reads, result = found
+            if all(_digest(sources[rel].data) == digest for rel, digest in reads):
+                _Memo.hits[name] += 1
+                return copy(result)
+            # Other bytes than when computed: compute (the reads are made already).
+        _Memo.misses[name] += 1
+        result = real(*args)
+        reads = tuple(
+            (rel, _digest(f.data)) for rel, f in sources._files.items() if rel not in known
+        )
+        _Memo.entries[key] = _Memo.new[key] = (reads, copy(result))
+        return result
+
+    memo.__name__ = getattr(real, "__name__", name)
+    return memo
+
+
+def install_memo() -> None:
+    """Memoize the planning in k3patch's modules (where the callers look the names up)."""
+    from k3patch import engine, scan
+
+    classify = _memoized("classify", scan.classify, 1, list)
+    scan.classify = engine.classify = classify  # type: ignore[attr-defined]
+    engine._rewrite = _memoized("rewrite", engine._rewrite, 1, dict)
+    engine._check = _memoized(
+        "check", engine._check, 2, lambda found: {k: list(v) for k, v in found.items()}
+    )
+    if os.environ.get("K3FAULTS_PLANTED_MEMO"):
+        # tests/test_faults.py: a memo that skips calls (it keeps the files' hashes by name, so
+        # a hit reads nothing) must be reported by the comparison.
+        real_hashes = scan.file_hashes
+
+        def file_hashes(sources: Any, files: Any) -> Any:
+            files = tuple(files)
+            key = f"planted {files}"
+            if _Memo.on and key in _Memo.entries:
+                return dict(_Memo.entries[key][1])
+            found = real_hashes(sources, files)
+            _Memo.entries[key] = _Memo.new[key] = ((), dict(found))
+            return found
+
+        scan.file_hashes = file_hashes
+
+
+def _key(value: Any) -> Any:
+    """A stable stand-in for an argument's repr: a patch by its id (its repr would be an
+    address), a set sorted, containers element by element."""
+    if hasattr(value, "classify") and hasattr(value, "rewrite") and hasattr(value, "id"):
+        return ("patch", value.id)
+    if isinstance(value, set | frozenset):
+        return ("set", sorted(map(repr, value)))
+    if isinstance(value, tuple | list) and not hasattr(value, "_fields"):
+        return (type(value).__name__, [_key(v) for v in value])
+    if isinstance(value, dict):
+        return ("dict", [(_key(k), _key(v)) for k, v in value.items()])
+    return value
+
+
+def _memo_out(out: Path) -> None:
+    # The modules a run imported that the server has not: the server imports them after the
+    # run, so later children start warm (typer's adapters import pydantic: 0.3 CPU-s a run).
+    new = [name for name in sys.modules if name not in _Memo.modules]
+    if new:
+        with open(out / "modules.json", "w") as handle:
+            json.dump(new, handle)
+    with open(out / "memo.pickle", "wb") as handle:
+        pickle.dump((_Memo.new, _Memo.hits, _Memo.misses), handle)
+
+
+def _memo_in(out: Path) -> None:
+    for name in _read_json(out / "modules.json") or []:
+        if name not in sys.modules and not name.startswith("__main__"):
+            with _suppress_all():
+                importlib.import_module(name)
+    _Memo.modules = set(sys.modules)
+    try:
+        with open(out / "memo.pickle", "rb") as handle:
+            new, hits, misses = pickle.load(handle)
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError):
+        return
+    _Memo.entries.update(new)
+    _Memo.total_hits.update(hits)
+    _Memo.total_misses.update(misses)
+
+
+# ---------------------------------------------------------------------------------------------
 # The fork server: one child per run.
 # ---------------------------------------------------------------------------------------------
 def preload() -> None:
@@ -447,10 +580,12 @@ def run(
     target: int = 0,
     kind: str = "",
     timeout: int = 120,
+    log_calls: bool = False,
+    memo: bool | None = None,
 ) -> RunResult:
     """`k3patch ARGS --vllm SITE` in a forked child, as `python -m k3patch` runs it."""
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("stdout", "stderr", "hit.json", "calls.json"):
+    for name in ("stdout", "stderr", "hit.json", "calls.json", "memo.pickle", "modules.json"):
         with _suppress():
             os.unlink(out / name)
     sys.stdout.flush()
@@ -467,6 +602,9 @@ def run(
                 os.close(got)
             _A.root = os.path.realpath(site)
             _A.mode, _A.target, _A.kind = mode, target, kind
+            _A.log_calls = log_calls
+            if memo is not None:
+                _Memo.on = memo
             _A.persistent = kind == "disk full"
             sys.argv = ["k3patch", *args, "--vllm", str(site)]
             try:
@@ -475,6 +613,7 @@ def run(
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
             mode_was, _A.mode = _A.mode, None
+            _memo_out(out)
             with open(out / "calls.json", "w") as handle:
                 json.dump({"calls": _A.calls, "count": _A.count}, handle)
             if mode_was == "fault" and _A.seen is not None:
@@ -491,6 +630,7 @@ def run(
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
+    _memo_in(out)
     done = _read_json(out / "calls.json") or {}
     seen = _read_json(out / "hit.json")
     return RunResult(
@@ -510,6 +650,14 @@ class _suppress:
 
     def __exit__(self, *exc: Any) -> bool:
         return exc[0] is not None and issubclass(exc[0], OSError | ValueError)
+
+
+class _suppress_all:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> bool:
+        return exc[0] is not None and issubclass(exc[0], Exception)
 
 
 def _read_json(path: Path) -> Any:
@@ -581,11 +729,47 @@ def make_tree(name: str, dest: Path) -> Path:
 
 
 def copy_tree(src: Path, dst: Path) -> Path:
-    """A copy that keeps owners, modes, times and xattrs (timestamp pycs stay valid)."""
+    """A copy that keeps owners, modes, times and xattrs (timestamp pycs stay valid), as
+    `cp -a` makes it, in this process (a `cp` per run cost a fork and exec of this large
+    process; `fingerprint` of the two is equal: tests/test_faults.py)."""
     if dst.exists():
         shutil.rmtree(dst)
-    subprocess.run(["cp", "-a", str(src), str(dst)], check=True)
+    _copy_entry(str(src), str(dst))
     return dst
+
+
+def _copy_entry(src: str, dst: str) -> None:
+    st = os.lstat(src)
+    if stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(src), dst)
+    elif stat.S_ISDIR(st.st_mode):
+        os.mkdir(dst)
+        with os.scandir(src) as entries:
+            for entry in entries:
+                _copy_entry(entry.path, os.path.join(dst, entry.name))
+    elif stat.S_ISREG(st.st_mode):
+        with open(src, "rb") as source, open(dst, "wb") as target:
+            target.write(source.read())
+    else:
+        raise ValueError(f"{src}: not a file, directory or link")
+    for name in os.listxattr(src, follow_symlinks=False):
+        os.setxattr(dst, name, os.getxattr(src, name, follow_symlinks=False), follow_symlinks=False)
+    os.lchown(dst, st.st_uid, st.st_gid)
+    if not stat.S_ISLNK(st.st_mode):
+        os.chmod(dst, stat.S_IMODE(st.st_mode))
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+
+_SNAPSHOT: dict[tuple[str, str], Any] = {}
+
+
+def of_snapshot(what: Any, snap: Path) -> Any:
+    """`what(snap)` for a start snapshot, computed once (a snapshot is never written after
+    `prepare`, which forgets these)."""
+    key = (what.__name__, str(snap))
+    if key not in _SNAPSHOT:
+        _SNAPSHOT[key] = what(snap)
+    return _SNAPSHOT[key]
 
 
 def file_hashes(site: Path) -> dict[str, str]:
@@ -645,23 +829,35 @@ def pyc_problems(site: Path) -> list[str]:
         if not used:
             continue
         rel = pyc.relative_to(site).as_posix()
-        try:
-            code = marshal.loads(data[16:])
-        except (EOFError, ValueError, TypeError):
+        pair = (hashlib.sha256(data).hexdigest(), hashlib.sha256(src).hexdigest(), opt)
+        if pair not in _JUDGED:  # the same pyc bytes against the same source: one verdict
+            _JUDGED[pair] = _pyc_verdict(data, src, opt)
+        if _JUDGED[pair] == "unmarshal":
             problems.append(f"{rel} would be loaded and does not unmarshal")
-            continue
-        key3 = (hashlib.sha256(src).hexdigest(), code.co_filename, opt)
-        if key3 not in _COMPILED:
-            try:
-                _COMPILED[key3] = compile(
-                    src, code.co_filename, "exec", dont_inherit=True, optimize=opt
-                )
-            except (SyntaxError, ValueError):
-                _COMPILED[key3] = None
-        if _COMPILED[key3] != code:
+        elif _JUDGED[pair] == "other":
             mode = {0: "timestamp", 1: "unchecked-hash"}.get(flags, "checked-hash")
             problems.append(f"{rel} ({mode}) would run other code than {stem}.py holds")
     return problems
+
+
+_JUDGED: dict[tuple[str, str, int], str] = {}
+
+
+def _pyc_verdict(data: bytes, src: bytes, opt: int) -> str:
+    """ "ok", "unmarshal" (it does not load) or "other" (it holds other code than `src`)."""
+    try:
+        code = marshal.loads(data[16:])
+    except (EOFError, ValueError, TypeError):
+        return "unmarshal"
+    key3 = (hashlib.sha256(src).hexdigest(), code.co_filename, opt)
+    if key3 not in _COMPILED:
+        try:
+            _COMPILED[key3] = compile(
+                src, code.co_filename, "exec", dont_inherit=True, optimize=opt
+            )
+        except (SyntaxError, ValueError):
+            _COMPILED[key3] = None
+    return "ok" if _COMPILED[key3] == code else "other"
 
 
 @dataclass
@@ -698,6 +894,13 @@ class Row:
     examples: list[dict[str, Any]] = field(default_factory=list)
     call_kinds: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
+    memo_checked: bool = False  # the recording made the same calls with and without the memo
+    cpu: float = 0.0  # CPU seconds of the server and its children (the runs, cp, ...)
+
+
+def cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 FAILURE_KINDS = ("half-patched", "unrecoverable journal", "leftovers", "wrong exit code")
@@ -705,9 +908,11 @@ FAILURE_KINDS += ("wrong end state",)
 
 
 class Campaign:
-    def __init__(self, work: Path, verbose: bool = False) -> None:
+    def __init__(self, work: Path, verbose: bool = False, check_memo: bool = False) -> None:
         self.work = work
         self.verbose = verbose
+        self.check_memo = check_memo  # every faulted run also without the memo, compared
+        self.memo_differences: list[str] = []
 
     # -- set-up --------------------------------------------------------------------------
     def prepare(self, tree: str, commands: list[str]) -> tuple[dict[str, Path], Reference]:
@@ -716,6 +921,7 @@ class Campaign:
         was swapped in (a journal, saved copies, one file written)."""
         base = self.work / f"{tree}-start"
         snaps: dict[str, Path] = {}
+        _SNAPSHOT.clear()
         if base.exists():
             shutil.rmtree(base)
         base.mkdir(parents=True)
@@ -830,16 +1036,23 @@ class Campaign:
         problems per failure kind, and whether call n was the recorded call."""
         site = copy_tree(snap, self.work / "site")
         op, end = RUNS[command], END[RUNS[command]]
-        got = run([op], site, self.work / "out", mode="fault", target=n, kind=kind)
+        checked = self.check_memo and kind != "kill"  # a killed run hands back no calls
+        args = {"mode": "fault", "target": n, "kind": kind, "log_calls": checked}
+        got = run([op], site, self.work / "out", **args)
         matched = got.seen == (expect["func"], expect["path"])
         found: dict[str, list[str]] = {k: [] for k in FAILURE_KINDS}
+        if checked:
+            plain = copy_tree(snap, self.work / "twin")  # as long a name: the same wrapping
+            bare = run([op], plain, self.work / "out-no-memo", **args, memo=False)
+            if differs := memo_difference(got, bare, site, plain):
+                self.memo_differences.append(f"{command} {kind} at call {n}: {differs}")
         journal = (site / "vllm/.k3patch/journal.json").exists()
         killed = got.signal == signal.SIGKILL
         if got.code is None and not killed:
             found["wrong exit code"].append(f"died of signal {got.signal} (a hang?)")
         # A journal excuses files split between original and patched only where recovery is
         # what comes next: after a kill, or when the run left the files as it found them.
-        excused = journal and (killed or file_hashes(site) == file_hashes(snap))
+        excused = journal and (killed or file_hashes(site) == of_snapshot(file_hashes, snap))
         found["half-patched"] += self.half(site, ref, journal_excuses=excused)
         # A temp file the killed run before this one left is the recovery's to remove, and is
         # held to it after the run with the fault lifted; here only this run's own count.
@@ -866,9 +1079,11 @@ class Campaign:
                 found["wrong exit code"].append(
                     f"exit 3 with {len(lines)} stderr lines: {' | '.join(lines)[:300]}"
                 )
-        # The fault lifted: the same command again. On a tree exactly as it started that run is
-        # the uninterrupted one, already checked (Campaign.row): not run again.
-        if not killed and fingerprint(site) == fingerprint(snap):
+        # The fault lifted: the same command again. On a tree exactly as it started (every
+        # entry's name, type, owner, mode, mtime, bytes and xattrs: the tree, .k3patch and the
+        # pycaches; a killed run too, whose flock died with it) that run is the uninterrupted
+        # one, already checked (Campaign.row): not run again.
+        if fingerprint(site) == of_snapshot(fingerprint, snap):
             return {k: v for k, v in found.items() if v}, matched
         again = run([op], site, self.work / "out")
         lines = [line for line in again.stderr.splitlines() if line.strip()]
@@ -895,13 +1110,23 @@ class Campaign:
         funcs: set[str] | None = None,
         replay: list[dict[str, Any]] | None = None,
     ) -> Row:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), cpu_seconds()
         snap = snaps[START[command]]
         recorded = run(
             [RUNS[command]], copy_tree(snap, self.work / "site"), self.work / "out", mode="record"
         )
         calls = recorded.calls
         row = Row(command, tree, calls=len(calls), space_calls=sum(c["space"] for c in calls))
+        # The memo proves itself on every row: the recording again with the memo warm, and
+        # without it, make the very calls of the first (tests/test_faults.py holds this).
+        for memo in (True, False):
+            again = copy_tree(snap, self.work / "twin")
+            other = run([RUNS[command]], again, self.work / "out", mode="record", memo=memo)
+            if differs := memo_difference(recorded, other, self.work / "site", again):
+                what = "warm memo" if memo else "no memo"
+                self.memo_differences.append(f"{command} on {tree}, {what}: {differs}")
+        mine = f"{command} on {tree}"
+        row.memo_checked = not any(d.startswith(mine) for d in self.memo_differences)
         row.call_kinds.update(c["func"] for c in calls)
         # The uninterrupted run: what a run on a tree left as it started would do.
         wrong, left = self.end_state(self.work / "site", ref, END[RUNS[command]])
@@ -927,6 +1152,13 @@ class Campaign:
                     continue
                 problems, matched = self.one(command, snap, ref, n, kind, call)
                 row.runs[kind] += 1
+                if sum(row.runs.values()) % 200 == 0:
+                    print(
+                        f"# progress: {command} on {tree}, {kind} at call {n} of {len(calls)}, "
+                        f"{sum(row.runs.values())} runs, {time.strftime('%H:%M:%S')}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 if not matched:
                     row.mismatched += 1
                 for what in problems:
@@ -936,7 +1168,35 @@ class Campaign:
                     row.examples.append(example)
                     print(_describe(row, example), file=sys.stderr, flush=True)
         row.seconds = time.perf_counter() - start
+        row.cpu = cpu_seconds() - cpu
         return row
+
+
+def call_list(calls: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
+    """What a run did, call by call: function, path (temp names alike), k3patch call site and
+    its callers."""
+    return [(c["func"], c["path"], c["where"], c["chain"]) for c in calls]
+
+
+def memo_difference(a: RunResult, b: RunResult, site_a: Path, site_b: Path) -> str:
+    """How two runs of one command on two copies of one tree differ (one with the memo, one
+    without): their calls, exit codes, output (temp names alike) and the trees they left."""
+    if call_list(a.calls) != call_list(b.calls):
+        mine, theirs = call_list(a.calls), call_list(b.calls)
+        pairs = zip(mine, theirs, strict=False)
+        first = next((i for i, (x, y) in enumerate(pairs) if x != y), min(len(mine), len(theirs)))
+        return f"calls differ from call {first + 1} ({len(a.calls)} vs {len(b.calls)} calls)"
+    if (a.code, a.signal) != (b.code, b.signal):
+        return f"exit {a.code}/{a.signal} vs {b.code}/{b.signal}"
+    said = [
+        TEMP.sub("", (r.stdout + r.stderr).replace(str(site), "SITE"))
+        for r, site in ((a, site_a), (b, site_b))
+    ]
+    if said[0] != said[1]:
+        return f"output differs: {said[0][-300:]!r} vs {said[1][-300:]!r}"
+    if file_hashes(site_a) != file_hashes(site_b):
+        return "the trees differ"
+    return ""
 
 
 def _identity(call: dict[str, Any]) -> tuple[str, str, str, str]:
@@ -997,25 +1257,29 @@ def table(rows: list[Row], kinds: list[str], header: str) -> str:
         "",
         f"| command | tree | calls (need space) | runs: {' / '.join(kinds)} | "
         + " | ".join(FAILURE_KINDS)
-        + " | s |",
-        "|---|---|---:|---:|" + "---:|" * len(FAILURE_KINDS) + "---:|",
+        + " | wall s | CPU s |",
+        "|---|---|---:|---:|" + "---:|" * len(FAILURE_KINDS) + "---:|---:|",
     ]
     for r in rows:
         runs = " / ".join(str(r.runs[k]) for k in kinds)
         fails = " | ".join(str(r.failures[k]) for k in FAILURE_KINDS)
         lines.append(
             f"| {r.command} | {r.tree} | {r.calls} ({r.space_calls or '?'}) | {runs} | {fails} | "
-            f"{r.seconds:.0f} |"
+            f"{r.seconds:.0f} | {r.cpu:.0f} |"
         )
     total_runs = sum(sum(r.runs.values()) for r in rows)
     total = Counter()
     for r in rows:
         total.update(r.failures)
+    cpu = sum(r.cpu for r in rows)
     lines.append("")
     lines.append(
-        f"{total_runs} runs; failing runs by kind: "
+        f"{total_runs} runs ({cpu:.0f} CPU-s, {cpu / max(1, total_runs):.2f} a run); failing runs "
+        "by kind: "
         + ", ".join(f"{k} {total[k]}" for k in FAILURE_KINDS)
-        + f"; runs whose failing call was not the recorded one: {sum(r.mismatched for r in rows)}."
+        + f"; runs whose failing call was not the recorded one: {sum(r.mismatched for r in rows)}"
+        + "; rows whose recording made other calls without the memo: "
+        + f"{sum(not r.memo_checked for r in rows)}."
     )
     return "\n".join(lines)
 
@@ -1058,6 +1322,18 @@ saved copies no record needs, or a `.k3patch` after a revert; **wrong exit code*
 run exits other than 3 with one stderr line (or 0 having reached its end state anyway); **wrong
 end state** when the run again does not end applied (apply: patched files, pycs in line, the
 reference's `status`, exactly the originals' saved copies) or original (revert: no `.k3patch`).
+
+What makes every call affordable (2 shared cores): the runs are forked from a server that has
+imported everything a run imports, and the planning (each patch's classification, its libcst
+rewrite and the check of the new text: pure functions of the bytes they read, about 2 of an
+apply's 2.5 CPU-s) is memoized there: a hit makes the very reads the computation made and is
+used only if they return the same bytes, so a run makes the same filesystem calls with the
+memo as without (every row's recording is compared both ways, and `tests/test_faults.py`
+compares a sample of faulted runs' calls, exit codes, output and trees, and reports a planted
+memo that skips reads). The run with the fault lifted is skipped only when the faulted run
+(killed or not) left the tree, `.k3patch` and the pycaches exactly as the row started (every
+entry's name, type, owner, mode, mtime, bytes and xattrs): that run is the row's baseline run,
+checked once. A run costs 0.07-0.12 CPU-s (1.5-1.7 before; see below).
 """
 
 
@@ -1075,14 +1351,14 @@ def write_report(section: str) -> None:
 
 
 _ROW_LINE = re.compile(
-    r"^(\S+) on (\S+): (\d+) calls, runs (\{.*\}), failures (\{.*\}), (\d+)s$", re.M
+    r"^(\S+) on (\S+): (\d+) calls, runs (\{.*\}), failures (\{.*\}), (\d+)s(?:, .*)?$", re.M
 )
 _FAIL_LINE = re.compile(
     r"^(\S+) on (\S+): (.+?) at call (\d+) (\S+) (.*?) \((\S+ \S+)(?: < (.*))?\)$"
 )
 
 
-def _from_log(text: str) -> dict[str, Any]:
+def _from_log(text: str, partial: bool = False) -> dict[str, Any]:
     """The finished rows of a run's log (its stderr), for a campaign stopped before its end:
     each row's summary line, and each failing run's lines."""
     meta = re.search(r"^# faults\.py (.*)$", text, re.M)
@@ -1100,6 +1376,10 @@ def _from_log(text: str) -> dict[str, Any]:
             what, _, detail = line.strip().partition(": ")
             if what in FAILURE_KINDS:
                 current["problems"][what] = [detail]
+    if partial:  # every row that failed a run, finished or not
+        for (cmd, tree), found_there in examples.items():
+            data["rows"].append({"command": cmd, "tree": tree, "examples": found_there})
+        return data
     for found in _ROW_LINE.finditer(text):
         cmd, tree, calls, runs, fails, seconds = found.groups()
         row = {"command": cmd, "tree": tree, "calls": int(calls), "space_calls": 0}
@@ -1122,22 +1402,53 @@ def report(paths: list[str], write: bool) -> int:
 
 def report_text(paths: list[str]) -> tuple[str, list[Row]]:
     rows, seen, samples, commits, seconds = [], [], set(), set(), 0.0
+    repeats: list[str] = []
     for path in paths:
         text = Path(path).read_text()
         data = json.loads(text) if text.lstrip().startswith("{") else _from_log(text)
         commits.add(data["commit"])
         seconds = max(seconds, data["seconds"])
         sample = data.get("sample", {})
+        every = sample.get("every", "?")
         samples.add(
-            f"every {sample.get('every', '?')}th call from call {sample.get('offset', 0) + 1}"
+            "every call"
+            if every == 1
+            else f"every {every}th call from call {sample.get('offset', 0) + 1}"
         )
         for raw in data["rows"]:
+            twin = next(
+                (r for r in rows if (r.command, r.tree) == (raw["command"], raw["tree"])), None
+            )
+            if (
+                twin is not None
+                and twin.calls == raw["calls"]
+                and set(raw["runs"]) <= set(twin.runs)
+            ):
+                # A row's kinds an earlier file holds already, run again: the first counts.
+                repeats.append(f"{raw['command']} {raw['tree']} {', '.join(sorted(raw['runs']))}")
+                continue
+            if (
+                twin is not None
+                and twin.calls == raw["calls"]
+                and not set(twin.runs) & set(raw["runs"])
+            ):
+                # One row run in several processes, a fault kind each: one row.
+                twin.runs.update(raw["runs"])
+                twin.failures.update(raw["failures"])
+                twin.mismatched += raw["mismatched"]
+                twin.seconds = max(twin.seconds, raw.get("seconds", 0.0))
+                twin.cpu += raw.get("cpu", 0.0)
+                twin.memo_checked = twin.memo_checked and raw.get("memo_checked", False)
+                seen += [(twin, e) for e in raw["examples"] if e.get("problems")]
+                continue
             row = Row(raw["command"], raw["tree"], raw["calls"], raw["space_calls"])
             row.runs.update(raw["runs"])
             row.failures.update(raw["failures"])
             row.mismatched = raw["mismatched"]
             row.call_kinds.update(raw["call_kinds"])
             row.seconds = raw.get("seconds", 0.0)
+            row.cpu = raw.get("cpu", 0.0)
+            row.memo_checked = raw.get("memo_checked", False)
             rows.append(row)
             seen += [(row, e) for e in raw["examples"] if e.get("problems")]
     kinds = [k for k in KINDS if any(r.runs[k] for r in rows)]
@@ -1147,6 +1458,9 @@ def report_text(paths: list[str]) -> tuple[str, list[Row]]:
         + "; ".join(sorted(samples))
     )
     text = table(rows, kinds, header)
+    if repeats:
+        text += "\n\nRun twice, in two processes (the first file's runs are the ones counted): "
+        text += "; ".join(repeats) + "."
     sites: Counter[tuple[str, str, str]] = Counter()
     for row, example in seen:
         for what in example["problems"]:
@@ -1162,6 +1476,44 @@ def report_text(paths: list[str]) -> tuple[str, list[Row]]:
         text += "\n\n| failure | row | fault at (k3patch function) | runs |\n|---|---|---|---:|\n"
         text += "\n".join(f"| {w} | {r} | {c} | {n} |" for (w, r, c), n in sorted(sites.items()))
     return text, rows
+
+
+def write_json(
+    path: Path, commit: str, args: Any, elapsed: float, rows: list[Row], campaign: Campaign
+) -> None:
+    """The rows so far (written after every row: a campaign stopped early keeps its rows)."""
+    data = {
+        "commit": commit,
+        "sample": {"every": args.every, "offset": args.offset, "kinds": args.kinds},
+        "seconds": elapsed,
+        "memo": {
+            "on": _Memo.on,
+            "hits": dict(_Memo.total_hits),
+            "misses": dict(_Memo.total_misses),
+            "checked_runs": args.check_memo,
+            "differences": campaign.memo_differences,
+        },
+        "rows": [
+            {
+                "command": r.command,
+                "tree": r.tree,
+                "calls": r.calls,
+                "space_calls": r.space_calls,
+                "runs": dict(r.runs),
+                "failures": dict(r.failures),
+                "mismatched": r.mismatched,
+                "examples": r.examples,
+                "call_kinds": dict(r.call_kinds),
+                "seconds": r.seconds,
+                "cpu": r.cpu,
+                "memo_checked": r.memo_checked,
+            }
+            for r in rows
+        ],
+    }
+    temp = path.with_name(path.name + ".part")
+    temp.write_text(json.dumps(data, indent=1))
+    os.replace(temp, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1181,6 +1533,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="write the table to RELIABILITY.md")
     parser.add_argument("--calls", action="store_true", help="print every recorded call")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--no-memo", action="store_true", help="plan afresh in every run")
+    parser.add_argument(
+        "--check-memo", action="store_true", help="run each faulted run without the memo too"
+    )
     parser.add_argument("--replay", nargs="+", default=None, help="rerun these --json failures")
     parser.add_argument("--report", nargs="+", default=None, help="tables from --json files")
     args = parser.parse_args(argv)
@@ -1199,13 +1555,19 @@ def main(argv: list[str] | None = None) -> int:
     sys.dont_write_bytecode = True
     preload()
     install()
+    install_memo()
+    _Memo.on = not args.no_memo
+    _Memo.modules = set(sys.modules)
     work = Path(args.work or tempfile.mkdtemp(prefix="k3faults-"))
     work.mkdir(parents=True, exist_ok=True)
     os.chdir(work)  # python -m k3patch from an empty directory, as apply_sweep does
-    campaign = Campaign(work, verbose=args.verbose)
+    campaign = Campaign(work, verbose=args.verbose, check_memo=args.check_memo)
     replayed: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for path in args.replay or []:
-        for raw in json.loads(Path(path).read_text())["rows"]:
+        text = Path(path).read_text()
+        # A --json file, or the log (stderr) of a campaign stopped before its rows ended.
+        data = json.loads(text) if text.lstrip().startswith("{") else _from_log(text, partial=True)
+        for raw in data["rows"]:
             failing = [e for e in raw["examples"] if e.get("problems") and e.get("func")]
             replayed.setdefault((raw["command"], raw["tree"]), []).extend(failing)
     rows = []
@@ -1229,9 +1591,13 @@ def main(argv: list[str] | None = None) -> int:
                 replay=replayed.get((command, tree), []) if args.replay else None,
             )
             rows.append(row)
+            if args.json:
+                elapsed = time.perf_counter() - started
+                write_json(Path(args.json), meta["commit"], args, elapsed, rows, campaign)
             print(
                 f"{command} on {tree}: {row.calls} calls, runs {dict(row.runs)}, "
-                f"failures {dict(row.failures)}, {row.seconds:.0f}s",
+                f"failures {dict(row.failures)}, {row.seconds:.0f}s, {row.cpu:.0f} CPU-s "
+                f"({row.cpu / max(1, sum(row.runs.values())):.2f} CPU-s a run)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -1253,36 +1619,15 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows, args.kinds, header)
     print(text)
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "commit": commit,
-                    "sample": {"every": args.every, "offset": args.offset, "kinds": args.kinds},
-                    "seconds": elapsed,
-                    "rows": [
-                        {
-                            "command": r.command,
-                            "tree": r.tree,
-                            "calls": r.calls,
-                            "space_calls": r.space_calls,
-                            "runs": dict(r.runs),
-                            "failures": dict(r.failures),
-                            "mismatched": r.mismatched,
-                            "examples": r.examples,
-                            "call_kinds": dict(r.call_kinds),
-                            "seconds": r.seconds,
-                        }
-                        for r in rows
-                    ],
-                },
-                indent=1,
-            )
-        )
+        write_json(Path(args.json), commit, args, elapsed, rows, campaign)
     if args.write:
         write_report(text + "\n\n" + call_table(rows))
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
-    return 1 if any(r.failures or r.mismatched for r in rows) else 0
+    for line in campaign.memo_differences:
+        print(f"memo changed a run: {line}", file=sys.stderr)
+    failed = any(r.failures or r.mismatched for r in rows) or campaign.memo_differences
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

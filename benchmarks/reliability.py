@@ -583,15 +583,19 @@ def _add(row: Row, line: str) -> Row:
     return (row[0], row[1] + int(cells[1]), seen, row[3] + int(cells[3]))
 
 
+BEGIN = "<!-- reliability.py: begin -->"
+FINISH = "<!-- reliability.py: end -->"
+
+
 def merge(rows: list[Row], header: str, command: str, add: bool = False) -> str:
-    """RELIABILITY.md with these rows replaced (or, with `add`, summed into) and every other
-    row kept."""
+    """This script's block of RELIABILITY.md with these rows replaced (or, with `add`, summed
+    into) and every other row of the block kept. Only the block's own rows are read: the page
+    holds other tables (benchmarks/faults.py's, the history) whose rows look alike."""
     old: dict[str, str] = {}
-    if RESULTS.exists():
-        for line in RESULTS.read_text().splitlines():
-            match = re.match(r"^\| (.+?) \| \d+ \|", line)
-            if match and not line.startswith("| case"):
-                old[match.group(1)] = line
+    for line in own_block(RESULTS.read_text() if RESULTS.exists() else "").splitlines():
+        match = re.match(r"^\| (.+?) \| \d+ \|", line)
+        if match and not line.startswith("| case"):
+            old[match.group(1)] = line
     for row in rows:
         if add and row[0] in old:
             row = _add(row, old[row[0]])
@@ -618,6 +622,27 @@ def merge(rows: list[Row], header: str, command: str, add: bool = False) -> str:
         "FIFO (for the plugin, a message that does not name it).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def own_block(text: str) -> str:
+    """The part of RELIABILITY.md between this script's markers ("" when there is none)."""
+    if BEGIN not in text or FINISH not in text:
+        return ""
+    return text.split(BEGIN, 1)[1].split(FINISH, 1)[0]
+
+
+def write_block(block: str) -> None:
+    """RELIABILITY.md with this script's block replaced and everything else kept as it is (the
+    page's title, benchmarks/faults.py's block, the history); a page without the markers gets
+    the block at its end."""
+    text = RESULTS.read_text() if RESULTS.exists() else "# Reliability campaigns\n"
+    wrapped = f"{BEGIN}\n{block.rstrip()}\n{FINISH}"
+    if BEGIN in text and FINISH in text:
+        before, rest = text.split(BEGIN, 1)
+        text = before + wrapped + rest.split(FINISH, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + wrapped + "\n"
+    RESULTS.write_text(text)
 
 
 CAMPAIGNS = (
@@ -767,15 +792,15 @@ def main() -> None:
             )
         )
     header = (
-        f"# Reliability campaigns (last run {time.strftime('%Y-%m-%d')}, vLLM "
-        f"{args.version} wheel, {time.time() - started:.0f} s)"
+        f"Last run {time.strftime('%Y-%m-%d')}, vLLM {args.version} wheel, "
+        f"{time.time() - started:.0f} s."
     )
     command = "benchmarks/reliability.py " + " ".join(sys.argv[1:])
     text = merge(rows, header, command, args.add)
     if failures:
         text += "\nFailures of the last run:\n\n" + "".join(f"- {f}\n" for f in failures)
     print(text)
-    RESULTS.write_text(text)
+    write_block(text)
     shutil.rmtree(work)
 
 

@@ -16,6 +16,7 @@ from k3patch.patch import Patch
 from k3patch.pycache import remove_bytecode
 from k3patch.registry import all_patches
 from k3patch.replace import write_atomically
+from k3patch.safefs import env_error
 from k3patch.scan import Report, classify, file_hashes, patch_meta, scan, target_files
 from k3patch.sources import SourceError, Sources
 from k3patch.state import (
@@ -319,8 +320,12 @@ def revert(
 ) -> RevertOutcome:
     """Put back the recorded originals, byte for byte, where each file still holds exactly what
     k3patch wrote. Any file changed since: refuse and write nothing."""
-    if not os.path.lexists(tree.state_dir):
+    try:  # not os.path.lexists: it reads an I/O error as "nothing recorded", exit 0
+        os.lstat(tree.state_dir)
+    except (FileNotFoundError, NotADirectoryError):
         return RevertOutcome(nothing_recorded=True)
+    except OSError as exc:
+        raise env_error("look at", tree.state_dir, exc) from None
     txn = Transaction(tree.package_dir, fault)
     with locked(tree.package_dir, lock_timeout):
         recovered = txn.recover()
@@ -392,7 +397,9 @@ def _commit(txn: Transaction, edits: list[FileEdit], op: str, old: StateRecord |
     except RecordProblem:
         raise  # refused before anything was stored: a damaged record keeps every saved copy
     except BaseException:
-        if txn.pending_journal() is not None:
+        # Committed (a sync after the journal's removal failed) or a journal left: no rollback
+        # happened, and the record and saved originals are the tree's.
+        if txn.committed or txn.pending_journal() is not None:
             raise
         if old is None:
             _remove_state_dir(txn)

@@ -126,18 +126,25 @@ def write_atomically(path: Path, data: bytes, *, root: Path) -> None:
     replace_checked(root, rel, read_in(root, rel), data)
 
 
-def unlink_in(root: Path, rel: str, *, rmdir: bool = False) -> None:
+def unlink_in(root: Path, rel: str, *, rmdir: bool = False, durable: bool = True) -> None:
     """Remove the file (with `rmdir`: the empty directory) `root/rel`, absent is fine, the
-    directories on the way not followed if links."""
+    directories on the way not followed if links; a directory that is not empty is left as it
+    is. Not `durable`: a sync of the directory that fails after the removal is no error."""
     dfd = open_dir_if_there(root, os.path.dirname(rel))
     if dfd is None:
         return
     try:
         (os.rmdir if rmdir else os.unlink)(os.path.basename(rel), dir_fd=dfd)
-        os.fsync(dfd)
+        try:
+            os.fsync(dfd)
+        except OSError:
+            if durable:
+                raise
     except FileNotFoundError:
         pass
     except OSError as exc:
+        if rmdir and exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return  # `finally` closes dfd
         raise env_error("remove", root / rel, exc) from None
     finally:
         os.close(dfd)
@@ -228,15 +235,13 @@ def replace_checked(
                 "content"
             )
         tmp = None if after is None else write_temp(dfd, name, after, old_fd, notes)
-        if _look(dfd, name) != seen:  # the last look: another writer's edit must be kept
-            if tmp is not None:
-                unlink_quietly(dfd, tmp)
-            raise changed(path)
         keep = None
         if kept is not None and old_fd is not None:
             keep = f".{name}.k3patch-tmp.{secrets.token_hex(8)}"
         ours = [n for n in (tmp,) if n]  # this run's temp names, until the rename settles them
         try:
+            if _look(dfd, name) != seen:  # the last look: another writer's edit must be kept
+                raise changed(path)
             about_to_rename()
             if tmp is None:
                 if keep is None:
@@ -255,10 +260,18 @@ def replace_checked(
             else:
                 ours = []  # swapped: `tmp` now names what stood at `name`
                 # Anything but the file we read means another writer renamed its own file in
-                # after our last look.
-                if _look(dfd, tmp) != seen:
+                # after our last look. A look that fails cannot tell: everything back as it
+                # stood, as for another writer's file.
+                failed: OSError | None = None
+                try:
+                    moved = _look(dfd, tmp)
+                except OSError as exc:
+                    moved, failed = None, exc
+                if failed is not None or moved != seen:
                     exchange(dfd, tmp, name)  # theirs back in place, ours out again
                     unlink_quietly(dfd, tmp)
+                    if failed is not None:
+                        raise failed
                     os.fsync(dfd)
                     raise ConcurrentChange(
                         f"{path} was replaced by another process while k3patch replaced it; "
@@ -267,7 +280,11 @@ def replace_checked(
                 if keep is None:
                     unlink_quietly(dfd, tmp)
                 else:
-                    os.rename(tmp, keep, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    try:
+                        os.rename(tmp, keep, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    except OSError:
+                        unlink_quietly(dfd, tmp)  # the file we read: a rollback writes its copy
+                        raise
         except BaseException:
             for leftover in ours:  # the new file never took its place: none of it stays
                 unlink_quietly(dfd, leftover)

@@ -65,6 +65,9 @@ class Transaction:
         self.package_dir = package_dir
         self.fault = fault or _fault_from_environment
         self.blobs = Blobs(package_dir)
+        # Set when the commit reached its end (the journal's removal): an error after that is
+        # not a failed commit, and nothing of it may be cleaned up as if it rolled back.
+        self.committed = False
         # The paths a journal may name: the registered targets and k3patch's own record.
         self.allowed = state.registered_targets() | {state.STATE_REL}
 
@@ -117,13 +120,16 @@ class Transaction:
                 notes += self._replace(edit, written, kept)
                 self.fault(f"replaced:{edit.rel}")
             for rel in list(kept):
-                unlink_in(self.package_dir, kept.pop(rel))
+                # Durable or not, the copy is gone: a failed sync here (a full disk) must not
+                # start a rollback that needs space to write that file back.
+                unlink_in(self.package_dir, kept.pop(rel), durable=False)
             self.fault("kept-removed")
         except BaseException:
             # Roll back what this run wrote; if that fails too the journal stays for the next run.
             with contextlib.suppress(Exception):
                 self._undo(written, kept)
             raise
+        self.committed = True
         unlink_in(self.package_dir, state.JOURNAL_REL)
         self.fault("journal-removed")
         return list(dict.fromkeys(actions + notes))  # a warning about a group: once
@@ -178,9 +184,10 @@ class Transaction:
     def remove_state_dir(self) -> None:
         """The record, an empty blobs/ and `.k3patch` itself; anything else is left where it is."""
         unlink_in(self.package_dir, state.STATE_REL)
-        with contextlib.suppress(EnvironmentProblem):  # not empty: the rest is not k3patch's
-            unlink_in(self.package_dir, f".k3patch/{BLOBS}", rmdir=True)
-            unlink_in(self.package_dir, ".k3patch", rmdir=True)
+        # Not empty: the rest is not k3patch's, left quietly (unlink_in); any other failure is
+        # an error, never a revert that says done and leaves `.k3patch`.
+        unlink_in(self.package_dir, f".k3patch/{BLOBS}", rmdir=True)
+        unlink_in(self.package_dir, ".k3patch", rmdir=True)
 
     # -- recovery ------------------------------------------------------------------------
     def pending_journal(self) -> dict[str, Any] | None:
@@ -212,7 +219,9 @@ class Transaction:
             # and the next run finishes the clean-up (saved copies without a record would
             # otherwise stop revert for good).
             self._prune_to_record()
-        done += self.remove_litter()
+        # With a journal, litter that cannot be removed keeps it (exit 3): once the journal and
+        # then `.k3patch` are gone no run looks for it again, and it would stay for good.
+        done += self.remove_litter(strict=journal is not None)
         if journal is not None:
             for entry in journal["files"]:
                 if entry["path"].endswith(".py"):
@@ -251,29 +260,37 @@ class Transaction:
         files = record.files.values() if record else []
         self.blobs.prune({fs.original for fs in files if fs.original})
 
-    def remove_litter(self) -> list[str]:
+    def remove_litter(self, strict: bool = False) -> list[str]:
         """Temp files left by a killed or failed run (regular files named so) next to the state
         files and beside every registered target, and in its `__pycache__` (where an earlier
         k3patch, killed while it wrote bytecode, left them), journal or not: a run that died
         after its journal was gone must not leave an old file's copy there for good. Runs under
         the lock, so no live run's temp file is there. A directory that cannot be opened, or a
-        file that cannot be removed, is left for the next run."""
+        file that cannot be removed, is left for the next run (`strict`: raises, once the rest
+        is removed)."""
         dirs = {".k3patch", f".k3patch/{BLOBS}"}
         for target in self.allowed - {state.STATE_REL}:
             folder = os.path.dirname(target)
             dirs.update((folder, os.path.join(folder, "__pycache__")))
         removed = []
+        failed: EnvironmentProblem | None = None
         for rel_dir in sorted(dirs):
-            with contextlib.suppress(EnvironmentProblem):
+            try:
                 for name in regular_files(self.package_dir, rel_dir, LITTER):
                     unlink_in(self.package_dir, f"{rel_dir}/{name}")
                     removed.append(f"removed {self.package_dir / rel_dir / name}")
+            except EnvironmentProblem as exc:
+                failed = failed or exc
         # A state directory a run was killed making, under its temp name (safefs._make_dir).
         for rel_dir in ("", ".k3patch"):
-            with contextlib.suppress(EnvironmentProblem):
+            try:
                 for name in directories(self.package_dir, rel_dir, LITTER):
                     unlink_in(self.package_dir, os.path.join(rel_dir, name), rmdir=True)
                     removed.append(f"removed {self.package_dir / rel_dir / name}")
+            except EnvironmentProblem as exc:
+                failed = failed or exc
+        if strict and failed is not None:
+            raise failed
         return removed
 
 

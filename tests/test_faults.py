@@ -8,6 +8,7 @@ its own process, never inside the pytest worker."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,11 +22,20 @@ FAULTS = ROOT / "benchmarks" / "faults.py"
 pytestmark = [pytest.mark.wheel, pytest.mark.slow]
 
 
-def campaign(tmp_path: Path, *args: str, k3patch: Path | None = None) -> dict:
+def campaign(
+    tmp_path: Path, *args: str, k3patch: Path | None = None, env: dict[str, str] | None = None
+) -> dict:
     out = tmp_path / "faults.json"
     cmd = [sys.executable, str(FAULTS), "--work", str(tmp_path / "work"), "--json", str(out)]
     cmd += [*args, *(["--k3patch", str(k3patch)] if k3patch else [])]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=1200)
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=1200,
+        env={**os.environ, **(env or {})},
+    )
     assert out.exists(), proc.stderr[-3000:]
     data = json.loads(out.read_text())
     data["log"] = proc.stderr
@@ -120,3 +130,77 @@ def test_the_harness_reports_a_planted_non_atomic_write(tmp_path):
     found = failures(data)
     assert found.get("half-patched", 0) > 0, data["log"][-4000:]
     assert found.get("unrecoverable journal", 0) > 0, data["log"][-4000:]
+
+
+# The campaign memoizes the planning (classify, the libcst rewrite, its check) in the fork
+# server, replaying the reads each computation made; it must change no call a run makes.
+def test_the_memo_changes_no_call_a_run_makes(tmp_path):
+    """Each row's recording with the memo warm and without it, and a sample of faulted runs
+    (every 151st call, EIO and a disk that stays full) with and without it: the same calls
+    (function, path, k3patch call site and callers), exit code, output and tree."""
+    args = ["--trees", "0.31.0", "--commands", "apply", "recover-apply"]
+    args += ["--kinds", "EIO", "disk full", "--every", "151", "--offset", "40", "--check-memo"]
+    data = campaign(tmp_path, *args)
+    assert data["memo"]["differences"] == [], data["memo"]["differences"]
+    assert all(row["memo_checked"] for row in data["rows"])
+    assert runs(data) >= 8
+    hits = data["memo"]["hits"]
+    assert hits.get("rewrite", 0) > 0 and hits.get("classify", 0) > 0, data["memo"]
+    assert failures(data) == {}, data["log"][-4000:]
+
+
+def test_the_memo_check_reports_a_memo_that_skips_calls(tmp_path):
+    """Without this the comparison above could pass by comparing nothing: a planted memo of
+    the files' hashes by name (a hit reads nothing) is reported."""
+    args = ["--trees", "0.31.0", "--commands", "apply", "--kinds", "EIO", "--call", "1"]
+    data = campaign(tmp_path, *args, "--check-memo", env={"K3FAULTS_PLANTED_MEMO": "1"})
+    differences = data["memo"]["differences"]
+    assert any("calls differ" in line for line in differences), differences
+    assert not data["rows"][0]["memo_checked"]
+
+
+def _module(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        f"bench_{name}", ROOT / "benchmarks" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("first", ["faults", "reliability"])
+def test_the_two_writers_of_reliability_md_keep_each_others_blocks(tmp_path, monkeypatch, first):
+    """benchmarks/faults.py and benchmarks/reliability.py each replace only their own marked
+    block of RELIABILITY.md: the other's block, the title and the history stay, and
+    reliability.py reads its earlier rows from its own block only (the fault tables' rows look
+    like its rows)."""
+    faults, reliability = _module("faults"), _module("reliability")
+    page = tmp_path / "RELIABILITY.md"
+    monkeypatch.setattr(faults, "RESULTS", page)
+    monkeypatch.setattr(reliability, "RESULTS", page)
+    page.write_text(
+        "# Title\n\n"
+        f"{faults.BEGIN}\nold fault table\n| leftovers | apply 0.31.0 | EIO at os.close | 1 |\n"
+        f"{faults.FINISH}\n\n## History\n\n| an old case | 7 | 0 |\n\n"
+        f"{reliability.BEGIN}\n| case | runs | seen | failures |\n|---|---:|---|---:|\n"
+        f"| kept case | 5 | 5 seen | 0 |\n{reliability.FINISH}\n\nThe end.\n"
+    )
+    writes = {
+        "faults": lambda: faults.write_report("NEW FAULT TABLE"),
+        "reliability": lambda: reliability.write_block(
+            reliability.merge([("new case", 3, "3 seen", 0)], "Last run today.", "cmd")
+        ),
+    }
+    for name in (first, *(n for n in writes if n != first)):
+        writes[name]()
+    text = page.read_text()
+    assert text.startswith("# Title\n")
+    assert "NEW FAULT TABLE" in text and "old fault table" not in text
+    assert "## History\n\n| an old case | 7 | 0 |" in text and text.endswith("The end.\n")
+    block = reliability.own_block(text)
+    assert "| kept case | 5 | 5 seen | 0 |" in block and "| new case | 3 | 3 seen | 0 |" in block
+    assert "leftovers" not in block and "an old case" not in block
+    assert text.count(faults.BEGIN) == text.count(reliability.BEGIN) == 1
