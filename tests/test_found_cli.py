@@ -105,7 +105,7 @@ def test_status_quiet_and_apply_quiet_print_one_line_format(make_tree):
 def test_a_directory_named_like_a_target_is_refused_and_nothing_written(make_tree, applied_first):
     """`vllm/_aiter_ops.py/` a directory (a package dir named like a target file): every command
     refuses it in one line, exit 2 (docs/exit-codes.md), nothing written. Already so before this
-    round (a FIFO at a target, exit 3, is test_trust_files'); kept as a guard."""
+    round (a FIFO at a target, exit 3, is tests/test_disk_links_and_fifos.py's); kept as a guard."""
     site = make_tree("0.31.0")
     if applied_first:
         assert run_cli("apply", "--vllm", str(site), "-q").returncode == 0

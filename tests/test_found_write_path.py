@@ -221,7 +221,7 @@ def test_a_state_dir_left_by_a_root_run_killed_after_mkdir_is_given_to_the_tree_
     revert or apply again (exit 3) and nobody but root could read the record. Now every run
     that can (root) gives `.k3patch` and its files back to the tree's owner, and the owner
     reverts."""
-    from test_bad_input import run_as_nobody, shared_site
+    from disk_setups import run_as_nobody, shared_site
 
     with shared_site(make_tree) as site:
         for path in [site, *site.rglob("*")]:
@@ -261,7 +261,7 @@ def test_a_root_run_killed_before_its_chown_leaves_no_state_dir_the_owner_cannot
     import subprocess
     import sys
 
-    from test_bad_input import run_as_nobody, shared_site
+    from disk_setups import run_as_nobody, shared_site
 
     with shared_site(make_tree) as site:
         for path in [site, *site.rglob("*")]:
