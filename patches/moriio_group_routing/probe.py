@@ -33,6 +33,7 @@ from .batches import (
     write_layers,
 )
 from .forms import FIELD_NAME
+from .resumes import probe_resumes
 from .standins import (
     COMMON,
     CONNECTOR,
@@ -157,11 +158,13 @@ def probe_routing() -> ProbeOutcome | None:
             checks.fail(f"{case.label}: " + "; ".join(parts))
     _check_all_mamba(connector, checks)
     probe_batches(checks)
+    probe_resumes(checks)
     return checks.outcome(
         holds="every layer's KV goes to its own KV-cache group's blocks, all chunks', on both "
         "nodes (K3: KDA -> groups 0-2, MLA -> group 3; two groups as before; models without a "
         "Mamba group; no block named without external tokens; no per-request state left "
-        "behind; {ran} checks)",
+        "behind; each save's group lists its blocks once, a request resumed after preemption "
+        "too; {ran} checks)",
         broken="{failures}",
     )
 
