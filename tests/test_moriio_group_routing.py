@@ -782,7 +782,7 @@ for name, where in (("k3patch", sys.argv[2]), ("k3patch.patches", sys.argv[3])):
     module.__path__ = [where]
     sys.modules[name] = module
 from k3patch import probekit
-from k3patch.patches.moriio_group_routing import probe
+from k3patch.patches.moriio_group_routing import batches as probe
 made = []
 class Counted(probekit.Calls):
     def __init__(self, answer):
