@@ -31,9 +31,11 @@ GROW_LOOP = """\
         ]
 """
 # The resume branch (issue 28 item 5's fix): without it, k3patch's earlier form's behaviour.
-RESUME_BRANCH = GROW_LOOP[GROW_LOOP.index("        if _k3patch_req_id in") : GROW_LOOP.index(
-    "        self._k3patch_save_groups[_k3patch_req_id] = [\n            _k3patch_group"
-)]
+RESUME_BRANCH = GROW_LOOP[
+    GROW_LOOP.index("        if _k3patch_req_id in") : GROW_LOOP.index(
+        "        self._k3patch_save_groups[_k3patch_req_id] = [\n            _k3patch_group"
+    )
+]
 ATTACH_LOOP = """\
     for _k3patch_req_id, _k3patch_meta in meta.reqs_to_save.items():
         _k3patch_meta.k3patch_group_block_ids = self._k3patch_save_groups.pop(
