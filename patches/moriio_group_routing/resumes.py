@@ -20,7 +20,8 @@ from ..moriio_chunk_gate import workloads
 from .forms import FIELD_NAME
 from .standins import CONNECTOR
 
-RESUME_SEEDS = range(workloads.WORKLOADS)  # the chunk-gate oracle's seeds (13 of them preempt)
+# The chunk-gate oracle's seeds; on fork a, 6 of the 40 workloads save 7 resumed requests.
+RESUME_SEEDS = range(workloads.WORKLOADS)
 
 
 class Resumes:
