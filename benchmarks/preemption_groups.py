@@ -6,7 +6,12 @@ in a tree's interpreter; for each request that was preempted and saved, the save
     .venv-vllm/bin/python benchmarks/preemption_groups.py SITE SEEDS
 
 SITE: a tree with both MoRIIO patches applied (a copy of a fork tree after `k3patch apply`);
-SEEDS: comma-separated workload seeds (0,5,13,27,28,33 preempt on fork a)."""
+SEEDS: comma-separated workload seeds (0,5,13,27,28,33 preempt on fork a).
+
+Measured 2026-12-05 on fork a, seeds 5,13,28: k3patch's earlier growth (before the resume branch)
+sent 3 of 3 preempted requests' lists with their blocks twice (`[[10, 8, 9, 10, 8, 9, 11, 12]]`
+for `[10, 8, 9, 11, 12]`); today's post-image sends 0 wrong. verify's routing probe judges the
+same (patches/moriio_group_routing/resumes.py, over the chunk-gate oracle's 40 seeds)."""
 
 import importlib
 import sys

@@ -183,13 +183,22 @@ POST_IMAGE = [
         _k3patch_cached = scheduler_output.scheduled_cached_reqs
         for _k3patch_index, _k3patch_req_id in enumerate(_k3patch_cached.req_ids):
             _k3patch_new = _k3patch_cached.new_block_ids[_k3patch_index]
-            if _k3patch_new is not None and _k3patch_req_id in self._k3patch_save_groups:
+            if _k3patch_new is None or _k3patch_req_id not in self._k3patch_save_groups:
+                continue
+            if _k3patch_req_id in _k3patch_cached.resumed_req_ids:
+                # Resumed after preemption: its new_block_ids are all its blocks
+                # (vLLM's CachedRequestData), the lists update_state_after_alloc
+                # took again this step: they replace, never join, the old lists.
                 self._k3patch_save_groups[_k3patch_req_id] = [
-                    _k3patch_group + list(_k3patch_added)
-                    for _k3patch_group, _k3patch_added in zip(
-                        self._k3patch_save_groups[_k3patch_req_id], _k3patch_new, strict=True
-                    )
+                    list(_k3patch_added) for _k3patch_added in _k3patch_new
                 ]
+                continue
+            self._k3patch_save_groups[_k3patch_req_id] = [
+                _k3patch_group + list(_k3patch_added)
+                for _k3patch_group, _k3patch_added in zip(
+                    self._k3patch_save_groups[_k3patch_req_id], _k3patch_new, strict=True
+                )
+            ]
         for _k3patch_req_id, _k3patch_meta in meta.reqs_to_save.items():
             _k3patch_meta.k3patch_group_block_ids = self._k3patch_save_groups.pop(
                 _k3patch_req_id, None
@@ -773,7 +782,7 @@ for name, where in (("k3patch", sys.argv[2]), ("k3patch.patches", sys.argv[3])):
     module.__path__ = [where]
     sys.modules[name] = module
 from k3patch import probekit
-from k3patch.patches.moriio_group_routing import probe
+from k3patch.patches.moriio_group_routing import batches as probe
 made = []
 class Counted(probekit.Calls):
     def __init__(self, answer):
@@ -833,43 +842,75 @@ def test_offsets_per_group_and_geometry_send_what_per_layer_sent(fork_tree, veri
     assert sum(p["calls"] - g["calls"] for g, p in zip(group, layer, strict=True)) > 0
 
 
-@pytest.mark.parametrize("name", slow_after(["a", "c", "d"]))
-def test_a_tree_the_first_release_applied_reads_applied_and_reverts_exact(
-    fork_tree, tmp_path, name
-):
-    # An operator's fleet has trees patched by the k3patch that keyed offsets per layer. Those
-    # route the same (the oracle test above): they read applied, with a note, apply leaves every
-    # byte, and revert (from that release's record) gives back the pristine files.
-    if subprocess.run(["git", "cat-file", "-e", PER_LAYER_RELEASE], cwd=ROOT).returncode:
-        pytest.skip(f"this checkout's history lacks {PER_LAYER_RELEASE[:7]} (a shallow clone)")
+# The commit before the resume fix (issue 28 item 5): its k3patch wrote the per-group plan with
+# the growth that joins a resumed request's blocks to its lists again.
+RESUME_APPENDS_RELEASE = "26da2047d01cc8216459afc567d65b499096e3a3"
+RELEASES = {
+    "per-layer": (PER_LAYER_RELEASE, LAYER_KEY),
+    "per-group": (RESUME_APPENDS_RELEASE, GROUP_KEY),
+}
+
+
+def _release_lib(tmp_path: Path, commit: str) -> Path:
+    """k3patch as `commit` had it, importable from the returned folder."""
+    if subprocess.run(["git", "cat-file", "-e", commit], cwd=ROOT).returncode:
+        pytest.skip(f"this checkout's history lacks {commit[:7]} (a shallow clone)")
     archive = subprocess.run(
-        ["git", "archive", PER_LAYER_RELEASE, "k3patch", "patches"],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
+        ["git", "archive", commit, "k3patch", "patches"], cwd=ROOT, capture_output=True, check=True
     ).stdout
     src = tmp_path / "release"
     src.mkdir()
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
     lib = tmp_path / "lib"
+    # A release whose k3patch/patches is a symlink to ../patches: copied as the folder it names.
     shutil.copytree(src / "k3patch", lib / "k3patch")
     shutil.copytree(src / "patches", lib / "k3patch" / "patches", dirs_exist_ok=True)
+    return lib
+
+
+@pytest.mark.parametrize("release", ["per-layer", "per-group"])
+@pytest.mark.parametrize("name", slow_after(["a", "c", "d"]))
+def test_a_tree_an_earlier_release_applied_is_upgraded_then_reverts_exact(
+    fork_tree, tmp_path, name, release
+):
+    # An operator's fleet has trees patched by earlier k3patch releases: the first keyed offsets
+    # per layer, the second per group; both joined a resumed request's blocks to its lists
+    # again (sent twice). Such a tree reads pending, naming that form; apply replaces only that
+    # growth (the plan's per-layer key routes the same and stays, with its note), once; revert
+    # (the earlier release's record carried over) gives back the pristine files.
+    commit, key = RELEASES[release]
+    lib = _release_lib(tmp_path, commit)
     tree = fork_tree(name)
     pristine = tree_hashes(tree)
     # From `lib`, so that `-m k3patch` finds that release, not the installed one.
     old = run_cli("apply", "--vllm", str(tree), *ONLY, env={"PYTHONPATH": str(lib)}, cwd=lib)
     assert old.returncode == 0, old.stdout + old.stderr
-    assert LAYER_KEY in (tree / ENGINE).read_text()
+    assert key in (tree / ENGINE).read_text()
     written = source_hashes(tree)
     data = status_json(tree, *ONLY)
     patch = patch_of(data)
-    assert (data["_rc"], patch["verdict"]) == (0, "applied"), patch
-    plan = next(s for s in patch["sites"] if s["site"] == PLAN)
-    assert plan["shape"] == "k3patch"
-    assert "offsets cached per layer" in plan["detail"], plan["detail"]
+    assert (data["_rc"], patch["verdict"]) == (1, "pending"), patch
+    by_site = {s["site"]: s for s in patch["sites"]}
+    bcm = by_site[BCM]
+    assert (bcm["verdict"], bcm["shape"]) == (
+        "pending",
+        "k3patch's earlier form: resumed requests' blocks sent twice",
+    ), bcm
+    assert {s["verdict"] for site, s in by_site.items() if site != BCM} == {"applied"}
+    if release == "per-layer":
+        assert "offsets cached per layer" in by_site[PLAN]["detail"], by_site[PLAN]["detail"]
+    up = run_cli("apply", "--vllm", str(tree), *ONLY)
+    assert up.returncode == 0, up.stdout + up.stderr
+    upgraded = source_hashes(tree)
+    assert {rel for rel in upgraded if upgraded[rel] != written[rel]} == {CONNECTOR}
+    text = (tree / CONNECTOR).read_text()
+    assert "_k3patch_req_id in _k3patch_cached.resumed_req_ids:" in text
+    assert text.count("# k3patch moriio-group-routing: every KV-cache group's blocks travel") == 1
+    data = status_json(tree, *ONLY)
+    assert (data["_rc"], patch_of(data)["verdict"]) == (0, "applied"), patch_of(data)
     again = run_cli("apply", "--vllm", str(tree), *ONLY)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert source_hashes(tree) == written, "apply rewrote the first release's plan"
+    assert source_hashes(tree) == upgraded, "a second apply changed the upgraded tree"
     back = run_cli("revert", "--vllm", str(tree))
     assert back.returncode == 0, back.stdout + back.stderr
     assert tree_hashes(tree) == pristine, "revert is not byte-identical"

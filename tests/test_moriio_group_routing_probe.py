@@ -315,6 +315,14 @@ def test_verify_passes_on_upstream(verified, version):
         "K3: _split_kv_cache_group_kinds -> attention [3], mamba [0, 1, 2]"
         in check["probe"]["checks"]
     )
+    if version == "0.33.0":  # one request through the writer's plan (issue 28's u-* rows)
+        for line in (
+            "K3 upstream plan, one request: model.layers.7.mla (group 3) -> local [31, 32] "
+            "remote [131, 132]",
+            "two attention groups upstream plan, one request: model.layers.3.swa (group 1) -> "
+            "local [11, 12] remote [111, 112]",
+        ):
+            assert line in check["probe"]["checks"], check["probe"]["checks"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,7 +348,8 @@ def test_an_installed_k3patch_ships_and_loads_the_probe(
         patches=target / "k3patch" / "patches",
     )
     assert probe["ok"] is True, probe
-    assert any(c.startswith("K3 upstream plan: model.layers.6.mla") for c in probe["checks"])
+    mla = "K3 upstream plan, one request: model.layers.6.mla"
+    assert any(c.startswith(mla) for c in probe["checks"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -384,3 +393,43 @@ def test_unpatched_fork_fails_generated_batches_naming_seed_and_case(routed):
     applied = routed("a", True)["probe"]["checks"]
     assert len([c for c in applied if c.startswith("batch seed ")]) == BATCHES
     assert all(c.endswith(": ok") for c in applied if c.startswith("batch seed "))
+
+
+# --------------------------------------------------------------------------------------------
+# Resumed after preemption (issue 28 item 5): vLLM's own Scheduler, the chunk-gate oracle's
+# workloads; each save's per-group lists must hold the request's blocks once each.
+
+
+def test_applied_fork_sends_each_resumed_requests_blocks_once(routed):
+    checks = routed("a", True)["probe"]["checks"]
+    runs = [c for c in checks if c.startswith("scheduler workload seed ")]
+    assert len(runs) == 40, runs
+    assert all(c.endswith(": ok") for c in runs), [c for c in runs if not c.endswith(": ok")]
+    # Preemption is there to judge: several workloads save requests after a preemption.
+    resumed = [c for c in runs if not re.search(r", 0 saved after a preemption\)", c)]
+    assert len(resumed) >= 3, runs
+
+
+@pytest.mark.slow
+def test_the_earlier_growth_sends_resumed_blocks_twice_and_the_oracle_says_so(
+    tmp_path, verify_python
+):
+    # k3patch's growth before the resume branch (the mutation row routing-resume-appends):
+    # written over an applied fork tree, the probe fails naming a resumed request's doubled list.
+    site = tmp_path / "site"
+    shutil.copytree(built_fork_tree("a"), site, ignore=shutil.ignore_patterns(".complete"))
+    assert run_cli("apply", "--vllm", str(site / "vllm"), *ONLY).returncode == 0
+    connector = site / "vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
+    text = connector.read_text()
+    branch = re.search(
+        r"\n( +)if _k3patch_req_id in _k3patch_cached\.resumed_req_ids:\n(?:\1 .*\n)+", text
+    )
+    assert branch is not None
+    connector.write_text(text[: branch.start() + 1] + text[branch.end() :])
+    probe = run_probe(verify_python, site)
+    assert probe["ok"] is False, probe
+    assert re.search(
+        r"scheduler workload seed \d+: r\d+ saved at step \d+ with per-group lists .*, "
+        r"expected its blocks once each .*preempted at step",
+        probe["summary"],
+    ), probe["summary"]

@@ -129,6 +129,44 @@ class LegacyGrowth(Part):
         return Look(None, why=why, shape=forms.LEGACY_SHAPE)
 
 
+@dataclass(frozen=True)
+class Upgradable(Insert):
+    """An Insert whose earlier k3patch form (`older`, with a bug) reads pending where the new
+    form would stand, and which apply replaces in place (the record keeps the wheel's original:
+    the file is the one k3patch wrote, so its recorded original carries over)."""
+
+    older: str = ""
+    older_why: str = ""
+    older_shape: str = ""
+
+    def _earlier(self, fn: ast.FunctionDef) -> list[ast.stmt] | None:
+        body, i = self._find(fn)[0]
+        count = len(parse_pattern(self.older))
+        at = i - count  # before the final return, as the new form is inserted
+        if at >= 0 and match(self.older, body[at:i]) is not None:
+            return body[at:i]
+        return None
+
+    def look(self, src: SourceFile, node: ast.FunctionDef, scope: str) -> Look:
+        look = super().look(src, node, scope)
+        if look.verdict is not Verdict.DRIFTED or self.anchors:
+            return look
+        earlier = self._earlier(node)
+        if earlier is None:
+            return look
+        return Look(Verdict.PENDING, earlier[0].lineno, why=self.older_why, shape=self.older_shape)
+
+    def rewrite(self, src: SourceFile, file: Codemod, node: ast.FunctionDef) -> None:
+        earlier = None if self.anchors else self._earlier(node)
+        if earlier is None:
+            super().rewrite(src, file, node)
+        else:  # the comment lines above the earlier form (the same words) stay
+            lines = dedent(self.added).splitlines(keepends=True)
+            while lines and lines[0].lstrip().startswith("#"):
+                lines.pop(0)
+            file.replace(earlier, "".join(lines))
+
+
 SCHED, WORKER = "MoRIIOConnectorScheduler", "MoRIIOConnectorWorker"
 USAA = f"{SCHED}.update_state_after_alloc"
 NOTIFY = "k3patch_group_block_notify"
@@ -174,7 +212,14 @@ FORK_SITES = (
     in_connector(
         f"{SCHED}.build_connector_meta",
         "later chunks' blocks join their group; each save takes its request's group lists",
-        Insert(forms.SAVE_GROUPS, "_k3patch_save_groups", evidence=False),
+        Upgradable(
+            forms.SAVE_GROUPS,
+            "_k3patch_save_groups",
+            evidence=False,
+            older=forms.SAVE_GROUPS_RESUME_APPENDS,
+            older_why=forms.RESUME_APPENDS_DEFECT,
+            older_shape=forms.RESUME_APPENDS_SHAPE,
+        ),
         LegacyGrowth(USAA),
         needs=(
             "build_connector_meta(self, scheduler_output) ending in `return meta`",

@@ -154,8 +154,11 @@ def drive_batch(batch: Batch) -> tuple[dict[tuple[int, str], Route | str], list[
     with Swap() as swap:
         swap.on_exit(common.set_role, common.get_role())
         prefill = connector.MoRIIOConnectorScheduler(stub_vllm_config("kv_producer"), "prefill")
+        # Request ids sort against the order they are scheduled in (vLLM schedules by arrival,
+        # its ids are random): code that walks them sorted yet reads new_block_ids by that
+        # position hands each request another's blocks (issue 28, routing-att-growth-sorted-ids).
         requests = [
-            stub_request(f"req-p{k}", sum(c), kv_params("decode", f"tx-{k}"))
+            stub_request(f"req-p{9 - k}", sum(c), kv_params("decode", f"tx-{k}"))
             for k, c in enumerate(batch.chunks)
         ]
         plans = [

@@ -71,18 +71,62 @@ if self._k3patch_save_groups:
     _k3patch_cached = scheduler_output.scheduled_cached_reqs
     for _k3patch_index, _k3patch_req_id in enumerate(_k3patch_cached.req_ids):
         _k3patch_new = _k3patch_cached.new_block_ids[_k3patch_index]
-        if _k3patch_new is not None and _k3patch_req_id in self._k3patch_save_groups:
+        if _k3patch_new is None or _k3patch_req_id not in self._k3patch_save_groups:
+            continue
+        if _k3patch_req_id in _k3patch_cached.resumed_req_ids:
+            # Resumed after preemption: its new_block_ids are all its blocks
+            # (vLLM's CachedRequestData), the lists update_state_after_alloc
+            # took again this step: they replace, never join, the old lists.
             self._k3patch_save_groups[_k3patch_req_id] = [
-                _k3patch_group + list(_k3patch_added)
-                for _k3patch_group, _k3patch_added in zip(
-                    self._k3patch_save_groups[_k3patch_req_id], _k3patch_new, strict=True
-                )
+                list(_k3patch_added) for _k3patch_added in _k3patch_new
             ]
+            continue
+        self._k3patch_save_groups[_k3patch_req_id] = [
+            _k3patch_group + list(_k3patch_added)
+            for _k3patch_group, _k3patch_added in zip(
+                self._k3patch_save_groups[_k3patch_req_id], _k3patch_new, strict=True
+            )
+        ]
     for _k3patch_req_id, _k3patch_meta in meta.reqs_to_save.items():
         _k3patch_meta.k3patch_group_block_ids = self._k3patch_save_groups.pop(
             _k3patch_req_id, None
         )
 """
+
+
+# k3patch's earlier SAVE_GROUPS (every release before the resume fix: the per-layer plan's and
+# the first per-group plan's): a resumed request's new_block_ids (all its blocks) joined the
+# lists update_state_after_alloc had just captured again, so its lists carried its blocks twice.
+# It reads pending and apply replaces it in place.
+def _resume_appends(text: str) -> str:
+    """`text` (SAVE_GROUPS) as k3patch wrote it before: no resume branch, the growth nested
+    under `if _k3patch_new is not None and ...`. Derived, so each piece of the form is written
+    once in this file (the mutation rows substitute them by their text); a text without those
+    pieces (a mutant's) is its own earlier form, which then never matches where it does not."""
+    lines = text.splitlines(keepends=True)
+    heads = [i for i, line in enumerate(lines) if line.startswith("        if _k3patch_new is")]
+    attach = [i for i, line in enumerate(lines) if line.startswith("    for _k3patch_req_id,")]
+    if len(heads) != 1 or len(attach) != 1 or heads[0] + 2 > attach[0]:
+        return text
+    grow = heads[0] + 2  # after the `continue`; then the resume branch, if there is one
+    if lines[grow].startswith("        if _k3patch_req_id in _k3patch_cached.resumed_req_ids"):
+        grow += 1
+        while grow < attach[0] and lines[grow].startswith(" " * 12):
+            grow += 1
+    test = lines[heads[0]].replace(" is None or ", " is not None and ")
+    test = test.replace(" not in self.", " in self.")
+    nested = ["    " + line for line in lines[grow : attach[0]]]
+    return "".join([*lines[: heads[0]], test, *nested, *lines[attach[0] :]])
+
+
+SAVE_GROUPS_RESUME_APPENDS = _resume_appends(SAVE_GROUPS)
+RESUME_APPENDS_SHAPE = "k3patch's earlier form: resumed requests' blocks sent twice"
+RESUME_APPENDS_DEFECT = (
+    "k3patch's earlier form: resumed requests' blocks sent twice (a request resumed after "
+    "preemption gets its whole block list as new blocks, appended to the lists captured again "
+    "at its resumption, so the decode node receives every block of the request twice); apply "
+    "replaces it in place"
+)
 
 K3PATCH_PLAN = """
 # k3patch moriio-group-routing: each layer's KV goes to its own KV-cache

@@ -11,6 +11,7 @@ On upstream 0.31.0+ it checks the group split and, 0.33.0+, the MLA plan.
 from __future__ import annotations
 
 import importlib
+import inspect
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 from k3patch import probekit
 from k3patch.patch import ProbeOutcome
 from k3patch.probekit import Checks, Stub, Swap, stand_in
-from k3patch.shapes import find_expressions
+from k3patch.shapes import find_expressions, match
 
 from .batches import (
     ATTENTION_LAYOUT,
@@ -33,6 +34,7 @@ from .batches import (
     write_layers,
 )
 from .forms import FIELD_NAME
+from .resumes import probe_resumes
 from .standins import (
     COMMON,
     CONNECTOR,
@@ -157,11 +159,13 @@ def probe_routing() -> ProbeOutcome | None:
             checks.fail(f"{case.label}: " + "; ".join(parts))
     _check_all_mamba(connector, checks)
     probe_batches(checks)
+    probe_resumes(checks)
     return checks.outcome(
         holds="every layer's KV goes to its own KV-cache group's blocks, all chunks', on both "
         "nodes (K3: KDA -> groups 0-2, MLA -> group 3; two groups as before; models without a "
         "Mamba group; no block named without external tokens; no per-request state left "
-        "behind; {ran} checks)",
+        "behind; each save's group lists its blocks once, a request resumed after preemption "
+        "too; {ran} checks)",
         broken="{failures}",
     )
 
@@ -395,14 +399,58 @@ def probe_upstream(connector: Any) -> ProbeOutcome:
             "its per-layer WRITE plan is single-group and was not exercised"
         )
         return checks.outcome(holds=holds, broken="{failures}")
-    mla = len(UPSTREAM_LAYOUT) - 1
-    local = [[10 * g + 1] for g in range(mla)] + [[10 * mla + 1, 10 * mla + 2]]
-    remote = [[100 + b for b in blocks] for blocks in local]
-    offsets = probekit.Calls(lambda *a, **k: ([0], [0], [1]))
+    layer_to_group = _worker_layer_map(connector, config, layer_to_group, checks)
+    for label, layout in (("K3", UPSTREAM_LAYOUT), ("two attention groups", TWO_ATTENTION_LAYOUT)):
+        _drive_upstream_request(engine, common, label, layout, layer_to_group, checks)
+    checks.note("KDA layers take upstream's separate Mamba plan (not exercised here)")
+    return checks.outcome(holds=holds, broken="{failures}")
+
+
+def _worker_layer_map(
+    connector: Any, config: Any, fallback: dict[str, int], checks: Checks
+) -> dict[str, int]:
+    """The worker's own `self.layer_to_group = ...` (MoRIIOConnectorWorker.__init__) run on a
+    stand-in, with K3's config; where there is no one such statement, `fallback` (a note)."""
+    init = connector.MoRIIOConnectorWorker.__init__
+    body = getattr(probekit.source_of(init), "body", None) or []
+    found = [s for s in body if match("self.layer_to_group = HOLE_value", s) is not None]
+    if len(found) != 1:
+        checks.note(f"{len(found)} `self.layer_to_group = ...` in the worker: upstream's map used")
+        return fallback
+    names = list(inspect.signature(init).parameters)[1:]
+    args = [config if name == "kv_cache_config" else None for name in names]
+    holder = Stub()
+    try:
+        probekit.run_statements(init, found, holder, *args)
+    except (AttributeError, TypeError) as exc:  # a stand-in config (noted above)
+        checks.note(f"the worker's layer map could not run here ({exc!r}): upstream's map used")
+        return fallback
+    return dict(holder.layer_to_group)
+
+
+def _drive_upstream_request(
+    engine: Any, common: Any, label: str, layout: Layout, layer_map: dict[str, int], checks: Checks
+) -> None:
+    """One request's attention layers through the writer's plan, as the writer runs them: one
+    RemoteAllocInfo for the whole request (its offsets cache shared by every layer), real
+    tensors (the j-th layer of every group backed by one tensor, as vLLM's hybrid allocator
+    shares them; one geometry for all), each group's own local blocks and the decode node's,
+    which, with a Mamba group, hold one tail block more (for the token D recomputes)."""
+    torch = importlib.import_module("torch")
+    shared = [torch.empty((64, 16, 8), dtype=torch.bfloat16) for _ in range(8)]
+    caches = {n: shared[j] for _, names in layout for j, n in enumerate(names)}
+    has_mamba = any(kind == "mamba" for kind, _ in layout)
+    local = [[10 * g + 1, 10 * g + 2] for g in range(len(layout))]
+    tail = [[100 + 10 * g + 9] if has_mamba else [] for g in range(len(layout))]
+    remote = [[100 + b for b in blocks] + tail[g] for g, blocks in enumerate(local)]
+    offsets = probekit.Calls(lambda layer, lo, re, *a, **k: (list(lo), list(re), [1] * len(lo)))
+    groups = {n: layer_map.get(n, g) for g, (_, names) in enumerate(layout) for n in names}
+    if label != "K3":
+        groups = {n: g for g, (_, names) in enumerate(layout) for n in names}
     worker = Stub(
-        kv_caches={n: Stub(shape=(1,), dtype="probe", stride=lambda: (1,)) for n in layer_to_group},
-        layer_to_group=layer_to_group,
-        _has_mamba=True,
+        kv_caches=caches,
+        layer_to_group=groups,
+        _has_mamba=has_mamba,
         _check_peer_block_size=lambda *a, **k: None,
         _compute_block_transfer_offsets=offsets,
         _region_session_indices=lambda layer: [0],
@@ -410,19 +458,19 @@ def probe_upstream(connector: Any) -> ProbeOutcome:
     writer = stand_in(engine.MoRIIOWriter, _worker_ref=weakref.ref(worker))
     task: dict[str, Any] = dict(request_id="req", transfer_id=TRANSFER_ID, dst_engine_id="decode")
     task.update(event=None, remote_block_ids_hint=None, remote_notify_port=0, remote_ip="127.0.0.1")
-    for layer in UPSTREAM_LAYOUT[mla][1]:
-        info, peer = common.RemoteAllocInfo(block_ids=remote), Stub(num_blocks=4096)
-        write = common.WriteTask(local_block_ids=local, layer_name=layer, **task)
-        _, error = probekit.attempt(writer._prepare_transfer_plan, write, info, peer)
-        if error is not None:
-            checks.fail(f"K3 upstream plan for {layer}: {error}")
-            continue
-        given = {args[0]: (list(args[1]), list(args[2])) for args, _, _ in offsets.calls}
-        got, want = given.get(layer), (local[mla], remote[mla])
-        line = (
-            f"K3 upstream plan: {layer} (group {layer_to_group.get(layer)}) -> "
-            f"local {got and got[0]} remote {got and got[1]}"
-        )
-        checks.record(line, got == want, f"{line}, expected local {want[0]} remote {want[1]}")
-    checks.note("KDA layers take upstream's separate Mamba plan (not exercised here)")
-    return checks.outcome(holds=holds, broken="{failures}")
+    info, peer = common.RemoteAllocInfo(block_ids=remote), Stub(num_blocks=4096)
+    for g, (kind, names) in enumerate(layout):
+        if kind == "mamba":
+            continue  # upstream's separate Mamba plan
+        want = (local[g], remote[g][: len(local[g])])
+        for layer in names:
+            write = common.WriteTask(local_block_ids=local, layer_name=layer, **task)
+            plan: Any
+            plan, error = probekit.attempt(writer._prepare_transfer_plan, write, info, peer)
+            if error is not None:
+                checks.fail(f"{label} upstream plan for {layer}: {error}")
+                continue
+            got = (list(plan.transfer_local_offsets), list(plan.transfer_remote_offsets))
+            line = f"{label} upstream plan, one request: {layer} (group {g}) -> local {got[0]} "
+            line += f"remote {got[1]}"
+            checks.record(line, got == want, f"{line}, expected local {want[0]} remote {want[1]}")

@@ -13,14 +13,29 @@ LAYER_GROUP = "            group_of_layer[layer_name] = index\n"
 GROW_LOOP = """\
     for _k3patch_index, _k3patch_req_id in enumerate(_k3patch_cached.req_ids):
         _k3patch_new = _k3patch_cached.new_block_ids[_k3patch_index]
-        if _k3patch_new is not None and _k3patch_req_id in self._k3patch_save_groups:
+        if _k3patch_new is None or _k3patch_req_id not in self._k3patch_save_groups:
+            continue
+        if _k3patch_req_id in _k3patch_cached.resumed_req_ids:
+            # Resumed after preemption: its new_block_ids are all its blocks
+            # (vLLM's CachedRequestData), the lists update_state_after_alloc
+            # took again this step: they replace, never join, the old lists.
             self._k3patch_save_groups[_k3patch_req_id] = [
-                _k3patch_group + list(_k3patch_added)
-                for _k3patch_group, _k3patch_added in zip(
-                    self._k3patch_save_groups[_k3patch_req_id], _k3patch_new, strict=True
-                )
+                list(_k3patch_added) for _k3patch_added in _k3patch_new
             ]
+            continue
+        self._k3patch_save_groups[_k3patch_req_id] = [
+            _k3patch_group + list(_k3patch_added)
+            for _k3patch_group, _k3patch_added in zip(
+                self._k3patch_save_groups[_k3patch_req_id], _k3patch_new, strict=True
+            )
+        ]
 """
+# The resume branch (issue 28 item 5's fix): without it, k3patch's earlier form's behaviour.
+RESUME_BRANCH = GROW_LOOP[
+    GROW_LOOP.index("        if _k3patch_req_id in") : GROW_LOOP.index(
+        "        self._k3patch_save_groups[_k3patch_req_id] = [\n            _k3patch_group"
+    )
+]
 ATTACH_LOOP = """\
     for _k3patch_req_id, _k3patch_meta in meta.reqs_to_save.items():
         _k3patch_meta.k3patch_group_block_ids = self._k3patch_save_groups.pop(
@@ -185,6 +200,13 @@ VARIANTS: tuple[Variant, ...] = (
         "each save takes its lists before this step's new blocks join them: the final chunk's "
         "blocks never travel",
         Sub(ROUTING_FORMS, GROW_LOOP + ATTACH_LOOP, ATTACH_LOOP + GROW_LOOP),
+    ),
+    _new(
+        "routing-resume-appends",
+        "k3patch's earlier growth: a request resumed after preemption gets its new_block_ids "
+        "(all its blocks) joined to the lists captured again at resumption, so every block is "
+        "sent twice",
+        Sub(ROUTING_FORMS, RESUME_BRANCH, ""),
     ),
     _new(
         "routing-offsets-per-worker",
