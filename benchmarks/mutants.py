@@ -158,7 +158,9 @@ def export(source: str, dest: Path) -> Path:
         for part in parts:
             src = ROOT / part
             if src.is_dir():
-                shutil.copytree(src, raw / part, ignore=shutil.ignore_patterns("__pycache__"))
+                shutil.copytree(
+                    src, raw / part, symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
+                )
             else:
                 shutil.copy2(src, raw / part)
     else:
@@ -169,7 +171,8 @@ def export(source: str, dest: Path) -> Path:
             tar.extractall(raw, filter="data")
     lib = dest / "lib"
     lib.mkdir()
-    shutil.copytree(raw / "k3patch", lib / "k3patch")
+    # k3patch/patches is a symlink to ../patches: copied as the folder it names.
+    shutil.copytree(raw / "k3patch", lib / "k3patch", ignore=lambda d, names: ["patches"])
     shutil.copytree(raw / "patches", lib / "k3patch" / "patches")
     for part in ("tests", "fixtures", "pyproject.toml"):
         if (raw / part).is_dir():
