@@ -170,7 +170,8 @@ def export(source: str, dest: Path) -> Path:
     lib = dest / "lib"
     lib.mkdir()
     shutil.copytree(raw / "k3patch", lib / "k3patch")
-    shutil.copytree(raw / "patches", lib / "k3patch" / "patches")
+    # k3patch/patches is a link to ../patches in the checkout: copied above as its files.
+    shutil.copytree(raw / "patches", lib / "k3patch" / "patches", dirs_exist_ok=True)
     for part in ("tests", "fixtures", "pyproject.toml"):
         if (raw / part).is_dir():
             shutil.copytree(raw / part, lib / part)
