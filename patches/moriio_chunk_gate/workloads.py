@@ -254,8 +254,9 @@ class Seen:
     left: list[str] = field(default_factory=list)
 
 
-# Not the gate's: the fork's k3-mamba-blockids never pops its map (its own leak, left alone).
-NOT_THE_GATES = ("_reqs_save_mamba",)
+# Not the gate's: the fork's k3-mamba-blockids and older k3-group-routing never pop their maps
+# (their own leaks, left alone); the older chunk gate's progress map is rebuilt every step.
+NOT_THE_GATES = ("_reqs_save_mamba", "_reqs_save_allgrp", "_k3_prog")
 
 
 def _flat(blocks: Any) -> list[int]:
