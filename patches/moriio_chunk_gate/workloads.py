@@ -472,6 +472,18 @@ def shrink(w: Workload, fails: Any) -> Workload:
     return w
 
 
+# Written workloads (found by a search over priority workloads with late arrivals; the generator's
+# seeds 0-299 hold none): a new request is scheduled before a resumed one in a step, so the
+# order of num_scheduled_tokens is not that of the cached requests (chunk-g1-scheduled-by-position).
+WRITTEN = tuple(
+    Workload(None, block, budget, pool, asks, False, cap, "priority")
+    for block, budget, pool, cap, asks in (
+        (16, 100, 28, 0, (Ask(127, 1, 63, 3, priority=2), Ask(86, 1, 86, 6), Ask(328), Ask(70, 1))),
+        (32, 184, 13, 136, (Ask(250, 1, 250), Ask(145, priority=1), Ask(140, 1, 70, 3))),
+    )
+)
+
+
 def probe_workloads(model_dir: str, checks: Checks, seeds: Any = range(WORKLOADS)) -> None:
     """The oracle over workloads `seeds`: a check per workload; the first failing one shrunk."""
     drive = Drive(model_dir)
@@ -480,6 +492,9 @@ def probe_workloads(model_dir: str, checks: Checks, seeds: Any = range(WORKLOADS
         return shrink(drive.served(w), fails)
 
     probekit.seeded(checks, "workload", seeds, drive.generate, drive.wrongs, shrunk)
+    written = range(1, len(WRITTEN) + 1)
+    pick = lambda k: drive.served(WRITTEN[k - 1])  # noqa: E731
+    probekit.seeded(checks, "written workload", written, pick, drive.wrongs, shrunk)
     if drive.all_remote:
         checks.note(f"every request sent to a decode node: {drive.all_remote}")
 
