@@ -299,3 +299,63 @@ def test_unpatched_fork_fails_generated_workloads_naming_seed_and_case(probed, v
     # The workloads reach what they are for: preemption, cache hits and several prompts a step.
     assert sum("0 preemption(s)" not in c for c in lines) >= 3
     assert sum(", 0 starting with" not in c for c in lines) >= 10
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 28's attack: wrong fixes that passed verify, each made in the applied fork a's connector
+# and run through the chunk-gate probe (as verify runs it; status would read the edit drifted).
+G1_SCHEDULED = "                        + scheduler_output.num_scheduled_tokens.get(req_id, 0)\n"
+ATTACKS = {
+    # The snapshot read with get: one dict per chunked request left for the server's life.
+    "o-params-get": (
+        [("kv_params = self._req_kv_params.pop(\n", "kv_params = self._req_kv_params.get(\n")],
+        "still held in the connector's _req_kv_params",
+    ),
+    # mamba_n1's N-1 applied again to the prompt the fork already cut: fires at N-2 on a K3 node.
+    "chunk-att-fork-double-n1": (
+        [
+            (
+                f"{p}req.num_prompt_tokens\n",
+                f"{p}self._get_remote_prefill_token_count(req.num_prompt_tokens)\n",
+            )
+            for p in ("                        >= ", "                < ")
+        ],
+        "mamba_n1 N-1: 2,049 (1 chunk + 1): save at chunk 1 of 2, expected chunk 2 only",
+    ),
+    # G1 reads this step's tokens by position: wrong where a new request precedes a resumed one.
+    "chunk-g1-scheduled-by-position": (
+        [
+            (
+                G1_SCHEDULED,
+                G1_SCHEDULED.replace(".get(req_id, 0)", "").replace(
+                    "scheduler_output.num_scheduled_tokens",
+                    "list(scheduler_output.num_scheduled_tokens.values())[i]",
+                ),
+            )
+        ],
+        "written workload seed 1: r0 saved at step(s) [6, 7], expected once at step 7",
+    ),
+}
+
+
+@pytest.mark.wheel
+@pytest.mark.verify
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_the_attacks_that_passed_verify_fail_the_probe(tmp_path, verify_python, attack):
+    from probe_child import run_probe
+
+    from k3patch.registry import all_patches
+
+    edits, failure = ATTACKS[attack]
+    site = tmp_path / "site"
+    shutil.copytree(built_fork_tree("a"), site, ignore=shutil.ignore_patterns(".complete"))
+    assert run_cli("apply", "--vllm", str(site), "--quiet").returncode == 0
+    connector = site / (MODULE.replace(".", "/") + ".py")
+    text = connector.read_text(encoding="utf-8")
+    for old, new in edits:
+        assert text.count(old) == 1, (attack, old)
+        text = text.replace(old, new)
+    connector.write_text(text, encoding="utf-8")
+    (patch,) = [p for p in all_patches() if p.id == PATCH_ID]
+    probe = run_probe(patch, verify_python, site)
+    assert probe["ok"] is False and failure in probe["summary"], probe["summary"]

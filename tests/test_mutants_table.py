@@ -39,8 +39,24 @@ def test_issue_28_rows_written_before_the_probes_were_extended():
     }
     for patch, table in mutants.TABLES.items():
         new = [v for v in table if v.written == "issue 28"]
-        assert len(new) >= wanted[patch], patch
-    assert {v.written for v in mutants.VARIANTS} == {"issue 19", "issue 28"}
+        assert len(new) >= wanted.get(patch, 0), patch
+    assert {v.written for v in mutants.VARIANTS} == {"issue 19", "issue 28", "issue 28 attack"}
+
+
+def test_the_attack_rows_in_the_harness_format_join_their_patchs_table():
+    """tests/mutation_rows/<folder>_attack.py: its VARIANTS are found (no list names them) and
+    counted in the patch's table after the patch's own rows; its TREE_ROWS are not variants."""
+    import importlib
+
+    for patch, folder in mutants.FOLDERS.items():
+        own = importlib.import_module(f"mutation_rows.{folder}").VARIANTS
+        try:
+            attack = importlib.import_module(f"mutation_rows.{folder}_attack").VARIANTS
+        except ModuleNotFoundError:
+            attack = ()
+        assert mutants.TABLES[patch] == (*own, *attack), patch
+    attack_ids = {v.id for v in mutants.VARIANTS if v.written == "issue 28 attack"}
+    assert {"chunk-att-fork-double-n1", "chunk-att-both-strict"} <= attack_ids
 
 
 def test_variant_ids_are_unique():

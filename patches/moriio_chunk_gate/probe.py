@@ -119,10 +119,11 @@ def _table() -> tuple[Prefill, ...]:
 TABLE = _table()
 
 
-def _scheduler(mc: Any, block_size: int) -> Any:
+def _scheduler(mc: Any, block_size: int, hybrid: bool = False) -> Any:
     """A MoRIIO scheduler holding what build_connector_meta and update_state_after_alloc read:
     the request maps its own __init__ sets to {} (a release's, a fork's, a patch's), and the
-    block sizes, group and mode its gates and block lists read."""
+    block sizes, group and mode its gates and block lists read; `hybrid`: a K3 node's
+    `_has_mamba` on a fork with mamba_n1 (its N-1 helper then cuts, as it does there)."""
     init = source_of(mc.MoRIIOConnectorScheduler.__init__)
     assigned = attribute_assignments([init] if init else [], "self")
     empty = [a for a, v in assigned if any(match(e, v) is not None for e in ("{}", "dict()"))]
@@ -132,11 +133,16 @@ def _scheduler(mc: Any, block_size: int) -> Any:
         block_size=block_size,  # 0.14.1-0.29.0 gate
         _full_attn_group_idx=0,  # 0.30.0-0.31.0 gate
         _full_attn_block_size=block_size,
-        _has_mamba=False,  # 0.32.0+ (_clamp_to_prompt_blocks)
+        _has_mamba=hybrid and mamba_n1(mc.MoRIIOConnectorScheduler),  # 0.32.0+ clamps with it
         blocks_per_sw=[0],
         _group_block_sizes=[block_size],
     )
     return stand_in(mc.MoRIIOConnectorScheduler, **state)
+
+
+def mamba_n1(connector: Any) -> bool:
+    """The fork's k3-mamba-n1 (SITES.md 0): its N-1 helper reads `_has_mamba`."""
+    return hasattr(connector, "_get_remote_prefill_token_count")
 
 
 def _saves(steps: list[int], chunks: int) -> str:
@@ -268,6 +274,8 @@ def drive_scheduler(scheduler: Any, name: str, row: Prefill, checks: Checks) -> 
         swap.attr(connector, "build_connector_meta", watched)
         if row.truncated:
             swap.attr(connector, "get_num_new_matched_tokens", truncating)
+            if mamba_n1(connector):  # as on a K3 node: hybrid, so the fork's helpers cut
+                swap.attr(connector, "_has_mamba", True)
         scheduler.add_request(request)
         for step in range(1, len(row.chunks) + 4):
             output = scheduler.schedule()
@@ -315,7 +323,7 @@ def probe_chunk_gate() -> ProbeOutcome:
             if row.truncated:
                 truncate(request)
             plan = (request, row.steps, len(row.chunks), len(row.chunks))
-            _direct(_scheduler(mc, row.block), [plan], checks, [row.label])
+            _direct(_scheduler(mc, row.block, row.truncated), [plan], checks, [row.label])
     with scheduler_setting(mc) as model:
         scheduler = _vllm_scheduler(model)
         for name, row in SCHEDULED:

@@ -856,7 +856,9 @@ TREE_ROWS: tuple[TreeRow, ...] = (
         ),
         recorded="SURVIVED",
         recorded_detail="status: satisfied (rc 0); (all probes passed)",
-        equivalent="in the resume step update_state_after_alloc registers the resumed request again (new blocks) and G2 judges it with the fresh block list; skipping it in G1 only stops G1 growing the stale pre-preemption list",
+        # Declared equivalent by the attacker; it is not: a resumed request whose resume chunk is
+        # its last is saved by G2, but G1 no longer deletes its pre-preemption pending entry, so
+        # it and its kv_transfer_params snapshot stay for the server's life (the leak check).
     ),
     TreeRow(
         id="hp-g2-defer-drops-pending",

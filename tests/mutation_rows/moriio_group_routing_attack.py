@@ -19,7 +19,9 @@ from __future__ import annotations
 from .attack_common import ATTACK, TreeRow
 from .common import ROUTING, ROUTING_FORMS, Sub, Variant
 
-CACHE_KEY = "geometry_key = (task.layer_name, *_get_write_geometry_key(layer_cache))"
+# The key since issue 28 item 4 landed (per group and geometry; the rows were written against the
+# per-layer key before it).
+CACHE_KEY = "geometry_key = (_k3patch_group, *_get_write_geometry_key(layer_cache))"
 GROUP = "_k3patch_group = self.worker._k3patch_group_of_layer[task.layer_name]\n"
 ENUM_GROUPS = "    for index, group in enumerate(kv_cache_config.kv_cache_groups):\n"
 
@@ -54,12 +56,13 @@ VARIANTS: tuple[Variant, ...] = (
     ),
     _att(
         "routing-att-key-group",
-        "the offsets cache keyed by KV-cache group and geometry (issue 28 item 4's proposal)",
+        "the offsets cache keyed per layer and geometry (the first post-image, before issue 28 "
+        "item 4 keyed it per KV-cache group)",
         CACHE_KEY,
-        "geometry_key = (_k3patch_group, *_get_write_geometry_key(layer_cache))",
-        equivalent="a control: every layer of one group has the same block ids and spec, and "
-        "compute_block_transfer_offsets reads only the tensor's geometry, the spec and the ids, "
-        "so one group's layers of one geometry share their offsets",
+        "geometry_key = (task.layer_name, *_get_write_geometry_key(layer_cache))",
+        equivalent="a control: a per-layer key is finer than the group key, each layer computes "
+        "its offsets from its own geometry, spec and block ids, which the group key shares among "
+        "one group's layers of one geometry (the batch oracle plans the same sends)",
     ),
     _att(
         "routing-att-two-kinds",
