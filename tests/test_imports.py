@@ -18,7 +18,7 @@ from conftest import run_cli, slow_after
 PACKAGE = Path(__file__).resolve().parent.parent / "k3patch"
 
 # What every layer may import: errors, the formats, the verdicts and the other leaves.
-BOTTOM = {"errors", "formats", "verdicts", "shapes", "plaintext", "safefs", "lock"}
+BOTTOM = {"errors", "formats", "verdicts", "shapes", "astkit", "plaintext", "safefs", "lock", "version"}
 # The no-op path: the bottom, the record, the tree finder, exit codes and the fast path itself.
 NO_OP = {
     "k3patch",
@@ -34,6 +34,7 @@ NO_OP = {
     "k3patch.safefs",
     "k3patch.state",
     "k3patch.tree",
+    "k3patch.version",
     "k3patch.verdicts",
 }
 HEAVY = ("libcst", "typer", "rich", "pydantic", "click")

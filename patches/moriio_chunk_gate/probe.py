@@ -16,15 +16,15 @@ from k3patch.shapes import match
 
 from ..moriio_group_routing.standins import CONNECTOR, drive_prefill, kv_params, stub_request
 from .names import attribute_assignments
-from .workloads import (
+from .scheduler import (
     CHUNK,
     K3_BLOCK,
-    _seen_in_output,
-    _vllm_scheduler,
-    probe_workloads,
     router_id,
     scheduler_setting,
+    seen_in_output,
+    vllm_scheduler,
 )
+from .workloads import probe_workloads
 
 SMALL_BLOCK = 16
 
@@ -260,7 +260,7 @@ def drive_scheduler(scheduler: Any, name: str, row: Prefill, checks: Checks) -> 
         if req_id in scheduler_output.num_scheduled_tokens:
             live = scheduler.requests[req_id]
             scheduled = int(scheduler_output.num_scheduled_tokens[req_id])
-            told = _seen_in_output(scheduler_output, req_id)
+            told = seen_in_output(scheduler_output, req_id)
             seen.append((int(live.num_computed_tokens), told, scheduled))
             prompts.append(int(live.num_prompt_tokens))
         return build(scheduler_output)
@@ -325,7 +325,7 @@ def probe_chunk_gate() -> ProbeOutcome:
             plan = (request, row.steps, len(row.chunks), len(row.chunks))
             _direct(_scheduler(mc, row.block, row.truncated), [plan], checks, [row.label])
     with scheduler_setting(mc) as model:
-        scheduler = _vllm_scheduler(model)
+        scheduler = vllm_scheduler(model)
         for name, row in SCHEDULED:
             drive_scheduler(scheduler, name, row, checks)
         probe_workloads(model, checks)
