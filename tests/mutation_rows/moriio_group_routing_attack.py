@@ -10,8 +10,8 @@ Duplicates of rows already in moriio_group_routing.py (found after writing): rt-
 rt-state-leak = routing-entry-not-removed; they stay as TREE_ROWS only. Near-duplicates by
 effect: routing-att-growth-only-pending ~ routing-save-before-growth, routing-att-two-kinds ~
 routing-kda-groups-merged. Measured (benchmarks/ATTACK-28.md): all killed by the probes but
-routing-att-growth-sorted-ids (SURVIVES: the probe's ids sort in their scheduled order) and
-routing-att-key-group (declared equivalent).
+routing-att-key-group (declared equivalent); routing-att-growth-sorted-ids survived until the
+probe's request ids stopped sorting in their scheduled order.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ VARIANTS: tuple[Variant, ...] = (
         "routing-att-growth-only-pending",
         "the growth loop grows only requests still in _reqs_need_pending_save: G1 has already "
         "removed the one whose final chunk is this step, so that chunk's blocks never join",
-        "if _k3patch_new is not None and _k3patch_req_id in self._k3patch_save_groups:",
-        "if _k3patch_new is not None and _k3patch_req_id in self._reqs_need_pending_save:",
+        "if _k3patch_new is None or _k3patch_req_id not in self._k3patch_save_groups:",
+        "if _k3patch_new is None or _k3patch_req_id not in self._reqs_need_pending_save:",
     ),
     _att(
         "routing-att-growth-sorted-ids",
