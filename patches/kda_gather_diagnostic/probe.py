@@ -17,7 +17,7 @@ from k3patch.astkit import find_def, find_function
 from k3patch.patch import ProbeOutcome
 from k3patch.probekit import Checks, Swap, TorchTrace
 
-from . import OPS_FILE, OPS_MODULE, SITES
+from .sites import OPS_FILE, OPS_MODULE, SITES
 from .syncs import ENV, SYNC_TORCH_FUNCTIONS, ungated_sync_points
 
 # The variable operators set, named here in full rather than taken from the patch's own ENV:
