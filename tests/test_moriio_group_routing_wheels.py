@@ -159,7 +159,9 @@ def test_probe_exercises_upstream_write_plan(verified, version):
     assert found["patches"][PATCH.id]["verdict"] == "satisfied", found["output"]
     probe = found["patches"][PATCH.id]["probe"]
     assert probe["ok"] is True, probe
+    # One request through upstream's _prepare_transfer_plan (issue 28's attack: the probe used
+    # to read the plan without sending a request): K3's MLA layer writes group 3's blocks.
     assert (
-        "K3 upstream plan: model.layers.6.mla (group 3) -> local [31, 32] remote [131, 132]"
-        in probe["checks"]
+        "K3 upstream plan, one request: model.layers.7.mla (group 3) -> local [31, 32] "
+        "remote [131, 132]" in probe["checks"]
     )
