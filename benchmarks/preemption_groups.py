@@ -27,7 +27,6 @@ for name, where in (("k3patch", ROOT / "k3patch"), ("k3patch.patches", ROOT / "p
 
 from k3patch.patches.moriio_chunk_gate import workloads  # noqa: E402
 from k3patch.patches.moriio_group_routing.forms import FIELD_NAME  # noqa: E402
-from k3patch.probekit import Swap  # noqa: E402
 
 mc = importlib.import_module(workloads.CONNECTOR)
 build = mc.MoRIIOConnectorScheduler.build_connector_meta
@@ -43,8 +42,7 @@ def recorded(self, output):
 
 mc.MoRIIOConnectorScheduler.build_connector_meta = recorded
 doubled = 0
-with Swap() as swap, workloads.scheduler_setting(mc) as model:
-    swap.attr(mc, "get_role", lambda: mc.ROLE.PRODUCER)
+with workloads.scheduler_setting(mc) as model:
     for seed in map(int, sys.argv[2].split(",")):
         sent.clear()
         seen, _ = workloads.run_workload(workloads.generate(seed), model)

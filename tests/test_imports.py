@@ -18,7 +18,17 @@ from conftest import run_cli, slow_after
 PACKAGE = Path(__file__).resolve().parent.parent / "k3patch"
 
 # What every layer may import: errors, the formats, the verdicts and the other leaves.
-BOTTOM = {"errors", "formats", "verdicts", "shapes", "astkit", "plaintext", "safefs", "lock", "version"}
+BOTTOM = {
+    "errors",
+    "formats",
+    "verdicts",
+    "shapes",
+    "astkit",
+    "plaintext",
+    "safefs",
+    "lock",
+    "version",
+}
 # The no-op path: the bottom, the record, the tree finder, exit codes and the fast path itself.
 NO_OP = {
     "k3patch",

@@ -107,6 +107,8 @@ def scheduler_setting(mc: Any) -> Iterator[str]:
     with Swap() as swap, tempfile.TemporaryDirectory(prefix="k3patch-probe-model-") as model:
         # The scheduler side sets the process-wide MoRIIO role: later probes get theirs back.
         swap.on_exit(mc.set_role, mc.get_role())
+        # Every Scheduler here drives the tree's connector as a MoRIIO producer.
+        swap.attr(mc, "get_role", lambda: mc.ROLE.PRODUCER)
         logging.disable(logging.WARNING)
         swap.on_exit(logging.disable, logging.NOTSET)
         for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):

@@ -446,6 +446,5 @@ def workload_from(data: dict[str, Any]) -> Workload:
 def serve_workloads(lines: Iterator[str], answer: Any) -> None:
     """The oracle for a test driver (probekit.serve), under the probe's setting."""
     mc = importlib.import_module(CONNECTOR)
-    with Swap() as swap, scheduler_setting(mc) as model:
-        swap.attr(mc, "get_role", lambda: mc.ROLE.PRODUCER)
+    with scheduler_setting(mc) as model:
         probekit.serve(lines, answer, workload_from, Drive(model).wrongs)

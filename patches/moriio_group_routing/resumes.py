@@ -66,8 +66,7 @@ class Resumes:
 def probe_resumes(checks: Checks, seeds: Any = RESUME_SEEDS) -> None:
     """A check per workload; the first failing one shrunk (the chunk-gate oracle's shrinker)."""
     connector = importlib.import_module(CONNECTOR)
-    with Swap() as swap, workloads.scheduler_setting(connector) as model:
-        swap.attr(connector, "get_role", lambda: connector.ROLE.PRODUCER)
+    with workloads.scheduler_setting(connector) as model:
         oracle = Resumes(connector, model)
         probekit.seeded(
             checks, "scheduler workload", seeds, workloads.generate, oracle.wrongs, workloads.shrink
