@@ -45,7 +45,7 @@ def k3patch_env(src: str | None, scratch: Path) -> dict[str, str]:
     if src:
         lib = scratch / "lib"
         shutil.copytree(Path(src) / "k3patch", lib / "k3patch")
-        shutil.copytree(Path(src) / "patches", lib / "k3patch" / "patches")
+        shutil.copytree(Path(src) / "patches", lib / "k3patch" / "patches", dirs_exist_ok=True)
         env["PYTHONPATH"] = str(lib)
     return env
 
