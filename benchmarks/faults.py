@@ -81,6 +81,7 @@ from typing import Any, ClassVar
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "RELIABILITY.md"
 TEMP = re.compile(r"\.k3patch-tmp\.[0-9a-f]+$")
+TEMP_IN_TEXT = re.compile(r"\.k3patch-tmp\.[0-9a-f]+")  # a temp name inside a message
 KINDS = ("ENOSPC", "disk full", "EIO", "EACCES/EPERM", "kill")
 COMMANDS = ("apply", "revert", "recover-apply", "recover-revert")
 TREES = ("0.31.0", "fork-a")
@@ -417,7 +418,8 @@ def install() -> None:
 class _Memo:
     """The planning of a run is pure given the bytes of the files it reads: `scan.classify`
     (ast parse and site matching of one patch), `engine._rewrite` (one patch's libcst rewrite,
-    source text to new text) and `engine._check` (compile and re-classify the new text). They
+    source text to new text), `engine._check` (compile and re-classify the new text) and
+    `transaction._site_verdicts` (revert's and recovery's classify of a saved copy). They
     are most of a run's CPU (about 2 of 2.5 CPU-s of an apply) and make no filesystem call of
     their own beyond the reads of `sources`, which is lazy (a file is read the first time
     something asks for it). A child computes each once per input and hands it to the server
@@ -474,13 +476,21 @@ def _memoized(name: str, real: Any, sources_at: int, copy: Any) -> Any:
 
 def install_memo() -> None:
     """Memoize the planning in k3patch's modules (where the callers look the names up)."""
-    from k3patch import engine, scan
+    from k3patch import engine, scan, transaction
 
     classify = _memoized("classify", scan.classify, 1, list)
     scan.classify = engine.classify = classify  # type: ignore[attr-defined]
     engine._rewrite = _memoized("rewrite", engine._rewrite, 1, dict)
     engine._check = _memoized(
         "check", engine._check, 2, lambda found: {k: list(v) for k, v in found.items()}
+    )
+    # Revert's and recovery's check that a saved copy holds the same sites as the file it goes
+    # back to (transaction.moves_only_sites): one patch's classify of two byte sets, pure too.
+    transaction._site_verdicts = _memoized(
+        "site_verdicts",
+        transaction._site_verdicts,
+        1,
+        lambda found: found if isinstance(found, str) else dict(found),
     )
     if os.environ.get("K3FAULTS_PLANTED_MEMO"):
         # tests/test_faults.py: a memo that skips calls (it keeps the files' hashes by name, so
@@ -1189,7 +1199,7 @@ def memo_difference(a: RunResult, b: RunResult, site_a: Path, site_b: Path) -> s
     if (a.code, a.signal) != (b.code, b.signal):
         return f"exit {a.code}/{a.signal} vs {b.code}/{b.signal}"
     said = [
-        TEMP.sub("", (r.stdout + r.stderr).replace(str(site), "SITE"))
+        TEMP_IN_TEXT.sub("", (r.stdout + r.stderr).replace(str(site), "SITE"))
         for r, site in ((a, site_a), (b, site_b))
     ]
     if said[0] != said[1]:

@@ -337,6 +337,8 @@ def moves_only_sites(
     for patch in all_patches():
         if not set(patch.files) & changed.keys():
             continue
+        for rel in patch.files:  # read first, as scan does: the judging is of these bytes alone
+            now_sources[rel], new_sources[rel]
         now, new = _site_verdicts(patch, now_sources), _site_verdicts(patch, new_sources)
         if isinstance(now, str) or isinstance(new, str) or now.keys() != new.keys():
             if now == new:
