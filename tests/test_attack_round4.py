@@ -1,0 +1,145 @@
+"""Issue 26 item 4: the write path attacked from README's promises alone (round four).
+
+Each test here reproduces a defect found by an outsider on a real vLLM 0.31.0 tree and is marked
+`xfail(strict=True)`: it fails on the code it was written against, and the strict mark turns
+the suite red once a fix makes it pass, so the fixer removes the mark. Each docstring names the
+promise the defect breaks. Paused and killed runs are made deterministic with strace's syscall
+injection (a real process stopped at a real syscall of the commit), not by timing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SLOW, run_cli
+
+pytestmark = [pytest.mark.wheel]
+
+AITER = "vllm/_aiter_ops.py"
+MORIIO = "vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
+STRACE = shutil.which("strace")
+needs_strace = pytest.mark.skipif(STRACE is None, reason="strace pauses the run at a syscall")
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _k3patch_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "k3patch", *args]
+
+
+@SLOW
+@needs_strace
+@pytest.mark.xfail(
+    strict=True,
+    reason="ATTACK4-1: status, after its lock wait times out behind a paused apply, reports "
+    "the half-committed files (one patch applied, one pending) and calls the live run "
+    "'interrupted', exit 1 instead of a lock-timeout exit 3",
+)
+def test_status_behind_a_paused_commit_never_reports_half_a_commit(make_tree, tmp_path):
+    """Promise (docs/how-apply-keeps-a-tree-whole.md, locking): "`status` takes the lock shared
+    before it reads anything, so it waits for a live run and reports what that run left, never
+    files read half way through a commit"; README: status never reports a state no run
+    committed; docs/exit-codes.md: a lock timeout is exit 3.
+
+    An apply is paused (as Slurm's `scontrol suspend` or a cgroup freezer stops a job) right
+    after its first atomic exchange: `_aiter_ops.py` is replaced, `moriio_connector.py` not yet.
+    A `status` started then waits for the lock and, when its wait ends, must not report that
+    mix (aiter-mla-gfx942 applied, moriio-chunk-gate pending): no run committed it, and the
+    paused run, once resumed, leaves both applied. Today it prints exactly that mix, says an
+    "interrupted" apply left a journal, and exits 1."""
+    site = make_tree("0.31.0")
+    before = _sha(site / AITER)
+    moriio_before = _sha(site / MORIIO)
+    # The apply stops for 400 s right after its first renameat2 (RENAME_EXCHANGE) returns.
+    writer = subprocess.Popen(
+        [
+            STRACE,
+            "-f",
+            "-o",
+            str(tmp_path / "strace.out"),
+            "-e",
+            "trace=renameat2",
+            "-e",
+            "inject=renameat2:delay_exit=400000000:when=1",
+            *_k3patch_argv("apply", "--vllm", str(site)),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while _sha(site / AITER) == before:
+            assert writer.poll() is None, "the apply ended before its first exchange"
+            assert time.monotonic() < deadline, "the apply never reached its first exchange"
+            time.sleep(0.2)
+        assert _sha(site / MORIIO) == moriio_before, "the pause is not between the two files"
+        proc = run_cli("status", "--vllm", str(site), "--json", timeout=400)
+        verdicts = {p["id"]: p["verdict"] for p in json.loads(proc.stdout).get("patches", [])}
+        half = (
+            verdicts.get("aiter-mla-gfx942") == "applied"
+            and verdicts.get("moriio-chunk-gate") == "pending"
+        )
+        assert not half, (proc.returncode, verdicts, proc.stderr)
+        assert proc.returncode == 3, (proc.returncode, verdicts, proc.stderr)
+    finally:
+        # strace detaches on SIGTERM and the apply runs to its end; wait for it, so nothing
+        # writes into tmp_path after the test.
+        writer.send_signal(signal.SIGTERM)
+        writer.wait(timeout=120)
+        deadline = time.monotonic() + 120
+        while (site / "vllm/.k3patch/journal.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+@pytest.mark.parametrize("damage", ["not-json", "empty-object", "path-outside"])
+@pytest.mark.xfail(
+    strict=True,
+    reason="ATTACK4-2: on an applied tree a damaged state.json is not noticed by status or "
+    "apply (both exit 0, status gives the clean tree's digest and no error); only revert "
+    "says it is damaged (exit 3)",
+)
+def test_damaged_record_on_an_applied_tree_is_named_by_status_and_apply(make_tree, damage):
+    """Promise (docs/exit-codes.md, 3): "A damaged state record or journal (not JSON, a missing
+    or mistyped field, a path that is not a registered target or leaves the package dir)" is
+    exit 3; docs/json.md: `status` adds `error` when its record cannot be used, as it exits 3;
+    README: the digest tells two nodes apart when their next runs differ.
+
+    On an applied 0.31.0 tree whose record is then damaged, revert rightly refuses (exit 3,
+    "state.json is damaged"), so the record cannot be used; yet status exits 0 with no error
+    and the digest of a clean applied tree, and apply exits 0, so the entrypoint and the Slurm
+    preflight pass a node that cannot be reverted."""
+    site = make_tree("0.31.0")
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    clean = run_cli("status", "--vllm", str(site), "--digest").stdout.strip()
+    record = site / "vllm/.k3patch/state.json"
+    if damage == "not-json":
+        record.write_text("{garbage")
+    elif damage == "empty-object":
+        record.write_text("{}")
+    else:
+        data = json.loads(record.read_text())
+        first = next(iter(data["files"]))
+        data["files"]["../../../etc/passwd"] = data["files"].pop(first)
+        record.write_text(json.dumps(data))
+    damaged = record.read_bytes()
+    revert = run_cli("revert", "--vllm", str(site), "--json")
+    assert revert.returncode == 3, revert.stderr  # the record cannot be used: documented
+    status = run_cli("status", "--vllm", str(site), "--json")
+    apply = run_cli("apply", "--vllm", str(site))
+    digest = run_cli("status", "--vllm", str(site), "--digest").stdout.strip()
+    assert record.read_bytes() == damaged  # nothing rewritten it in between
+    assert status.returncode == 3, (status.returncode, status.stderr)
+    assert json.loads(status.stdout).get("error"), status.stdout[:300]
+    assert apply.returncode == 3, (apply.returncode, apply.stderr)
+    assert digest != clean
