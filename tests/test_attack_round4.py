@@ -102,7 +102,7 @@ def test_status_behind_a_paused_commit_never_reports_half_a_commit(make_tree, tm
             time.sleep(0.2)
 
 
-@pytest.mark.parametrize("damage", ["not-json", "empty-object", "path-outside"])
+@pytest.mark.parametrize("damage", ["not-json", "empty-object", "path-outside", "blob-missing"])
 @pytest.mark.xfail(
     strict=True,
     reason="ATTACK4-2: on an applied tree a damaged state.json is not noticed by status or "
@@ -118,7 +118,8 @@ def test_damaged_record_on_an_applied_tree_is_named_by_status_and_apply(make_tre
     On an applied 0.31.0 tree whose record is then damaged, revert rightly refuses (exit 3,
     "state.json is damaged"), so the record cannot be used; yet status exits 0 with no error
     and the digest of a clean applied tree, and apply exits 0, so the entrypoint and the Slurm
-    preflight pass a node that cannot be reverted."""
+    preflight pass a node that cannot be reverted. The same holds when a saved original the
+    record names is deleted (revert: "the saved copy ... is missing or damaged", exit 3)."""
     site = make_tree("0.31.0")
     assert run_cli("apply", "--vllm", str(site)).returncode == 0
     clean = run_cli("status", "--vllm", str(site), "--digest").stdout.strip()
@@ -127,6 +128,9 @@ def test_damaged_record_on_an_applied_tree_is_named_by_status_and_apply(make_tre
         record.write_text("{garbage")
     elif damage == "empty-object":
         record.write_text("{}")
+    elif damage == "blob-missing":
+        data = json.loads(record.read_text())
+        (site / "vllm/.k3patch/blobs" / data["files"]["_aiter_ops.py"]["original"]).unlink()
     else:
         data = json.loads(record.read_text())
         first = next(iter(data["files"]))
