@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -93,13 +94,12 @@ def test_status_behind_a_paused_commit_never_reports_half_a_commit(make_tree, tm
         assert not half, (proc.returncode, verdicts, proc.stderr)
         assert proc.returncode == 3, (proc.returncode, verdicts, proc.stderr)
     finally:
-        # strace detaches on SIGTERM and the apply runs to its end; wait for it, so nothing
-        # writes into tmp_path after the test.
-        writer.send_signal(signal.SIGTERM)
-        writer.wait(timeout=120)
-        deadline = time.monotonic() + 120
-        while (site / "vllm/.k3patch/journal.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        # The paused apply (strace's child) is killed, then strace; the tree is a scratch copy.
+        children = Path(f"/proc/{writer.pid}/task/{writer.pid}/children")
+        for pid in children.read_text().split() if children.exists() else []:
+            os.kill(int(pid), signal.SIGKILL)
+        writer.kill()
+        writer.wait(timeout=60)
 
 
 @pytest.mark.parametrize("damage", ["not-json", "empty-object", "path-outside", "blob-missing"])
@@ -147,3 +147,63 @@ def test_damaged_record_on_an_applied_tree_is_named_by_status_and_apply(make_tre
     assert json.loads(status.stdout).get("error"), status.stdout[:300]
     assert apply.returncode == 3, (apply.returncode, apply.stderr)
     assert digest != clean
+
+
+@pytest.mark.verify
+@needs_strace
+@pytest.mark.parametrize("journal", ["fifo", "interrupted-apply"])
+@pytest.mark.xfail(
+    strict=True,
+    reason="ATTACK4-3: verify exits 0 ('verified') on a tree whose journal is a FIFO (status, "
+    "apply and revert exit 3 there) or an interrupted apply's (status exits 1 there)",
+)
+def test_verify_does_not_pass_a_tree_with_a_pending_or_unusable_journal(
+    make_tree, verify_python, journal
+):
+    """Promise (docs/exit-codes.md): a FIFO at the journal is "refused without being opened,
+    never waited on, by every command"; exit 1 covers "an interrupted run's journal is
+    waiting"; README: k3patch never reports a state the tree is not in.
+
+    `verify` is the last gate of the Dockerfile (`apply && status && verify`) and of an audit.
+    On a tree whose `.k3patch/journal.json` is a FIFO, status, apply and revert exit 3; on one
+    an apply was killed in (after `_aiter_ops.py` was exchanged, before the journal was
+    removed: its next apply or revert rolls that file back), `status --only aiter-mla-gfx942`
+    exits 1 and names the journal. `verify` on either exits 0 and prints "verified" (under
+    `--json`, exit_code 0 beside `error` or `interrupted`)."""
+    site = make_tree("0.31.0", full=True)
+    if journal == "fifo":
+        assert run_cli("apply", "--vllm", str(site)).returncode == 0
+        os.mkfifo(site / "vllm/.k3patch/journal.json")
+        assert run_cli("status", "--vllm", str(site)).returncode == 3
+    else:
+        killed = subprocess.run(
+            [
+                STRACE,
+                "-f",
+                "-o",
+                "/dev/null",
+                "-e",
+                "trace=renameat2",
+                "-e",
+                "inject=renameat2:signal=SIGKILL:when=2",
+                *_k3patch_argv("apply", "--vllm", str(site)),
+            ],
+            capture_output=True,
+        )
+        assert killed.returncode != 0
+        assert (site / "vllm/.k3patch/journal.json").is_file()
+        status = run_cli("status", "--vllm", str(site), "--only", "aiter-mla-gfx942")
+        assert status.returncode == 1, status.stdout
+    proc = run_cli(
+        "verify",
+        "--vllm",
+        str(site),
+        "--python",
+        verify_python,
+        "--only",
+        "aiter-mla-gfx942",
+        "--json",
+        timeout=600,
+    )
+    data = json.loads(proc.stdout)
+    assert proc.returncode != 0, (data.get("error"), data.get("interrupted"), proc.stderr)
