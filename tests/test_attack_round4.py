@@ -207,3 +207,58 @@ def test_verify_does_not_pass_a_tree_with_a_pending_or_unusable_journal(
     )
     data = json.loads(proc.stdout)
     assert proc.returncode != 0, (data.get("error"), data.get("interrupted"), proc.stderr)
+
+
+@needs_strace
+@pytest.mark.xfail(
+    strict=True,
+    reason="ATTACK4-4: a killed apply's journal with one file's entry removed is trusted: "
+    "recovery rolls back the other file only, and a later revert exits 0 with that file "
+    "still patched and its saved original deleted",
+)
+def test_a_journal_missing_an_entry_is_not_trusted(make_tree, tmp_path):
+    """Promise (docs/how-apply-keeps-a-tree-whole.md, "Nothing on disk is trusted"): a damaged
+    journal is exit 3 with nothing written or pruned, saved originals that no record names are
+    damaged too; README: revert restores the recorded originals byte for byte.
+
+    An apply is killed after both files were exchanged and before its journal was removed
+    (strace kills it at its 7th renameat). A hostile operator deletes the
+    moriio_connector.py entry from that journal; the saved original of that file still lies in
+    `.k3patch/blobs/`. The next apply rolls back `_aiter_ops.py` only, re-applies it, records
+    only it and exits 0; revert then exits 0, removes `.k3patch/` with the unnamed saved
+    original in it, and leaves moriio_connector.py patched with nothing left to revert it."""
+    site = make_tree("0.31.0")
+    pristine = {rel: _sha(site / rel) for rel in (AITER, MORIIO)}
+    killed = subprocess.run(
+        [
+            STRACE,
+            "-f",
+            "-o",
+            "/dev/null",
+            "-e",
+            "trace=renameat",
+            "-e",
+            "inject=renameat:signal=SIGKILL:when=7",
+            *_k3patch_argv("apply", "--vllm", str(site)),
+        ],
+        capture_output=True,
+    )
+    assert killed.returncode != 0
+    journal = site / "vllm/.k3patch/journal.json"
+    data = json.loads(journal.read_text())
+    assert all(_sha(site / rel) != pristine[rel] for rel in (AITER, MORIIO))  # both exchanged
+    kept = [f for f in data["files"] if "moriio" not in f["path"]]
+    assert len(kept) == len(data["files"]) - 1
+    data["files"] = kept
+    journal.write_text(json.dumps(data))
+    assert (site / "vllm/.k3patch/blobs" / pristine[MORIIO]).is_file()
+    apply = run_cli("apply", "--vllm", str(site))
+    revert = run_cli("revert", "--vllm", str(site))
+    restored = [_sha(site / rel) == pristine[rel] for rel in (AITER, MORIIO)]
+    # Either the tampered journal is refused (exit 3) or the end state is byte-exact.
+    assert apply.returncode == 3 or (revert.returncode == 0 and all(restored)), (
+        apply.returncode,
+        revert.returncode,
+        restored,
+        revert.stdout,
+    )
