@@ -262,3 +262,31 @@ def test_a_journal_missing_an_entry_is_not_trusted(make_tree, tmp_path):
         restored,
         revert.stdout,
     )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ATTACK4-4 (record form): a state.json with one file's entry removed is trusted: "
+    "revert exits 0, leaves that file patched and deletes its saved original",
+)
+def test_a_record_missing_an_entry_is_not_trusted(make_tree):
+    """Promise (docs/how-apply-keeps-a-tree-whole.md): saved originals that no record names
+    make the record damaged (exit 3, nothing removed); README: revert restores the recorded
+    originals byte for byte, and a tampered record is refused with exit 3.
+
+    On an applied 0.31.0 tree the moriio_connector.py entry is removed from state.json; its
+    saved original stays in `.k3patch/blobs/`. status and apply exit 0; revert exits 0,
+    restores `_aiter_ops.py` only, removes `.k3patch/` (the unnamed saved original with it)
+    and leaves moriio_connector.py patched with nothing left to revert it."""
+    site = make_tree("0.31.0")
+    pristine = {rel: _sha(site / rel) for rel in (AITER, MORIIO)}
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    record = site / "vllm/.k3patch/state.json"
+    data = json.loads(record.read_text())
+    dropped = next(k for k in data["files"] if k.endswith("moriio_connector.py"))
+    del data["files"][dropped]
+    record.write_text(json.dumps(data))
+    assert (site / "vllm/.k3patch/blobs" / pristine[MORIIO]).is_file()
+    revert = run_cli("revert", "--vllm", str(site))
+    restored = [_sha(site / rel) == pristine[rel] for rel in (AITER, MORIIO)]
+    assert revert.returncode == 3 or all(restored), (revert.returncode, restored, revert.stdout)
