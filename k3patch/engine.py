@@ -25,6 +25,7 @@ from k3patch.state import (
     FileState,
     RecordProblem,
     StateRecord,
+    damaged,
     load,
     patch_set,
     read_bytes,
@@ -338,6 +339,8 @@ def revert(
                 "Nothing was removed: restore state.json from a backup, or reinstall vLLM and "
                 "then remove the .k3patch directory"
             )
+        if record is not None and (why := txn.unnamed_original(record)):
+            raise damaged(str(tree.state_dir / STATE_FILE), why)
         changed = {rel: fs for rel, fs in (record.files.items() if record else []) if fs.applied}
         if record is None or not changed:
             _remove_state_dir(txn)

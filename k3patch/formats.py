@@ -32,14 +32,18 @@ def state_digest(
     hashes: Mapping[str, str | None],
     results: Iterable[Mapping[str, Any]],
     interrupted: str | None = None,
+    state_unusable: bool = False,
 ) -> str:
     """One value two nodes can compare: vLLM version, every target file's hash, the verdicts,
-    and the op of a journal left by a killed run (its next apply rolls back: not the same state
-    as a clean node's, though every file may be)."""
+    the op of a journal left by a killed run (its next apply rolls back: not the same state as
+    a clean node's, though every file may be), and whether k3patch's own state is unusable (a
+    node that cannot be reverted is not a clean node either)."""
     h = hashlib.sha256()
     h.update(f"vllm={version}\n".encode())
     if interrupted is not None:
         h.update(f"interrupted={interrupted}\n".encode())
+    if state_unusable:
+        h.update(b"state unusable\n")
     for rel, digest in sorted(hashes.items()):
         h.update(f"{rel}={digest}\n".encode())
     for r in sorted(results, key=lambda r: (r["patch"], r["site"], r["file"])):

@@ -75,13 +75,21 @@ def _take(key: str, mode: int, deadline: float, timeout: float) -> int:
 def shared(package_dir: Path | str, timeout: float) -> Iterator[bool]:
     """Hold the tree's lock shared for a block of reads (status), so that no writer is half way
     through a commit while they run: a live writer is waited for first, at most `timeout`.
-    Yields whether the lock is held (False: a writer kept it longer, or the directory cannot be
-    opened by this user; the reads go on and a journal then reads as interrupted)."""
+    Yields whether the lock is held (False: the directory cannot be opened by this user; the
+    reads go on and a journal then reads as interrupted). A writer that keeps it longer is Busy:
+    what it has written so far is no state to report."""
     key = os.path.abspath(package_dir)
     fd = None
     if key not in _held:
-        with contextlib.suppress(EnvironmentProblem):  # Busy among them
+        try:
             fd = _take(key, fcntl.LOCK_SH, time.monotonic() + timeout, timeout)
+        except Busy:
+            raise Busy(
+                f"another k3patch run has held the lock on {key} for over {timeout:g}s and may "
+                "be half way through writing; run this again when it has ended"
+            ) from None
+        except EnvironmentProblem:
+            pass
     try:
         yield key in _held or fd is not None
     finally:

@@ -17,7 +17,7 @@ from k3patch.patch import Patch
 from k3patch.pycache import imported_instead, instead_why, stale_bytecode
 from k3patch.registry import all_patches
 from k3patch.sources import SourceError, Sources
-from k3patch.state import RecordProblem, fresh, load
+from k3patch.state import RecordProblem, fresh, load, missing_original
 from k3patch.transaction import Transaction, sha256
 from k3patch.tree import VllmTree
 from k3patch.verdicts import SiteResult, Verdict, summarise
@@ -86,7 +86,9 @@ class Report:
     def digest(self) -> str:
         """One value two nodes can compare: vLLM version, every target file's hash, verdicts."""
         results = [r.to_json() for r in self.results]
-        return formats.state_digest(self.tree.version, self.hashes, results, self.interrupted)
+        return formats.state_digest(
+            self.tree.version, self.hashes, results, self.interrupted, bool(self.state_problem)
+        )
 
     def to_json(self) -> dict[str, Any]:
         payload = formats.report_json(
@@ -199,9 +201,11 @@ def scan(
         instead = {rel: path for rel in targets if (path := imported_instead(tree.path(rel)))}
         record = None
         try:
+            # Damaged, of another schema or naming a saved original that is gone: no revert
+            # could use it, so no run may pass the tree as whole (status, apply and verify: 3).
             record = load(tree.state_dir)
-        except RecordProblem:
-            pass  # damaged or of another schema: a cache only; apply and revert say so
+            if record is not None:
+                problem = problem or missing_original(record, tree.package_dir)
         except EnvironmentProblem as exc:
             problem = problem or str(exc)
     cached = record if use_record and not os.environ.get("K3PATCH_NO_FASTPATH") else None

@@ -202,7 +202,13 @@ def load(
     data = read_bytes(state_dir)
     if data is None:
         return None
-    where = str(state_dir / STATE_FILE)
+    return parse(data, str(state_dir / STATE_FILE), package_dir or state_dir.parent, allowed)
+
+
+def parse(
+    data: bytes, where: str, package_dir: Path, allowed: frozenset[str] | None = None
+) -> StateRecord:
+    """The record in `data` (read from `where`), checked field by field."""
     raw = _json_object(data, where)
     if raw.get("schema_version") != SCHEMA:
         raise RecordOtherSchema(
@@ -212,7 +218,7 @@ def load(
         )
     allowed = registered_targets() if allowed is None else allowed
     try:
-        return _checked(raw, package_dir or state_dir.parent, allowed)
+        return _checked(raw, package_dir, allowed)
     except _Bad as exc:
         raise damaged(where, str(exc)) from None
 
@@ -242,6 +248,20 @@ def fresh_record(package_dir: str) -> StateRecord | None:
     return check_record(package_dir)[0]
 
 
+def missing_original(record: StateRecord, package_dir: Path | str) -> str | None:
+    """Why `record` cannot be reverted for want of a saved original it names (gone, or not a
+    regular file), or None. A listing only: revert checks each copy's bytes."""
+    present = set(safefs.regular_files(package_dir, ".k3patch/blobs", _DIGEST))
+    for rel, fs in sorted(record.files.items()):
+        if fs.original is not None and fs.original not in present:
+            return (
+                f"the saved original of vllm/{rel} ({fs.original[:12]}) is missing from "
+                f"{Path(package_dir) / '.k3patch' / 'blobs'}, so no revert can restore that file; "
+                "reinstall vLLM to get the original files back"
+            )
+    return None
+
+
 def check_record(package_dir: str) -> tuple[StateRecord | None, str, str]:
     """fresh_record's answer with its reason: (the fresh record, "fresh", "") or (None, kind,
     why), kind one of "journal" (a commit in progress or interrupted), "absent", "damaged",
@@ -258,6 +278,8 @@ def check_record(package_dir: str) -> tuple[StateRecord | None, str, str]:
         return None, getattr(exc, "kind", "unreadable"), str(exc)
     if record is None:
         return None, "absent", f"no state record in {state_dir}"
+    if gone := missing_original(record, package_dir):
+        return None, "damaged", gone
     try:
         data = {
             rel: safefs.read_file(os.path.join(package_dir, rel))

@@ -22,7 +22,7 @@ import contextlib
 import hashlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -207,10 +207,17 @@ class Transaction:
         done: list[str] = []
         if journal is not None:
             plan = [step for e in journal["files"] if (step := self._roll_back_plan(e))]
+            where = str(self.package_dir / state.JOURNAL_REL)
             if why := moves_only_sites(self.package_dir, plan):
-                where = str(self.package_dir / state.JOURNAL_REL)
                 raise state.damaged(
                     where, f"a saved copy it names does not belong to its file ({why})"
+                )
+            if plan and (unnamed := self._unnamed_copies(journal, where)):
+                raise state.damaged(
+                    where,
+                    f"the saved copy {unnamed[0]} is named neither by it nor by the record it "
+                    "rolls back to (an entry removed?); rolling back the others would leave "
+                    "that file as the killed run wrote it",
                 )
             for rel, current, before in plan:
                 replace_checked(self.package_dir, rel, current, before)
@@ -228,6 +235,45 @@ class Transaction:
                     remove_bytecode(self.package_dir / entry["path"])
             unlink_in(self.package_dir, state.JOURNAL_REL)
         return done
+
+    def _unnamed_copies(self, journal: dict[str, Any], where: str) -> list[str]:
+        """The saved copies neither `journal` nor the record it rolls back to names (the record's
+        before-image where the journal has one, else the record in place: a revert's commit
+        leaves it). A commit writes its journal first, then stores its files' before-images,
+        then replaces files: once any file is replaced, every copy there is one of those or an
+        original the old record names."""
+        entries = journal["files"]
+        named = {e["before"] for e in entries if e["before"] is not None}
+        journalled = next((e for e in entries if e["path"] == state.STATE_REL), None)
+        if journalled is None:
+            record = state.load(self.package_dir / ".k3patch", self.allowed, self.package_dir)
+        elif journalled["before"] is not None:
+            data = self.blobs.load(journalled["before"])
+            record = state.parse(data, where, self.package_dir, self.allowed)
+        else:
+            record = None
+        if record is not None:
+            named |= {fs.original for fs in record.files.values() if fs.original}
+        return sorted(set(self.blobs.names()) - named)
+
+    def unnamed_original(self, record: state.StateRecord) -> str | None:
+        """Why `record` lacks an entry, or None: a saved copy it does not name that reads as the
+        original of a target it does not name either (the same sites, moved between pending and
+        applied). A kill between a commit and its pruning leaves copies no record names, but
+        never one of those: each file a commit saves an original of is in its record."""
+        named = {fs.original for fs in record.files.values() if fs.original}
+        unnamed = sorted(set(self.blobs.names()) - named)
+        unrecorded = self.allowed - record.files.keys() - {state.STATE_REL}
+        for rel in sorted(unrecorded) if unnamed else []:
+            current = read_in(self.package_dir, rel)
+            for digest in unnamed:
+                copy = self.blobs.load(digest)
+                if current is not None and is_original_of(self.package_dir, rel, current, copy):
+                    return (
+                        f"the saved copy {digest[:12]} is an original of vllm/{rel}, a file the "
+                        "record does not name (an entry removed?)"
+                    )
+        return None
 
     def _roll_back_plan(
         self, entry: dict[str, Any]
@@ -307,20 +353,13 @@ def _site_verdicts(patch: Any, sources: Sources) -> dict[tuple[str, str], Verdic
         return type(exc).__name__
 
 
-def moves_only_sites(
+def _verdicts_both_ways(
     package_dir: Path, images: list[tuple[str, bytes | None, bytes | None]]
-) -> str | None:
-    """Why writing each (path, now, new) of `images` would be more than k3patch's own edit, or
-    None. Every patch reading one of these targets must find the same sites in the new bytes as
-    in the current ones, each with the same verdict or moved between pending and applied: what
-    every apply writes (engine.plan proves it there), so what a revert or rollback writes back.
-    Bytes of another file (a record or journal whose saved copies were swapped), or none where a
-    vLLM file is (a forged "absent" original), read otherwise. Binds a saved copy to the path
-    it is written to by what k3patch knows of that path, its sites, not by the record's word."""
+) -> Iterator[tuple[Any, list[str], Any, Any]]:
+    """For each patch reading a target among `images` (path, now, new): the patch, those
+    targets, and its site verdicts with every image as it is now and as it would be."""
     targets = state.registered_targets()
     changed = {rel: (now, new) for rel, now, new in images if rel in targets}
-    if not changed:
-        return None
 
     def reader(side: int) -> Any:
         def read(rel: str) -> bytes | None:
@@ -334,16 +373,42 @@ def moves_only_sites(
         return read
 
     now_sources, new_sources = Sources(reader(0)), Sources(reader(1))
-    for patch in all_patches():
-        if not set(patch.files) & changed.keys():
-            continue
-        for rel in patch.files:  # read first, as scan does: the judging is of these bytes alone
-            now_sources[rel], new_sources[rel]
-        now, new = _site_verdicts(patch, now_sources), _site_verdicts(patch, new_sources)
+    for patch in all_patches() if changed else ():
+        if files := sorted(set(patch.files) & changed.keys()):
+            for rel in patch.files:  # read first, as scan does: judged from these bytes alone
+                now_sources[rel], new_sources[rel]
+            now, new = _site_verdicts(patch, now_sources), _site_verdicts(patch, new_sources)
+            yield patch, files, now, new
+
+
+def is_original_of(package_dir: Path, rel: str, current: bytes, copy: bytes) -> bool:
+    """Whether `copy` reads, through every patch's site fingerprints, as the file `current` at
+    `rel` with some applied site pending and nothing else changed: an original of it."""
+    moved = False
+    for _, _, now, new in _verdicts_both_ways(package_dir, [(rel, current, copy)]):
+        if isinstance(now, str) or isinstance(new, str) or now.keys() != new.keys():
+            return False
+        pairs = {(now[key], new[key]) for key in now if now[key] != new[key]}
+        if pairs - {(Verdict.APPLIED, Verdict.PENDING)}:
+            return False
+        moved = moved or bool(pairs)
+    return moved
+
+
+def moves_only_sites(
+    package_dir: Path, images: list[tuple[str, bytes | None, bytes | None]]
+) -> str | None:
+    """Why writing each (path, now, new) of `images` would be more than k3patch's own edit, or
+    None. Every patch reading one of these targets must find the same sites in the new bytes as
+    in the current ones, each with the same verdict or moved between pending and applied: what
+    every apply writes (engine.plan proves it there), so what a revert or rollback writes back.
+    Bytes of another file (a record or journal whose saved copies were swapped), or none where a
+    vLLM file is (a forged "absent" original), read otherwise. Binds a saved copy to the path
+    it is written to by what k3patch knows of that path, its sites, not by the record's word."""
+    for patch, files, now, new in _verdicts_both_ways(package_dir, images):
         if isinstance(now, str) or isinstance(new, str) or now.keys() != new.keys():
             if now == new:
                 continue
-            files = sorted(set(patch.files) & changed.keys())
             return f"{patch.id} does not find its sites of {', '.join(files)} in it"
         for (site, rel), verdict in now.items():
             other = new[(site, rel)]

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from k3patch import _verify_child
-from k3patch.errors import VerifyError
+from k3patch.errors import EnvironmentProblem, VerifyError
 from k3patch.patch import Patch
 from k3patch.registry import all_patches, patches_dir
 from k3patch.scan import Report, scan
@@ -84,7 +84,13 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        return all(p.ok for p in self.patches) and all(m.status != BROKEN for m in self.extra)
+        """Every patch good and every module imported, in a tree no interrupted run left: its
+        files are not a committed state (its next apply or revert rolls them back)."""
+        return (
+            self.report.interrupted is None
+            and all(p.ok for p in self.patches)
+            and all(m.status != BROKEN for m in self.extra)
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -219,6 +225,8 @@ def verify(
     interpreter imports how many modules and runs how many probes."""
     patches = all_patches() if patches is None else patches
     report = scan(tree, patches, use_record=False)
+    if report.state_problem:  # k3patch's own state unusable: never "verified" (as apply: 3)
+        raise EnvironmentProblem(report.state_problem)
     if python and os.sep in python:
         python = os.path.abspath(python)  # the child runs from a temp dir
     elif python:

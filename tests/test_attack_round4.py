@@ -1,9 +1,10 @@
 """Issue 26 item 4: the write path attacked from README's promises alone (round four).
 
-Each test here reproduces a defect found by an outsider on a real vLLM 0.31.0 tree and is marked
-`xfail(strict=True)`: it fails on the code it was written against, and the strict mark turns
-the suite red once a fix makes it pass, so the fixer removes the mark. Each docstring names the
-promise the defect breaks. Paused and killed runs are made deterministic with strace's syscall
+Each test here reproduces a defect found by an outsider on a real vLLM 0.31.0 tree; each failed
+on the code it was written against (f941a72) and passes on the fix. Each docstring names the
+promise the defect breaks. ATTACK4-1: status behind a paused commit; ATTACK4-2: a damaged record
+on an applied tree; ATTACK4-3: verify over a FIFO or interrupted journal; ATTACK4-4: a journal
+or a record with an entry removed. Paused and killed runs are made deterministic with strace's syscall
 injection (a real process stopped at a real syscall of the commit), not by timing.
 """
 
@@ -41,12 +42,6 @@ def _k3patch_argv(*args: str) -> list[str]:
 
 @SLOW
 @needs_strace
-@pytest.mark.xfail(
-    strict=True,
-    reason="ATTACK4-1: status, after its lock wait times out behind a paused apply, reports "
-    "the half-committed files (one patch applied, one pending) and calls the live run "
-    "'interrupted', exit 1 instead of a lock-timeout exit 3",
-)
 def test_status_behind_a_paused_commit_never_reports_half_a_commit(make_tree, tmp_path):
     """Promise (docs/how-apply-keeps-a-tree-whole.md, locking): "`status` takes the lock shared
     before it reads anything, so it waits for a live run and reports what that run left, never
@@ -103,12 +98,6 @@ def test_status_behind_a_paused_commit_never_reports_half_a_commit(make_tree, tm
 
 
 @pytest.mark.parametrize("damage", ["not-json", "empty-object", "path-outside", "blob-missing"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="ATTACK4-2: on an applied tree a damaged state.json is not noticed by status or "
-    "apply (both exit 0, status gives the clean tree's digest and no error); only revert "
-    "says it is damaged (exit 3)",
-)
 def test_damaged_record_on_an_applied_tree_is_named_by_status_and_apply(make_tree, damage):
     """Promise (docs/exit-codes.md, 3): "A damaged state record or journal (not JSON, a missing
     or mistyped field, a path that is not a registered target or leaves the package dir)" is
@@ -152,11 +141,6 @@ def test_damaged_record_on_an_applied_tree_is_named_by_status_and_apply(make_tre
 @pytest.mark.verify
 @needs_strace
 @pytest.mark.parametrize("journal", ["fifo", "interrupted-apply"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="ATTACK4-3: verify exits 0 ('verified') on a tree whose journal is a FIFO (status, "
-    "apply and revert exit 3 there) or an interrupted apply's (status exits 1 there)",
-)
 def test_verify_does_not_pass_a_tree_with_a_pending_or_unusable_journal(
     make_tree, verify_python, journal
 ):
@@ -210,12 +194,6 @@ def test_verify_does_not_pass_a_tree_with_a_pending_or_unusable_journal(
 
 
 @needs_strace
-@pytest.mark.xfail(
-    strict=True,
-    reason="ATTACK4-4: a killed apply's journal with one file's entry removed is trusted: "
-    "recovery rolls back the other file only, and a later revert exits 0 with that file "
-    "still patched and its saved original deleted",
-)
 def test_a_journal_missing_an_entry_is_not_trusted(make_tree, tmp_path):
     """Promise (docs/how-apply-keeps-a-tree-whole.md, "Nothing on disk is trusted"): a damaged
     journal is exit 3 with nothing written or pruned, saved originals that no record names are
@@ -264,11 +242,6 @@ def test_a_journal_missing_an_entry_is_not_trusted(make_tree, tmp_path):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ATTACK4-4 (record form): a state.json with one file's entry removed is trusted: "
-    "revert exits 0, leaves that file patched and deletes its saved original",
-)
 def test_a_record_missing_an_entry_is_not_trusted(make_tree):
     """Promise (docs/how-apply-keeps-a-tree-whole.md): saved originals that no record names
     make the record damaged (exit 3, nothing removed); README: revert restores the recorded
