@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from k3patch.patch import ProbeOutcome
-from k3patch.probekit import Checks, Swap, call_accepted, source_of, stand_in
+from k3patch.probekit import Checks, Swap, source_of, stand_in
 from k3patch.shapes import match
 
 from ..moriio_group_routing.standins import CONNECTOR, drive_prefill, kv_params, stub_request
@@ -19,7 +19,9 @@ from .names import attribute_assignments
 from .scheduler import (
     CHUNK,
     K3_BLOCK,
+    new_request,
     router_id,
+    run_step,
     scheduler_setting,
     seen_in_output,
     vllm_scheduler,
@@ -241,14 +243,8 @@ def drive_scheduler(scheduler: Any, name: str, row: Prefill, checks: Checks) -> 
     """One request through vLLM's Scheduler until it finishes: which steps' metadata carried the
     save, and `req.num_computed_tokens` inside build_connector_meta against scheduler_output.
     A truncated row is cut by the tree's own mamba_n1 truncation where it has one, else ours."""
-    from vllm import SamplingParams
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
-
     req_id = router_id(name)
-    fields = dict(request_id=req_id, prompt_token_ids=[1] * row.tokens, pooling_params=None)
-    request = call_accepted(Request, sampling_params=SamplingParams(max_tokens=2), **fields)
-    request.kv_transfer_params = {**kv_params("decode", f"t-{name}"), "do_remote_prefill": False}
+    request = new_request(req_id, [1] * row.tokens, 2, f"t-{name}")
     saves: list[int] = []
     seen: list[tuple[int, int | None, int]] = []  # computed: live, in the output; scheduled
     prompts: list[int] = []  # the prompt the connector compares with
@@ -283,13 +279,7 @@ def drive_scheduler(scheduler: Any, name: str, row: Prefill, checks: Checks) -> 
                 break
             if req_id in getattr(output.kv_connector_metadata, "reqs_to_save", {}):
                 saves.append(step)
-            ids = list(output.num_scheduled_tokens)
-            done = [scheduler.requests[r] for r in ids]
-            sampled = [[7] if r.num_computed_tokens >= r.num_prompt_tokens else [] for r in done]
-            ran: dict[str, Any] = dict(req_ids=ids, logprobs=None, prompt_logprobs_dict={})
-            ran.update(req_id_to_index={r: i for i, r in enumerate(ids)}, pooler_output=[])
-            model_output = call_accepted(ModelRunnerOutput, sampled_token_ids=sampled, **ran)
-            scheduler.update_from_output(output, model_output)
+            run_step(scheduler, output, "num_prompt_tokens", set())
     chunks = len(row.chunks)
     line = (
         f"Scheduler.schedule() [{name}] {row.label}: {_saves(saves, chunks)}, {_expected(chunks)}"

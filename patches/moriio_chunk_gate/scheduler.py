@@ -1,7 +1,8 @@
 """vLLM's own Scheduler on CPU, built as vLLM's unit tests build one (a MoRIIO producer, one
 full-attention group in K3's block, a config.json written here: no download), with the tree's
 MoRIIO connector as its producer: what the workload oracle (workloads.py) and probe.py's Scheduler
-rows share, with the router's request ids."""
+rows share (the scheduler and its setting, a request as the router sends it, the model's side of a
+step)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from typing import Any
 
 from k3patch.probekit import Swap, call_accepted
 
+from ..moriio_group_routing.standins import kv_params
+
 CHUNK = 2048  # max_num_batched_tokens in K3's recipe
 K3_BLOCK = 5760  # K3's attention page padded to the KDA page
 
@@ -27,8 +30,6 @@ def router_id(name: str) -> str:
     return f"{name}___prefill_addr_{_PEER}___decode_addr_{_PEER}_{'0' * 32}"
 
 
-# The second probe: vLLM's own Scheduler on CPU, built as vLLM's unit tests build one (a MoRIIO
-# producer, one full-attention group in K3's block, a config.json written here: no download).
 MAX_LEN = 16384
 
 # A model vLLM knows, small; only its config is read (the scheduler runs no model).
@@ -89,9 +90,41 @@ def vllm_scheduler(
     )
 
 
+def new_request(
+    req_id: str, tokens: list[int], max_tokens: int, transfer: str, **extra: Any
+) -> Any:
+    """A vLLM Request as a proxied prefill node gets it: sent to a decode node (KV transfer
+    `transfer`) unless `transfer` is empty; `extra`: Request's keywords this release may take."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    fields = dict(request_id=req_id, prompt_token_ids=tokens, pooling_params=None, **extra)
+    request = call_accepted(Request, sampling_params=sampling, **fields)
+    if transfer:
+        request.kv_transfer_params = {**kv_params("decode", transfer), "do_remote_prefill": False}
+    return request
+
+
+def run_step(scheduler: Any, output: Any, until: str, sent: set[str]) -> None:
+    """The model's side of a step: a token for each scheduled request whose computed tokens
+    reach its `until` (num_tokens or num_prompt_tokens); `sent`: the KV sends that finished."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    ids = list(output.num_scheduled_tokens)
+    live = [scheduler.requests[r] for r in ids]
+    sampled = [[7] if r.num_computed_tokens >= getattr(r, until) else [] for r in live]
+    ran: dict[str, Any] = dict(req_ids=ids, logprobs=None, prompt_logprobs_dict={})
+    ran.update(req_id_to_index={r: i for i, r in enumerate(ids)}, pooler_output=[])
+    if sent:
+        ran["kv_connector_output"] = call_accepted(KVConnectorOutput, finished_sending=sent)
+    model_output = call_accepted(ModelRunnerOutput, sampled_token_ids=sampled, **ran)
+    scheduler.update_from_output(output, model_output)
+
+
 def seen_in_output(output: Any, req_id: str) -> int | None:
     """The request's num_computed_tokens as scheduler_output tells it."""
-    for new in getattr(output, "scheduled_new_reqs", None) or ():
+    for new in output.scheduled_new_reqs:
         if new.req_id == req_id:
             return int(new.num_computed_tokens)
     cached = output.scheduled_cached_reqs

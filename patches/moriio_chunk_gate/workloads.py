@@ -1,13 +1,10 @@
 """moriio-chunk-gate's oracle, in the verify child: vLLM's own Scheduler on CPU, the tree's MoRIIO
 connector its producer, driven by seeded generated workloads (by hypothesis through
-`serve_workloads`), judged against a reference model; and what probe.py's Scheduler rows share
-with it (the scheduler, its setting, the router's request ids)."""
+`serve_workloads`), judged against a reference model."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import pickle
 import random
 import traceback
 from collections.abc import Iterator
@@ -15,17 +12,20 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from k3patch import probekit
-from k3patch.probekit import Checks, Swap, call_accepted
+from k3patch.probekit import Checks, Swap
 
-from ..moriio_group_routing.standins import CONNECTOR, kv_params
+from ..moriio_group_routing.standins import CONNECTOR
 from .scheduler import (
     K3_BLOCK,
     MAX_LEN,
+    new_request,
     router_id,
+    run_step,
     scheduler_setting,
     seen_in_output,
     vllm_scheduler,
 )
+from .sites import UPSTREAM_HELPER
 
 # ---------------------------------------------------------------------------------------------
 # The oracle: generated workloads through vLLM's own Scheduler and the tree's MoRIIO connector.
@@ -165,15 +165,16 @@ def _flat(blocks: Any) -> list[int]:
 def run_workload(w: Workload, model_dir: str) -> tuple[dict[str, Seen], str | None]:
     """`w` through vLLM's Scheduler (a MoRIIO producer of this tree); per request what was
     seen, or why the drive itself could not finish (a stall, a scheduler error)."""
-    from vllm import SamplingParams
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.request import RequestStatus
 
     scheduler = vllm_scheduler(
         model_dir, w.block, w.budget, w.pool, True, w.reserve, w.cap, w.policy
     )
     hasher = _block_hasher(w.block)
     connector = scheduler.connector.connector_scheduler
+    # Upstream's own gate (0.32.0+, `_is_final_prefill_chunk`) is vLLM's code, not this fix's:
+    # its leak (a resumed request G2 saves stays in the pending map) is not judged.
+    upstream = hasattr(connector, UPSTREAM_HELPER)
     names = [router_id(f"w-r{i}") for i in range(len(w.asks))]
     asks = dict(zip(names, w.asks, strict=True))
     seen = {name: Seen(prompt=a.prompt) for name, a in asks.items()}
@@ -219,19 +220,9 @@ def run_workload(w: Workload, model_dir: str) -> tuple[dict[str, Seen], str | No
         for step in range(1, limit + len(w.asks) * 8):
             for i, (name, ask) in enumerate(asks.items()):
                 if ask.arrives == step:
-                    sampling = SamplingParams(max_tokens=ask.decode, ignore_eos=True)
-                    fields = dict(request_id=name, prompt_token_ids=ask.tokens(i))
-                    request = call_accepted(
-                        Request,
-                        sampling_params=sampling,
-                        pooling_params=None,
-                        block_hasher=hasher,
-                        priority=ask.priority,
-                        **fields,
-                    )
-                    if ask.remote:
-                        params = kv_params("decode", f"t-w{i}")
-                        request.kv_transfer_params = {**params, "do_remote_prefill": False}
+                    transfer = f"t-w{i}" if ask.remote else ""
+                    extra = dict(block_hasher=hasher, priority=ask.priority)
+                    request = new_request(name, ask.tokens(i), ask.decode, transfer, **extra)
                     scheduler.add_request(request)
             try:
                 output = scheduler.schedule()
@@ -243,60 +234,34 @@ def run_workload(w: Workload, model_dir: str) -> tuple[dict[str, Seen], str | No
                     seen,
                     f"the connector raised KeyError on r{r} at step {step} (an engine crash)",
                 )
-            ids = list(output.num_scheduled_tokens)
-            live = [scheduler.requests[r] for r in ids]
-            sampled = [[7] if r.num_computed_tokens >= r.num_tokens else [] for r in live]
             done = {
                 r
                 for r, req in scheduler.requests.items()
                 if RequestStatus.is_finished(req.status) and r not in acked
             }
             acked |= done
-            ran: dict[str, Any] = dict(req_ids=ids, logprobs=None, prompt_logprobs_dict={})
-            ran.update(req_id_to_index={r: i for i, r in enumerate(ids)}, pooler_output=[])
-            if done:
-                ran["kv_connector_output"] = _kv_output(finished_sending=done)
-            model_output = call_accepted(ModelRunnerOutput, sampled_token_ids=sampled, **ran)
-            scheduler.update_from_output(output, model_output)
-            # Upstream's own gate (0.32.0+, `_is_final_prefill_chunk`) is vLLM's code, not this
-            # fix's: its leak (a resumed request G2 saves stays in the pending map) is not judged.
-            upstream = hasattr(connector, "_is_final_prefill_chunk")
-            if all(a.arrives <= step for a in w.asks) and not scheduler.requests and upstream:
-                return seen, None
-            if all(a.arrives <= step for a in w.asks) and not scheduler.requests:
+            run_step(scheduler, output, "num_tokens", done)
+            arrived = all(a.arrives <= step for a in w.asks)
+            if arrived and not scheduler.requests:
                 for name, s in seen.items():
                     held = vars(connector).items()
                     s.left = [k for k, v in held if isinstance(v, dict | set) and name in v]
-                    s.left = [k for k in s.left if k not in NOT_THE_GATES]
+                    s.left = [k for k in s.left if k not in NOT_THE_GATES and not upstream]
                 return seen, None
             # A step that only preempts (priority scheduling) schedules nothing: no stall.
             preempted = any(step in s.preempted for s in seen.values())
-            if all(a.arrives <= step for a in w.asks) and not (ids or done or preempted):
+            if arrived and not (output.num_scheduled_tokens or done or preempted):
                 return seen, f"the scheduler stalled at step {step}"
     return seen, f"not finished in {step} steps"
 
 
-def _kv_output(**fields: Any) -> Any:
-    outputs = importlib.import_module("vllm.v1.outputs")
-    return call_accepted(outputs.KVConnectorOutput, **fields)
-
-
 def _block_hasher(block: int) -> Any:
-    """The block hasher vLLM's engine gives each request, so shared prefixes hit the cache;
-    None where this release has none to give (its requests then hash themselves, or never)."""
+    """The block hasher vLLM's engine gives each request, so shared prefixes hit the cache
+    (every release with a MoRIIO connector, 0.14.0 on, has it and its sha256)."""
     utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
-    if not hasattr(utils, "get_request_block_hasher"):
-        return None
-    try:
-        sha256 = importlib.import_module("vllm.utils.hashing").sha256
-    except (ImportError, AttributeError):
-        sha256 = _sha256
+    sha256 = importlib.import_module("vllm.utils.hashing").sha256
     utils.init_none_hash(sha256)
     return utils.get_request_block_hasher(block, sha256)
-
-
-def _sha256(value: Any) -> bytes:
-    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
 def judge_workload(w: Workload, seen: dict[str, Seen], stall: str | None) -> list[str]:
@@ -344,14 +309,10 @@ _PLAINER = (
 def shrink(w: Workload, fails: Any) -> Workload:
     """A smaller workload that still fails (`fails(w)` true), found deterministically: drop
     requests, then drop each one's extras, then halve prompts; at most SHRINK_RUNS re-runs."""
-    runs = 0
+    runs = iter(range(SHRINK_RUNS))
 
     def tries(candidate: Workload) -> bool:
-        nonlocal runs
-        if runs >= SHRINK_RUNS:
-            return False
-        runs += 1
-        return bool(fails(candidate))
+        return next(runs, None) is not None and bool(fails(candidate))
 
     def fit(asks: tuple[Ask, ...]) -> Workload:
         need = max(-(-(a.prompt + a.decode) // w.block) for a in asks) + 1
