@@ -1,14 +1,15 @@
 """Declared sites for a patch whose change spans several classes and functions: a Site is one
 class or function of one file, found by its dotted scope; each of its Parts sees one piece of it
-in the pre-image's form (pending), k3patch's (applied), neither (drifted) or has no opinion
-(None), and rewrites that piece into the file's codemod. A Site combines its parts' looks into
-one verdict."""
+in the pre-image's form (pending), k3patch's (applied), has no opinion (None), each a Look, or
+neither (drifted: a SiteResult.drift), and rewrites that piece into the file's codemod. A Site
+combines its parts' answers into one SiteResult."""
 
 from __future__ import annotations
 
 import ast
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from k3patch import astkit
@@ -20,29 +21,25 @@ from k3patch.verdicts import SiteResult, Verdict
 if TYPE_CHECKING:
     from k3patch.codemod import Codemod
 
-PENDING, APPLIED, DRIFTED = Verdict.PENDING, Verdict.APPLIED, Verdict.DRIFTED
+PENDING, APPLIED = Verdict.PENDING, Verdict.APPLIED
 Holds = Callable[[SourceFile, Any], bool]  # (the file, the site's function or None)
 
 
 @dataclass(frozen=True)
 class Look:
-    verdict: Verdict | None  # None: no opinion
+    """A part's answer short of drift (which is a SiteResult.drift)."""
+
+    verdict: Verdict | None  # PENDING, APPLIED, or None: no opinion
     line: int | None = None
-    found: str = ""
-    expected: tuple[str, ...] = ()
-    why: str = ""  # the drift reason, or what is wrong with a pending form beyond the patch's bug
+    why: str = ""  # what is wrong with a pending form beyond the patch's bug, or a note
     shape: str = ""  # the form seen, when it is not the site's pending shape
-
-
-def drift(why: str, found: str = "", expected: tuple = (), line: int | None = None) -> Look:
-    return Look(DRIFTED, line, found, expected, why)
 
 
 class Part:
     evidence = False  # anchored on the pre-image's own statements: either form makes it this tree
 
-    def look(self, src: SourceFile, node: Any, scope: str) -> Look:
-        """`node`: the site's class (a field site) or function, `scope` its path (for reports)."""
+    def look(self, src: SourceFile, node: Any, site: Site) -> Look | SiteResult:
+        """`node`: the site's class (a field site) or function; `site.scope` names it in reports."""
         raise NotImplementedError
 
     def rewrite(self, src: SourceFile, file: Codemod, node: Any) -> None:
@@ -70,19 +67,19 @@ class Insert(Part):
             return [(fn.body, len(fn.body) - 1)]
         return [(block, i) for pattern in self.anchors for block, i, _ in search(pattern, fn)]
 
-    def look(self, src: SourceFile, node: ast.FunctionDef, scope: str) -> Look:
-        hits = self._find(node)
+    def look(self, src: SourceFile, node: ast.FunctionDef, site: Site) -> Look | SiteResult:
+        hits, scope, drift = self._find(node), site.scope, partial(SiteResult.drift, *site.key)
         describe = f"`{self.anchors[-1].replace('HOLE_value', '...')}`" if self.anchors else ""
         if self.anchors and len(hits) != 1:
             why = f"{scope}: expected one {describe}, found {len(hits)}"
-            return drift(why, clip_lines(src.segment(node)), (describe,), node.lineno)
+            return drift(why, node.lineno, clip_lines(src.segment(node)), (describe,))
         body, i = hits[0]
         at = body[i]
         if not self.anchors and not isinstance(at, ast.Return):
-            return drift(f"{scope} does not end in a return", src.segment(at), line=at.lineno)
+            return drift(f"{scope} does not end in a return", at.lineno, src.segment(at))
         if self.pre is not None and match(self.pre, at) is None:
             why = f"{scope}: {describe} is not in the pre-image's shape"
-            return drift(why, src.segment(at), (self.pre,), at.lineno)
+            return drift(why, at.lineno, src.segment(at), (self.pre,))
         count = len(parse_pattern(self.added))
         # A script that runs again at each container start may insert its own lines after the
         # anchor once more, pushing k3patch's statements down the block: they still count.
@@ -92,7 +89,7 @@ class Insert(Part):
                 return Look(APPLIED, body[j].lineno)
         if self.marker in src.text and self.marker in astkit.mentioned_names(node, everything=True):
             why = f"{scope}: `{self.marker}` is used, but not in k3patch's shape"
-            return drift(why, clip_lines(src.segment(node)), (dedent(self.added),), node.lineno)
+            return drift(why, node.lineno, clip_lines(src.segment(node)), (dedent(self.added),))
         return Look(PENDING, at.lineno)
 
     def rewrite(self, src: SourceFile, file: Codemod, node: ast.FunctionDef) -> None:
@@ -150,35 +147,37 @@ class Item(Part):
         found = [n for n in ast.walk(node) if isinstance(n, kind) and name in named_items(n)]
         return [n for n in found if isinstance(n, ast.Dict) or astkit.callee_name(n) == self.callee]
 
-    def look(self, src: SourceFile, node: Any, scope: str) -> Look:
+    def look(self, src: SourceFile, node: Any, site: Site) -> Look | SiteResult:
+        scope, drift = site.scope, partial(SiteResult.drift, *site.key)
         if self.kind == "param" and (node.args.vararg or node.args.kwarg or node.args.kwonlyargs):
             why = f"{scope}: unexpected *args/**kwargs/keyword-only parameters"
-            return drift(why, src.segment(node.args), line=node.lineno)
+            return drift(why, node.lineno, src.segment(node.args))
         holders = self._holders(node)
         if len(holders) != 1:
-            return self._missing(src, node, scope, len(holders))
+            return self._missing(src, node, site, len(holders))
         items = self._items(holders[0])
         pre, pre_parts = self._parse(self.pre)
         name, parts = self._parse(self.added)
         # The pre-image's keyword picks the call, so it must be as written whatever else is there.
         if self.kind == "keyword" and not matches_each(pre_parts, items[pre][2]):
             why = f"{scope}: {pre}= is not passed in the pre-image's shape"
-            return drift(why, src.segment(holders[0]), line=holders[0].lineno)
+            return drift(why, holders[0].lineno, src.segment(holders[0]))
         if name in items:
             mine, line, mine_parts = items[name]
             if matches_each(parts, mine_parts):
                 return Look(APPLIED, line)
             why = f"{scope}: {self.kind} {name} is not k3patch's"
-            return drift(why, src.segment(mine), (self.added,), line)
+            return drift(why, line, src.segment(mine), (self.added,))
         if pre not in items or not matches_each(pre_parts, items[pre][2]):
-            return self._missing(src, node, scope, 0)
+            return self._missing(src, node, site, 0)
         return Look(PENDING, items[pre][1])
 
-    def _missing(self, src: SourceFile, node: Any, scope: str, found: int) -> Look:
+    def _missing(self, src: SourceFile, node: Any, site: Site, found: int) -> SiteResult:
         where = {"field": "dataclass", "param": "signature", "key": "dict literal"}
         what = where.get(self.kind, f"{self.callee}(...) call")
-        why = f"{scope}: expected one {what} with the pre-image's `{self.pre}`, found {found}"
-        return drift(why, clip_lines(src.segment(node)), (self.pre,), node.lineno)
+        why = f"{site.scope}: expected one {what} with the pre-image's `{self.pre}`, found {found}"
+        found_text = clip_lines(src.segment(node))
+        return SiteResult.drift(*site.key, why, node.lineno, found_text, (self.pre,))
 
     def rewrite(self, src: SourceFile, file: Codemod, node: Any) -> None:
         holder = self._holders(node)[0]
@@ -203,7 +202,7 @@ class Function(Part):
     name: str
     source: str
 
-    def look(self, src: SourceFile, node: ast.AST, scope: str) -> Look:
+    def look(self, src: SourceFile, node: ast.AST, site: Site) -> Look | SiteResult:
         fn = astkit.find_function(src.tree, self.name)
         if fn is None:
             return Look(PENDING)
@@ -211,22 +210,25 @@ class Function(Part):
         if site_fingerprint(fn) == source_fingerprint(self.source):
             return Look(APPLIED, fn.lineno)
         why = f"{self.name} is not k3patch's function"
-        return drift(why, clip_lines(src.segment(fn)), (dedent(self.source),), fn.lineno)
+        found = clip_lines(src.segment(fn))
+        return SiteResult.drift(*site.key, why, fn.lineno, found, (dedent(self.source),))
 
     def rewrite(self, src: SourceFile, file: Codemod, node: ast.AST) -> None:
         file.append_definition(self.source)
 
 
 class Site:
-    """One class or function of `file` (`scope`, a dotted path; default: the name's first word)
-    and what its change makes right (`what`): its parts look at it; `needs`: a precondition of
-    k3patch's text (its words, a test); `shape`: the name of its pending form."""
+    """One class or function of `file` (`scope`, a dotted path; default: the name's first word),
+    a site of patch `patch`, and what its change makes right (`what`): its parts look at it;
+    `needs`: a precondition of k3patch's text (its words, a test); `shape`: the name of its
+    pending form."""
 
     def __init__(
         self,
         name: str,
         what: str,
         *parts: Part,
+        patch: str,
         file: str,
         needs: tuple[str, Holds] | None = None,
         scope: str = "",
@@ -234,42 +236,39 @@ class Site:
     ) -> None:
         self.name, self.file, self.what, self.parts, self.needs = name, file, what, parts, needs
         self.scope, self.shape = scope or name.split(" ")[0], shape
+        self.key = (patch, name, file)  # a SiteResult's first fields
 
     def node(self, src: SourceFile) -> ast.ClassDef | ast.FunctionDef | None:
         if "." in self.scope:
             return astkit.find_def(src.tree, self.scope)
         return astkit.find_class(src.tree, self.scope)
 
-    def look(self, src: SourceFile) -> tuple[Look, bool]:
-        """The site's verdict, shape and detail as one Look, and whether it is evidence."""
+    def result(self, src: SourceFile) -> tuple[SiteResult, bool]:
+        """The site's verdict, shape and detail, and whether it is evidence."""
         node, scope = self.node(src), self.scope
-        looks = [] if node is None else [(p, p.look(src, node, scope)) for p in self.parts]
+        looks = [] if node is None else [(p, p.look(src, node, self)) for p in self.parts]
         evidence = any(p.evidence and k.verdict in (PENDING, APPLIED) for p, k in looks)
         if self.needs and not self.needs[1](src, node):  # a better reason than any part's
-            return drift(f"k3patch's text needs {self.needs[0]}", expected=self.needs[:1]), evidence
+            why = f"k3patch's text needs {self.needs[0]}"
+            return SiteResult.drift(*self.key, why, expected=self.needs[:1]), evidence
         if node is None:
             what = scope if "." in scope else f"class {scope}"
-            return drift(f"{what} is absent", expected=(what,)), False
-        verdict = combined_verdict(k.verdict for _, k in looks if k.verdict)
-        line = next((look.line for _, look in looks if look.line), None)
-        if verdict is DRIFTED:
-            return next(look for _, look in looks if look.verdict is DRIFTED), evidence
+            return SiteResult.drift(*self.key, f"{what} is absent", expected=(what,)), False
+        seen = [k for _, k in looks if isinstance(k, Look)]
+        if len(seen) < len(looks):  # the first drifted part's answer
+            return next(k for _, k in looks if isinstance(k, SiteResult)), evidence
+        verdict = combined_verdict(k.verdict for k in seen if k.verdict)
+        line = next((look.line for look in seen if look.line), None)
         # An applied site's notes are its applied parts' (a note on a pending form is moot).
-        notes = [k.why for _, k in looks if k.why and (verdict is PENDING or k.verdict is APPLIED)]
+        notes = [k.why for k in seen if k.why and (verdict is PENDING or k.verdict is APPLIED)]
         why = "; ".join((self.what, *notes))
         if verdict is APPLIED:
-            return Look(APPLIED, line, why=why, shape="k3patch"), evidence
+            return SiteResult(*self.key, APPLIED, "k3patch", why, line), evidence
         if verdict is PENDING:
-            shape = next((look.shape for _, look in looks if look.shape), self.shape)
-            return Look(PENDING, line, why=why, shape=shape), evidence
+            shape = next((look.shape for look in seen if look.shape), self.shape)
+            return SiteResult(*self.key, PENDING, shape, why, line), evidence
         why = "partly in k3patch's shape, partly in the pre-image's: edited by hand?"
-        return drift(why, line=line), evidence
-
-    def result(self, patch_id: str, src: SourceFile) -> tuple[SiteResult, bool]:
-        look, evidence = self.look(src)
-        verdict = look.verdict or DRIFTED  # a site's look always has one
-        fields = (verdict, look.shape, look.why, look.line, look.found, look.expected)
-        return SiteResult(patch_id, self.name, self.file, *fields), evidence
+        return SiteResult.drift(*self.key, why, line), evidence
 
     def rewrite(self, src: SourceFile, file: Codemod) -> None:
         node = self.node(src)

@@ -22,7 +22,7 @@ from k3patch import astkit, sitemodel
 from k3patch.fingerprints import dedent
 from k3patch.patch import Patch, ProbeOutcome
 from k3patch.shapes import match, parse_pattern, search
-from k3patch.sitemodel import Function, Insert, Item, Look, Part, Site, drift, takes
+from k3patch.sitemodel import Function, Insert, Item, Look, Part, Site, takes
 from k3patch.sources import SourceFile, Sources
 from k3patch.verdicts import SiteResult, Verdict
 
@@ -38,6 +38,7 @@ COMMON = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_common.py"
 CONNECTOR = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
 ENGINE = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_engine.py"
 FILES = (COMMON, CONNECTOR, ENGINE)
+ID = "moriio-group-routing"
 
 # Without these words neither the fork's statements nor k3patch's are there: a cheap gate before
 # three long ASTs (a hit, maybe a comment, is no verdict); the substring test spares the regex's
@@ -87,17 +88,18 @@ class Plan(Part):
 
     evidence = True
 
-    def look(self, src: SourceFile, node: ast.FunctionDef, scope: str) -> Look:
+    def look(self, src: SourceFile, node: ast.FunctionDef, site: Site) -> Look | SiteResult:
         found = _regions(node)
         if len(found) != 1:
-            why = f"{scope}: the per-layer block-id choice is in no known shape"
+            why = f"{site.scope}: the per-layer block-id choice is in no known shape"
             expected = (
                 f"fork: {forms.PLANS['fork', True]}",
                 f"older k3-group-routing fix: {forms.PLANS['legacy', True]}",
                 f"k3patch: {dedent(forms.K3PATCH_PLAN)}",
             )
             why += f" ({len(found)} candidate regions)" if found else ""
-            return drift(why, sitemodel.clip_lines(src.segment(node), 60), expected, node.lineno)
+            text = sitemodel.clip_lines(src.segment(node), 60)
+            return SiteResult.drift(*site.key, why, node.lineno, text, expected)
         kind, stmts, debug = found[0]
         goes, line = f"; {forms.DEBUG_GOES}" * debug, stmts[0].lineno
         if kind in ("k3patch", "per-layer"):
@@ -118,7 +120,7 @@ class LegacyGrowth(Part):
 
     capture_in: str
 
-    def look(self, src: SourceFile, node: ast.FunctionDef, scope: str) -> Look:
+    def look(self, src: SourceFile, node: ast.FunctionDef, site: Site) -> Look:
         capture = astkit.find_def(src.tree, self.capture_in)
         if capture is None or not search(forms.LEGACY_CAPTURE, capture):
             return Look(None)
@@ -147,8 +149,8 @@ class Upgradable(Insert):
             return body[at:i]
         return None
 
-    def look(self, src: SourceFile, node: ast.FunctionDef, scope: str) -> Look:
-        look = super().look(src, node, scope)
+    def look(self, src: SourceFile, node: ast.FunctionDef, site: Site) -> Look | SiteResult:
+        look = super().look(src, node, site)
         if look.verdict is not Verdict.DRIFTED or self.anchors:
             return look
         earlier = self._earlier(node)
@@ -171,7 +173,9 @@ SCHED, WORKER = "MoRIIOConnectorScheduler", "MoRIIOConnectorWorker"
 USAA = f"{SCHED}.update_state_after_alloc"
 NOTIFY = "k3patch_group_block_notify"
 
-in_common, in_connector, in_engine = (partial(Site, file=f, shape=forms.FORK_SHAPE) for f in FILES)
+in_common, in_connector, in_engine = (
+    partial(Site, patch=ID, file=f, shape=forms.FORK_SHAPE) for f in FILES
+)
 
 
 def _field(cls: str, what: str) -> Site:
@@ -272,7 +276,7 @@ UPSTREAM_SITES = {
 
 
 class MoriioGroupRouting(Patch):
-    id = "moriio-group-routing"
+    id = ID
     title = "MoRIIO routes each layer's KV to its own KV-cache group's block ids"
     files = FILES
     modules = tuple("vllm." + rel.removesuffix(".py").replace("/", ".") for rel in FILES)
@@ -289,13 +293,13 @@ class MoriioGroupRouting(Patch):
         if len(present) != len(FILES):
             missing = ", ".join(rel.rsplit("/", 1)[-1] for rel in FILES if rel not in present)
             why = f"the MoRIIO package is incomplete ({missing} absent); nothing will be written"
-            return self._each_file(Verdict.DRIFTED, why)
+            return self._drifted(why)
         connector, engine = sources[CONNECTOR], sources[ENGINE]
         for shape in NATIVE_SHAPES:
             if shape.holds(connector, engine):
                 return self._each_file(shape.verdict, shape.detail, shape.name)
         if any(_mentions(sources[rel].text) for rel in FILES):
-            looks = [site.result(self.id, sources[site.file]) for site in FORK_SITES]
+            looks = [site.result(sources[site.file]) for site in FORK_SITES]
             if any(evidence for _, evidence in looks):
                 return _one_change([result for result, _ in looks])
         if SINGLE_GROUP_SHAPE.holds(connector, engine):
@@ -309,7 +313,7 @@ class MoriioGroupRouting(Patch):
             *(f"{s.name} ({s.verdict.value})" for s in (*NATIVE_SHAPES, SINGLE_GROUP_SHAPE)),
             "the fork's mamba block ids (pending)",
         )
-        results = [r._replace(expected=expected) for r in self._each_file(Verdict.DRIFTED, why)]
+        results = self._drifted(why, expected)
         plan = astkit.find_def(engine.tree, "MoRIIOWriter._prepare_transfer_plan")
         if plan is not None:
             found = sitemodel.clip_lines(engine.segment(plan))
@@ -318,6 +322,9 @@ class MoriioGroupRouting(Patch):
 
     def _each_file(self, verdict: Verdict, detail: str, shape: str = "") -> list[SiteResult]:
         return [self.result(UPSTREAM_SITES[rel], rel, verdict, detail, shape) for rel in FILES]
+
+    def _drifted(self, why: str, expected: tuple[str, ...] = ()) -> list[SiteResult]:
+        return [SiteResult.drift(ID, UPSTREAM_SITES[r], r, why, expected=expected) for r in FILES]
 
     def rewrite(self, sources: Sources, pending: list[SiteResult], files: Codemods) -> None:
         wanted = {r.site for r in pending}

@@ -11,6 +11,7 @@ its resumption, so the decode node got every block twice. This scheduler has one
 from __future__ import annotations
 
 import importlib
+from functools import partial
 from typing import Any
 
 from k3patch import probekit
@@ -24,15 +25,14 @@ from .standins import CONNECTOR
 RESUME_SEEDS = range(workloads.WORKLOADS)
 
 
-class Resumes:
-    """Workloads through this tree's Scheduler; each save's per-group lists judged."""
+def probe_resumes(checks: Checks, seeds: Any = RESUME_SEEDS) -> None:
+    """A check per workload through this tree's Scheduler, each save's per-group lists judged;
+    the first failing one shrunk (the chunk-gate oracle's shrinker)."""
+    connector = importlib.import_module(CONNECTOR)
+    scheduler_class = connector.MoRIIOConnectorScheduler
+    build = scheduler_class.build_connector_meta
 
-    def __init__(self, connector: Any, model_dir: str) -> None:
-        self.connector, self.model_dir = connector, model_dir
-
-    def wrongs(self, w: workloads.Workload) -> tuple[list[str], str]:
-        scheduler_class = self.connector.MoRIIOConnectorScheduler
-        build = scheduler_class.build_connector_meta
+    def wrongs(w: workloads.Workload, model_dir: str) -> tuple[list[str], str]:
         sent: dict[str, list[Any]] = {}
 
         def recorded(connector: Any, output: Any) -> Any:
@@ -43,7 +43,7 @@ class Resumes:
 
         with Swap() as swap:
             swap.attr(scheduler_class, "build_connector_meta", recorded)
-            seen, _ = workloads.run_workload(w, self.model_dir)
+            seen, _ = workloads.run_workload(w, model_dir)
         wrong = []
         resumed = 0
         for i, (req_id, s) in enumerate(seen.items()):
@@ -62,12 +62,8 @@ class Resumes:
                     )
         return wrong, f"{len(w.asks)} requests, {resumed} saved after a preemption"
 
-
-def probe_resumes(checks: Checks, seeds: Any = RESUME_SEEDS) -> None:
-    """A check per workload; the first failing one shrunk (the chunk-gate oracle's shrinker)."""
-    connector = importlib.import_module(CONNECTOR)
     with workloads.scheduler_setting(connector) as model:
-        oracle = Resumes(connector, model)
+        oracle = partial(wrongs, model_dir=model)
         probekit.seeded(
-            checks, "scheduler workload", seeds, workloads.generate, oracle.wrongs, workloads.shrink
+            checks, "scheduler workload", seeds, workloads.generate, oracle, workloads.shrink
         )
