@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import sys
 from typing import Any
 
@@ -102,7 +103,8 @@ def test_a_record_with_an_empty_scan_does_not_vouch_for_a_pristine_tree(make_tre
     engine.apply(locate(patched))
     data = record(patched)
     data["scan"] = {}
-    (pristine / "vllm/.k3patch").mkdir()
+    # With its saved originals: a record naming copies that are gone is refused outright (3).
+    shutil.copytree(patched / "vllm/.k3patch/blobs", pristine / "vllm/.k3patch/blobs")
     write_record(pristine, data)
     assert fresh_record(str(pristine / "vllm")) is None
     proc = run_cli("status", "--quiet", "--vllm", str(pristine))
