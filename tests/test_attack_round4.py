@@ -4,8 +4,8 @@ Each test here reproduces a defect found by an outsider on a real vLLM 0.31.0 tr
 on the code it was written against (f941a72) and passes on the fix. Each docstring names the
 promise the defect breaks. ATTACK4-1: status behind a paused commit; ATTACK4-2: a damaged record
 on an applied tree; ATTACK4-3: verify over a FIFO or interrupted journal; ATTACK4-4: a journal
-or a record with an entry removed. Paused and killed runs are made deterministic with strace's syscall
-injection (a real process stopped at a real syscall of the commit), not by timing.
+or a record with an entry removed. Paused and killed runs are made deterministic with strace's
+syscall injection (a real process stopped at a real syscall of the commit), not by timing.
 """
 
 from __future__ import annotations
@@ -38,6 +38,15 @@ def _sha(path: Path) -> str:
 
 def _k3patch_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "k3patch", *args]
+
+
+def _apply_killed_at(site: Path, syscall: str, when: int) -> subprocess.CompletedProcess[bytes]:
+    """An apply on `site` killed (SIGKILL, by strace) at its `when`-th `syscall`."""
+    inject = f"inject={syscall}:signal=SIGKILL:when={when}"
+    argv = [STRACE, "-f", "-o", "/dev/null", "-e", f"trace={syscall}", "-e", inject]
+    return subprocess.run(
+        [*argv, *_k3patch_argv("apply", "--vllm", str(site))], capture_output=True
+    )
 
 
 @SLOW
@@ -160,20 +169,7 @@ def test_verify_does_not_pass_a_tree_with_a_pending_or_unusable_journal(
         os.mkfifo(site / "vllm/.k3patch/journal.json")
         assert run_cli("status", "--vllm", str(site)).returncode == 3
     else:
-        killed = subprocess.run(
-            [
-                STRACE,
-                "-f",
-                "-o",
-                "/dev/null",
-                "-e",
-                "trace=renameat2",
-                "-e",
-                "inject=renameat2:signal=SIGKILL:when=2",
-                *_k3patch_argv("apply", "--vllm", str(site)),
-            ],
-            capture_output=True,
-        )
+        killed = _apply_killed_at(site, "renameat2", 2)
         assert killed.returncode != 0
         assert (site / "vllm/.k3patch/journal.json").is_file()
         status = run_cli("status", "--vllm", str(site), "--only", "aiter-mla-gfx942")
@@ -207,20 +203,7 @@ def test_a_journal_missing_an_entry_is_not_trusted(make_tree, tmp_path):
     original in it, and leaves moriio_connector.py patched with nothing left to revert it."""
     site = make_tree("0.31.0")
     pristine = {rel: _sha(site / rel) for rel in (AITER, MORIIO)}
-    killed = subprocess.run(
-        [
-            STRACE,
-            "-f",
-            "-o",
-            "/dev/null",
-            "-e",
-            "trace=renameat",
-            "-e",
-            "inject=renameat:signal=SIGKILL:when=7",
-            *_k3patch_argv("apply", "--vllm", str(site)),
-        ],
-        capture_output=True,
-    )
+    killed = _apply_killed_at(site, "renameat", 7)
     assert killed.returncode != 0
     journal = site / "vllm/.k3patch/journal.json"
     data = json.loads(journal.read_text())
