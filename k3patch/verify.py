@@ -25,6 +25,7 @@ from typing import Any
 from k3patch import _verify_child
 from k3patch.errors import EnvironmentProblem, VerifyError
 from k3patch.patch import Patch
+from k3patch.plaintext import whole
 from k3patch.registry import all_patches, patches_dir
 from k3patch.scan import Report, scan
 from k3patch.state import load_or_none
@@ -253,7 +254,7 @@ def verify(
     if progress is not None and (modules or live):
         progress(
             f"verify: importing {len(modules)} module(s) and running {len(live)} probe(s) with "
-            f"{python} ({chosen})"
+            f"{whole(python)} ({chosen})"
         )
     result = _run_child(python, tree, args) if modules or live else {"imports": {}, "probes": {}}
     # Real paths of the files that hold a site in k3patch's shape.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -30,7 +31,7 @@ K3 = [sys.executable, "-m", "k3patch"]
 def shell(command: str, env: dict[str, str] | None = None) -> tuple[int, list[str]]:
     """`command` in sh, with $K3 the CLI and fd 3 the shell's stdout (where the command echoes
     the CLI's own code, whatever a pipeline makes of it); that code and the stderr lines."""
-    full = {**os.environ, "NO_COLOR": "1", "K3": " ".join(K3), **(env or {})}
+    full = {**os.environ, "NO_COLOR": "1", "K3": shlex.join(K3), **(env or {})}
     proc = subprocess.run(
         ["sh", "-c", "exec 3>&1; " + command], capture_output=True, text=True, env=full, timeout=120
     )
@@ -304,19 +305,20 @@ def test_found_code_keeps_its_indentation_under_its_def(make_tree):
 @pytest.mark.parametrize("path", slow_after(["fast", "full"]))
 def test_a_closed_pipe_or_a_full_stdout_after_a_commit_keeps_its_code(make_tree, path):
     """Issue 13 item 15: exit codes that do not lie."""
-    k3 = f"{sys.executable} -m k3patch"
+    k3 = shlex.join([sys.executable, "-m", "k3patch"])
     if path == "full":
         k3 = f"K3PATCH_NO_FASTPATH=1 {k3}"
     site, other = make_tree("0.31.0"), make_tree("0.31.0")
-    piped = bash(f"{k3} apply --vllm {site} | head -c 1 >/dev/null; exit ${{PIPESTATUS[0]}}")
+    at, other_at = shlex.quote(str(site)), shlex.quote(str(other))
+    piped = bash(f"{k3} apply --vllm {at} | head -c 1 >/dev/null; exit ${{PIPESTATUS[0]}}")
     assert piped.returncode == 0, piped.stderr
     assert "Traceback" not in piped.stderr and "internal error" not in piped.stderr
-    full = bash(f"{k3} apply --vllm {other} > /dev/full")
+    full = bash(f"{k3} apply --vllm {other_at} > /dev/full")
     assert full.returncode == 0, full.stderr
     assert "nothing was written" not in full.stderr and "could not write" in full.stderr
     for tree in (site, other):
         assert run_cli("status", "--vllm", str(tree)).returncode == 0
-    status = bash(f"{k3} status --vllm {site} | head -c 1 >/dev/null; exit ${{PIPESTATUS[0]}}")
+    status = bash(f"{k3} status --vllm {at} | head -c 1 >/dev/null; exit ${{PIPESTATUS[0]}}")
     assert status.returncode == 0, status.stderr
 
 

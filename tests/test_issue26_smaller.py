@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -63,7 +64,7 @@ def test_sigterm_during_verify_ends_its_child_too(make_tree, tmp_path):
 
 def on_a_terminal(*args: str, columns: str) -> str:
     """The CLI's output (stdout and stderr) as a terminal of COLUMNS=`columns` shows it."""
-    command = " ".join([sys.executable, "-m", "k3patch", *args])
+    command = shlex.join([sys.executable, "-m", "k3patch", *args])
     env = {**os.environ, "COLUMNS": columns, "NO_COLOR": "1"}
     proc = subprocess.run(
         ["script", "-qec", command, "/dev/null"], capture_output=True, text=True, env=env

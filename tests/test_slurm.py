@@ -18,6 +18,7 @@ allocation -> 2 (and --jobid from outside finds a running job's nodes with squeu
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -77,7 +78,7 @@ class Nodes:
         self.started = root / "vllm-started"
         self.started.mkdir()
         for name, text in (
-            ("k3patch", NODE_K3PATCH.format(k3patch=BIN / "k3patch")),
+            ("k3patch", NODE_K3PATCH.format(k3patch=shlex.quote(str(BIN / "k3patch")))),
             ("vllm", STAND_IN_VLLM.format(started=self.started)),
         ):
             (self.bin / name).write_text(text)

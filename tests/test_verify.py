@@ -8,6 +8,7 @@ import compileall
 import json
 import os
 import py_compile
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -177,10 +178,14 @@ def stand_in(tmp_path: Path, body: str) -> str:
     """An executable that takes the child's arguments and runs `body` (Python) instead."""
     import sys
 
+    code = tmp_path / "python.py"
+    code.write_text(
+        f"import json, sys\nargs = json.loads(sys.argv[2])\nMARKER = {MARKER!r}\n{body}\n"
+    )
+    # A shell shim, not a `#!` line: a shebang cannot name an interpreter whose path has a space.
     script = tmp_path / "python"
     script.write_text(
-        f"#!{sys.executable}\nimport json, sys\nargs = json.loads(sys.argv[2])\n"
-        f"MARKER = {MARKER!r}\n{body}\n"
+        f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(code))} "$@"\n'
     )
     script.chmod(0o755)
     return str(script)
