@@ -31,7 +31,10 @@ K3 = [sys.executable, "-m", "k3patch"]
 def shell(command: str, env: dict[str, str] | None = None) -> tuple[int, list[str]]:
     """`command` in sh, with $K3 the CLI and fd 3 the shell's stdout (where the command echoes
     the CLI's own code, whatever a pipeline makes of it); that code and the stderr lines."""
-    full = {**os.environ, "NO_COLOR": "1", "K3": shlex.join(K3), **(env or {})}
+    # $K3 expands unquoted (word splitting ignores quotes): the interpreter's path, which may
+    # hold a space, comes quoted in the command itself.
+    command = command.replace("$K3", shlex.join(K3))
+    full = {**os.environ, "NO_COLOR": "1", **(env or {})}
     proc = subprocess.run(
         ["sh", "-c", "exec 3>&1; " + command], capture_output=True, text=True, env=full, timeout=120
     )
