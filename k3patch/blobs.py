@@ -11,7 +11,8 @@ from pathlib import Path
 
 from k3patch.errors import EnvironmentProblem
 from k3patch.replace import unlink_in, write_atomically
-from k3patch.safefs import read_in, regular_files
+from k3patch.safefs import read_in
+from k3patch.state import saved_copy_names
 
 BLOBS = "blobs"
 NAME = re.compile(r"^[0-9a-f]{64}$")
@@ -47,7 +48,7 @@ class Blobs:
         return data
 
     def names(self) -> list[str]:
-        return regular_files(self.package_dir, self.rel_dir, NAME)
+        return saved_copy_names(self.package_dir)
 
     def prune(self, keep: set[str]) -> None:
         """Remove every saved copy not in `keep`: only blob-named regular files."""

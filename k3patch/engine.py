@@ -407,7 +407,7 @@ def _commit(txn: Transaction, edits: list[FileEdit], op: str, old: StateRecord |
         if old is None:
             _remove_state_dir(txn)
         else:
-            txn.blobs.prune({fs.original for fs in old.files.values() if fs.original})
+            txn.blobs.prune(old.originals)
         raise
 
 

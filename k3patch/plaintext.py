@@ -158,12 +158,17 @@ def patches_block(
     return out
 
 
+def interrupted(op: str, then: str) -> Line:
+    """The error line for a journal an interrupted run left, and what comes of it."""
+    return error(f"an interrupted k3patch {op} left a journal", f"; {then}")
+
+
 def status_lines(report: Mapping[str, Any], *, every_site: bool = False) -> list[Line]:
     """`status` from its JSON (`formats.report_json`)."""
     out = [header(report["vllm"]), *patches_block(report, every_site, {})]
     if report["interrupted"]:
-        journal = f"an interrupted k3patch {report['interrupted']} left a journal"
-        out.append(error(journal, "; the next apply or revert rolls it back first"))
+        then = "the next apply or revert rolls it back first"
+        out.append(interrupted(report["interrupted"], then))
     digest = f"digest {report['digest']}"
     return [*out, line(digest + ("  (from the state record)" if report["from_record"] else ""))]
 

@@ -162,8 +162,8 @@ def print_verify(report: VerifyReport) -> None:
     text = "probes ran: " + (", ".join(ran) or "none")
     lines.append(line(text + (f"; not run: {', '.join(not_run)}" if not_run else ""), 2))
     if report.report.interrupted:
-        journal = f"an interrupted k3patch {report.report.interrupted} left a journal"
-        lines.append(plaintext.error(journal, "; run `k3patch apply` (or revert) first"))
+        then = "run `k3patch apply` (or revert) first"
+        lines.append(plaintext.interrupted(report.report.interrupted, then))
     pending = [c.patch_id for c in report.patches if c.verdict.value == "pending"]
     if report.ok:
         lines.append(line("verified", 2, "ok", 0, len("verified")))

@@ -95,6 +95,11 @@ class StateRecord(NamedTuple):
     results: list[SiteResult]
     k3patch_version: str = VERSION
 
+    @property
+    def originals(self) -> set[str]:
+        """The saved copies this record needs: the original of each file it names."""
+        return {fs.original for fs in self.files.values() if fs.original}
+
     def to_bytes(self) -> bytes:
         data = {
             "schema_version": SCHEMA,
@@ -248,10 +253,17 @@ def fresh_record(package_dir: str) -> StateRecord | None:
     return check_record(package_dir)[0]
 
 
+def saved_copy_names(package_dir: Path | str) -> list[str]:
+    """The names of the saved copies in `.k3patch/blobs/` (blob-named regular files only). Here,
+    not in `blobs`, so that the no-op path and the plugin list them without the write path's
+    imports."""
+    return safefs.regular_files(package_dir, ".k3patch/blobs", _DIGEST)
+
+
 def missing_original(record: StateRecord, package_dir: Path | str) -> str | None:
     """Why `record` cannot be reverted for want of a saved original it names (gone, or not a
     regular file), or None. A listing only: revert checks each copy's bytes."""
-    present = set(safefs.regular_files(package_dir, ".k3patch/blobs", _DIGEST))
+    present = set(saved_copy_names(package_dir))
     for rel, fs in sorted(record.files.items()):
         if fs.original is not None and fs.original not in present:
             return (

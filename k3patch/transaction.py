@@ -253,7 +253,7 @@ class Transaction:
         else:
             record = None
         if record is not None:
-            named |= {fs.original for fs in record.files.values() if fs.original}
+            named |= record.originals
         return sorted(set(self.blobs.names()) - named)
 
     def unnamed_original(self, record: state.StateRecord) -> str | None:
@@ -261,13 +261,12 @@ class Transaction:
         original of a target it does not name either (the same sites, moved between pending and
         applied). A kill between a commit and its pruning leaves copies no record names, but
         never one of those: each file a commit saves an original of is in its record."""
-        named = {fs.original for fs in record.files.values() if fs.original}
-        unnamed = sorted(set(self.blobs.names()) - named)
+        unnamed = sorted(set(self.blobs.names()) - record.originals)
+        copies = {digest: self.blobs.load(digest) for digest in unnamed}
         unrecorded = self.allowed - record.files.keys() - {state.STATE_REL}
-        for rel in sorted(unrecorded) if unnamed else []:
+        for rel in sorted(unrecorded) if copies else []:
             current = read_in(self.package_dir, rel)
-            for digest in unnamed:
-                copy = self.blobs.load(digest)
+            for digest, copy in copies.items():
                 if current is not None and is_original_of(self.package_dir, rel, current, copy):
                     return (
                         f"the saved copy {digest[:12]} is an original of vllm/{rel}, a file the "
@@ -303,8 +302,7 @@ class Transaction:
             record = state.load(self.package_dir / ".k3patch")
         except EnvironmentProblem:
             return  # a damaged record keeps every saved copy
-        files = record.files.values() if record else []
-        self.blobs.prune({fs.original for fs in files if fs.original})
+        self.blobs.prune(record.originals if record else set())
 
     def remove_litter(self, strict: bool = False) -> list[str]:
         """Temp files left by a killed or failed run (regular files named so) next to the state
