@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -109,11 +110,20 @@ def venv_with(python: str, versions: dict[str, str], wheel: Path) -> Path:
             assert proc.returncode == 0, proc.stderr[-3000:]
             (venv / ".complete").write_text("\n".join(pins) + "\n")
         os.utime(venv / ".complete")  # used now: see _prune
-        proc = _pip(
-            str(venv / "bin" / "python"),
-            *("install", "--quiet", "--no-deps", "--force-reinstall", str(wheel)),
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        # Reinstalled only when this k3patch differs from the one there: a forced reinstall under
+        # another worker's running CLI made it fail (a half-installed package). Each xdist worker
+        # builds its own wheel, so the mark is its RECORD (every member's hash), not its bytes.
+        with zipfile.ZipFile(wheel) as whl:
+            (record,) = [n for n in whl.namelist() if n.endswith(".dist-info/RECORD")]
+            mark = hashlib.sha256(whl.read(record)).hexdigest()
+        installed = venv / ".k3patch-record"
+        if not installed.exists() or installed.read_text() != mark:
+            proc = _pip(
+                str(venv / "bin" / "python"),
+                *("install", "--quiet", "--no-deps", "--force-reinstall", str(wheel)),
+            )
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            installed.write_text(mark)
     _prune()
     return venv
 
@@ -262,8 +272,22 @@ def test_lowest_bounds(make_tree, tmp_path, k3patch_wheel):
     cycle(venv_with(sys.executable, versions, k3patch_wheel), make_tree, tmp_path)
 
 
-def test_newest(make_tree, tmp_path, k3patch_wheel):
-    cycle(_case(sys.executable, [], k3patch_wheel, tmp_path), make_tree, tmp_path)
+def test_newest(make_tree, tmp_path, k3patch_wheel, k3patch_source):
+    venv = _case(sys.executable, [], k3patch_wheel, tmp_path)
+    cycle(venv, make_tree, tmp_path)
+    # Another worker's build of the same source (other wheel bytes) leaves the venv's k3patch as
+    # it is: a CLI running there is never under a reinstall.
+    out = tmp_path / "rebuilt"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), k3patch_source],
+        check=True,
+    )
+    (rebuilt,) = out.glob("k3patch-*.whl")
+    (cli,) = venv.glob("lib/python*/site-packages/k3patch/cli.py")
+    before = cli.stat()
+    assert venv_with(sys.executable, _resolved_versions(venv), rebuilt) == venv
+    after = cli.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
 
 
 def test_typer_0_12_5_with_click_8_3(make_tree, tmp_path, k3patch_wheel):
