@@ -9,7 +9,10 @@ import json
 import os
 import py_compile
 import shlex
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -263,3 +266,43 @@ def test_a_selection_that_leaves_nothing_verified_nothing(make_tree):
     )
     assert result.exit_code == 3, result.output
     assert "kda-gather-diagnostic not applicable" in result.stderr
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter (R, S, Z, ...), None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return None
+    return fields[0]
+
+
+def test_sigterm_during_verify_ends_its_child_too(make_tree, tmp_path):
+    """`docker stop` while verify's child imports torch: the child goes with k3patch (as it
+    does for SIGINT), and k3patch ends as SIGTERM ends a process."""
+    site = make_tree("0.31.0")
+    pid_file = tmp_path / "child.pid"
+    python = stand_in(
+        tmp_path,
+        f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "k3patch", "verify", "--vllm", str(site), "--python", python],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while _state(child) not in (None, "Z") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _state(child) in (None, "Z"), f"the verify child {child} still runs"
+    finally:
+        if _state(child) not in (None, "Z"):
+            os.kill(child, signal.SIGKILL)
