@@ -365,3 +365,67 @@ def test_apply_json_always_has_bugs_and_diff_under_diff(make_tree):
     again = run_cli("apply", "--json", "--diff", "--vllm", str(site))
     data = json.loads(again.stdout)
     assert data["exit_code"] == 0 and data["bugs"] == {} and data["diff"] == ""
+
+
+ASCII_OUTPUT = {
+    "PYTHONIOENCODING=ascii": {"PYTHONIOENCODING": "ascii"},
+    # The C locale with Python's own UTF-8 rescue (PEP 538, PEP 540) turned off.
+    "C locale": {
+        "LC_ALL": "C",
+        "LANG": "C",
+        "PYTHONUTF8": "0",
+        "PYTHONCOERCECLOCALE": "0",
+        "PYTHONIOENCODING": "",
+    },
+}
+
+
+@pytest.mark.wheel
+@pytest.mark.parametrize("output", list(ASCII_OUTPUT))
+def test_an_ascii_stdout_gets_the_report_with_what_it_cannot_encode_replaced(
+    make_tree, tmp_path, output
+):
+    """PYTHONIOENCODING=ascii (or a C locale): a report holding a non-ASCII character (here
+    the tree's path) is printed whole, every line, that character replaced; never dropped for
+    one 'could not write the output' line, a traceback or silence. (Under the C locale Python
+    reads the path in as surrogate escapes and writes them back as the same bytes.)"""
+    import shutil
+
+    site = tmp_path / "sit\u00e9"
+    shutil.copytree(make_tree("0.31.0"), site)
+    env = ASCII_OUTPUT[output]
+    for command, code in (("status", 1), ("apply", 0), ("status", 0), ("revert", 0)):
+        proc = run_cli(command, "--vllm", str(site), env=env)
+        assert proc.returncode == code, (command, proc.stdout, proc.stderr)
+        assert proc.stderr == "", (command, proc.stderr)
+        if command == "revert":
+            assert "restored:\n  vllm/_aiter_ops.py" in proc.stdout, proc.stdout
+        else:
+            # (the C locale gives the path back as the bytes it came in as)
+            assert "aiter-mla-gfx942" in proc.stdout, proc.stdout
+            assert "sit?" in proc.stdout or "sit\u00e9" in proc.stdout, proc.stdout
+
+
+@pytest.mark.wheel
+def test_status_quiet_and_apply_quiet_print_one_line_format(make_tree):
+    """`status --quiet` and `apply --quiet` print one line format, `k3patch: id: verdict`
+    (README's), on the full path and the no-op path alike."""
+    import re
+
+    site = make_tree("0.31.0")
+
+    def lines(*args: str, full: bool = False) -> list[str]:
+        env = {"K3PATCH_NO_FASTPATH": "1"} if full else {}
+        proc = run_cli(*args, "--quiet", "--vllm", str(site), env=env)
+        assert proc.returncode in (0, 1), proc.stderr
+        return proc.stdout.splitlines()
+
+    pending = lines("status")
+    assert pending == lines("apply", "--check")
+    assert lines("apply") == [x.replace(": pending", ": applied") for x in pending]
+    applied = lines("apply", full=True)
+    for run in (lines("status"), lines("status", full=True), lines("apply")):
+        assert run == applied, (run, applied)
+    assert len(applied) == 4 and all(
+        re.fullmatch(r"k3patch: [a-z0-9-]+: [a-z ]+", x) for x in applied
+    )
