@@ -1,7 +1,8 @@
 """The set-ups the "trust nothing on disk" tests share, each in one place: what a tree holds
 (`everything`, `source_hashes`, its record), another user (`shared_site`, `as_nobody`,
 `run_as_nobody`), FIFOs and a bound on anything that could block on one, an upgrade over a tree,
-and the one-line checks on what k3patch printed."""
+a run killed or paused at a chosen step, the plugin run as vLLM would start it, and the one-line
+checks on what k3patch printed."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import zipfile
 from collections.abc import Callable, Iterator
@@ -254,3 +256,28 @@ def run_as_nobody(args: list[str]) -> tuple[int, str, str]:
         stdout, stderr = out.read(), err.read()
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status), stdout, stderr
+
+
+# -- the plugin, as vLLM starts it --------------------------------------------------------------
+
+PREFLIGHT = textwrap.dedent(
+    """
+    import sys, types
+    pkg = sys.argv[1]
+    m = types.ModuleType('vllm'); m.__file__ = pkg + '/__init__.py'; m.__path__ = [pkg]
+    sys.modules['vllm'] = m
+    from k3patch.plugin import preflight
+    preflight()
+    """
+)
+
+
+def preflight_fail(pkg: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The plugin's preflight with K3PATCH_PREFLIGHT=fail, in a fresh interpreter whose `vllm`
+    is the package dir `pkg` (nothing of it imported)."""
+    return subprocess.run(
+        [sys.executable, "-c", PREFLIGHT, str(pkg)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env, "K3PATCH_PREFLIGHT": "fail"},
+    )
