@@ -14,10 +14,14 @@ import sys
 from typing import Any
 
 import pytest
-from conftest import run_cli, slow_after, tree_hashes
+from conftest import run_cli, sha, slow_after, tree_hashes
 from disk_setups import (
+    AITER_FILE,
+    CONNECTOR_FILE,
     FakeVllm,
+    apply_killed_at,
     digest,
+    needs_strace,
     record,
     source_hashes,
     write_record,
@@ -303,3 +307,105 @@ def test_status_with_an_unusable_state_dir_gives_the_code_verdicts_and_exits_3(
     data = json.loads(run_cli("status", "--json", "--vllm", str(site)).stdout)
     assert data["exit_code"] == 3 and str(state_dir) in data["error"]
     assert data["patches"][0]["verdict"] == "pending"
+
+
+@pytest.mark.parametrize("damage", ["not-json", "empty-object", "path-outside", "blob-missing"])
+def test_damaged_record_on_an_applied_tree_is_named_by_status_and_apply(make_tree, damage):
+    """Promise (docs/exit-codes.md, 3): "A damaged state record or journal (not JSON, a missing
+    or mistyped field, a path that is not a registered target or leaves the package dir)" is
+    exit 3; docs/json.md: `status` adds `error` when its record cannot be used, as it exits 3;
+    README: the digest tells two nodes apart when their next runs differ.
+
+    On an applied 0.31.0 tree whose record is then damaged, revert rightly refuses (exit 3,
+    "state.json is damaged"), so the record cannot be used: status and apply must say so too
+    (exit 3, `error`, a digest other than a clean applied tree's), or the entrypoint and the
+    Slurm preflight pass a node that cannot be reverted. The same holds when a saved original
+    the record names is deleted (revert: "the saved copy ... is missing or damaged", exit 3)."""
+    site = make_tree("0.31.0")
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    clean = run_cli("status", "--vllm", str(site), "--digest").stdout.strip()
+    record = site / "vllm/.k3patch/state.json"
+    if damage == "not-json":
+        record.write_text("{garbage")
+    elif damage == "empty-object":
+        record.write_text("{}")
+    elif damage == "blob-missing":
+        data = json.loads(record.read_text())
+        (site / "vllm/.k3patch/blobs" / data["files"]["_aiter_ops.py"]["original"]).unlink()
+    else:
+        data = json.loads(record.read_text())
+        first = next(iter(data["files"]))
+        data["files"]["../../../etc/passwd"] = data["files"].pop(first)
+        record.write_text(json.dumps(data))
+    damaged = record.read_bytes()
+    revert = run_cli("revert", "--vllm", str(site), "--json")
+    assert revert.returncode == 3, revert.stderr  # the record cannot be used: documented
+    status = run_cli("status", "--vllm", str(site), "--json")
+    apply = run_cli("apply", "--vllm", str(site))
+    digest = run_cli("status", "--vllm", str(site), "--digest").stdout.strip()
+    assert record.read_bytes() == damaged  # nothing rewritten it in between
+    assert status.returncode == 3, (status.returncode, status.stderr)
+    assert json.loads(status.stdout).get("error"), status.stdout[:300]
+    assert apply.returncode == 3, (apply.returncode, apply.stderr)
+    assert digest != clean
+
+
+@needs_strace
+def test_a_journal_missing_an_entry_is_not_trusted(make_tree, tmp_path):
+    """Promise (docs/how-apply-keeps-a-tree-whole.md, "Nothing on disk is trusted"): a damaged
+    journal is exit 3 with nothing written or pruned, saved originals that no record names are
+    damaged too; README: revert restores the recorded originals byte for byte.
+
+    An apply is killed after both files were exchanged and before its journal was removed
+    (strace kills it at its 7th renameat). A hostile operator deletes the
+    moriio_connector.py entry from that journal; the saved original of that file still lies in
+    `.k3patch/blobs/`. The next apply must refuse that journal (exit 3), or the end state must
+    be byte-exact: never an apply that rolls back `_aiter_ops.py` only and records only it, then
+    a revert that exits 0, removes `.k3patch/` with the unnamed saved original in it, and leaves
+    moriio_connector.py patched with nothing left to revert it."""
+    site = make_tree("0.31.0")
+    pristine = {rel: sha(site / rel) for rel in (AITER_FILE, CONNECTOR_FILE)}
+    killed = apply_killed_at(site, "renameat", 7)
+    assert killed.returncode != 0
+    journal = site / "vllm/.k3patch/journal.json"
+    data = json.loads(journal.read_text())
+    # both exchanged
+    assert all(sha(site / rel) != pristine[rel] for rel in (AITER_FILE, CONNECTOR_FILE))
+    kept = [f for f in data["files"] if "moriio" not in f["path"]]
+    assert len(kept) == len(data["files"]) - 1
+    data["files"] = kept
+    journal.write_text(json.dumps(data))
+    assert (site / "vllm/.k3patch/blobs" / pristine[CONNECTOR_FILE]).is_file()
+    apply = run_cli("apply", "--vllm", str(site))
+    revert = run_cli("revert", "--vllm", str(site))
+    restored = [sha(site / rel) == pristine[rel] for rel in (AITER_FILE, CONNECTOR_FILE)]
+    # Either the tampered journal is refused (exit 3) or the end state is byte-exact.
+    assert apply.returncode == 3 or (revert.returncode == 0 and all(restored)), (
+        apply.returncode,
+        revert.returncode,
+        restored,
+        revert.stdout,
+    )
+
+
+def test_a_record_missing_an_entry_is_not_trusted(make_tree):
+    """Promise (docs/how-apply-keeps-a-tree-whole.md): saved originals that no record names
+    make the record damaged (exit 3, nothing removed); README: revert restores the recorded
+    originals byte for byte, and a tampered record is refused with exit 3.
+
+    On an applied 0.31.0 tree the moriio_connector.py entry is removed from state.json; its
+    saved original stays in `.k3patch/blobs/`. revert must refuse (exit 3) or restore both
+    files: never exit 0 having restored `_aiter_ops.py` only, removed `.k3patch/` (the unnamed
+    saved original with it) and left moriio_connector.py patched with nothing to revert it."""
+    site = make_tree("0.31.0")
+    pristine = {rel: sha(site / rel) for rel in (AITER_FILE, CONNECTOR_FILE)}
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    record = site / "vllm/.k3patch/state.json"
+    data = json.loads(record.read_text())
+    dropped = next(k for k in data["files"] if k.endswith("moriio_connector.py"))
+    del data["files"][dropped]
+    record.write_text(json.dumps(data))
+    assert (site / "vllm/.k3patch/blobs" / pristine[CONNECTOR_FILE]).is_file()
+    revert = run_cli("revert", "--vllm", str(site))
+    restored = [sha(site / rel) == pristine[rel] for rel in (AITER_FILE, CONNECTOR_FILE)]
+    assert revert.returncode == 3 or all(restored), (revert.returncode, restored, revert.stdout)

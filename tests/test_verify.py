@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
+from disk_setups import apply_killed_at, needs_strace
 
 from k3patch import scan
 from k3patch import verify as verify_mod
@@ -306,3 +307,44 @@ def test_sigterm_during_verify_ends_its_child_too(make_tree, tmp_path):
     finally:
         if _state(child) not in (None, "Z"):
             os.kill(child, signal.SIGKILL)
+
+
+@needs_strace
+@pytest.mark.parametrize("journal", ["fifo", "interrupted-apply"])
+def test_verify_does_not_pass_a_tree_with_a_pending_or_unusable_journal(
+    make_tree, verify_python, journal
+):
+    """Promise (docs/exit-codes.md): a FIFO at the journal is "refused without being opened,
+    never waited on, by every command"; exit 1 covers "an interrupted run's journal is
+    waiting"; README: k3patch never reports a state the tree is not in.
+
+    `verify` is the last gate of the Dockerfile (`apply && status && verify`) and of an audit.
+    On a tree whose `.k3patch/journal.json` is a FIFO, status, apply and revert exit 3; on one
+    an apply was killed in (after `_aiter_ops.py` was exchanged, before the journal was
+    removed: its next apply or revert rolls that file back), `status --only aiter-mla-gfx942`
+    exits 1 and names the journal. `verify` on either must not exit 0 nor print "verified"
+    (under `--json`, never exit_code 0 beside `error` or `interrupted`)."""
+    site = make_tree("0.31.0", full=True)
+    if journal == "fifo":
+        assert run_cli("apply", "--vllm", str(site)).returncode == 0
+        os.mkfifo(site / "vllm/.k3patch/journal.json")
+        assert run_cli("status", "--vllm", str(site)).returncode == 3
+    else:
+        killed = apply_killed_at(site, "renameat2", 2)
+        assert killed.returncode != 0
+        assert (site / "vllm/.k3patch/journal.json").is_file()
+        status = run_cli("status", "--vllm", str(site), "--only", "aiter-mla-gfx942")
+        assert status.returncode == 1, status.stdout
+    proc = run_cli(
+        "verify",
+        "--vllm",
+        str(site),
+        "--python",
+        verify_python,
+        "--only",
+        "aiter-mla-gfx942",
+        "--json",
+        timeout=600,
+    )
+    data = json.loads(proc.stdout)
+    assert proc.returncode != 0, (data.get("error"), data.get("interrupted"), proc.stderr)
