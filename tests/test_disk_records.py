@@ -17,10 +17,13 @@ import pytest
 from conftest import run_cli, sha, slow_after, tree_hashes
 from disk_setups import (
     AITER_FILE,
+    CONNECTOR,
     CONNECTOR_FILE,
+    GROUP_ROUTING,
     FakeVllm,
     apply_killed_at,
     digest,
+    killed_after_every_file_was_replaced,
     needs_strace,
     record,
     source_hashes,
@@ -409,3 +412,100 @@ def test_a_record_missing_an_entry_is_not_trusted(make_tree):
     revert = run_cli("revert", "--vllm", str(site))
     restored = [sha(site / rel) == pristine[rel] for rel in (AITER_FILE, CONNECTOR_FILE)]
     assert revert.returncode == 3 or all(restored), (revert.returncode, restored, revert.stdout)
+
+
+def test_a_forged_journal_entry_never_deletes_a_vllm_file(make_tree):
+    """A journal that passes every check (registered target, sha256 hashes) but says a target
+    was absent before (`"before": null`, which k3patch itself writes only for its own state
+    record) is refused as damaged (exit 3, nothing written), never obeyed: obeyed, recovery
+    deletes vLLM's file and apply reports aiter-mla-gfx942 `not applicable`, exit 0."""
+    site = make_tree("0.31.0")
+    target = site / "vllm/_aiter_ops.py"
+    state_dir = site / "vllm/.k3patch"
+    state_dir.mkdir()
+    entry = {"path": "_aiter_ops.py", "before": None, "after": sha(target)}
+    (state_dir / "journal.json").write_text(
+        json.dumps({"op": "apply", "pid": 1, "time": 1.0, "files": [entry]})
+    )
+    proc = run_cli("apply", "--vllm", str(site), "-q")
+    assert target.exists(), f"recovery deleted vllm/_aiter_ops.py (exit {proc.returncode})"
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+
+
+COMMON, ENGINE = (rel.removeprefix("vllm/") for rel in GROUP_ROUTING)
+
+
+def _swap(files: dict, a: str, b: str, key: str) -> None:
+    files[a][key], files[b][key] = files[b][key], files[a][key]
+
+
+def _point(files: dict, a: str, b: str, key: str) -> None:
+    files[a][key] = files[b][key]
+
+
+def _absent(files: dict, a: str, b: str, key: str) -> None:
+    files[a][key] = None
+
+
+# (how, file a, file b, field): a state.json tampered so, on an applied 0.31.0 tree.
+TAMPERED_RECORDS = {
+    # Two files of two patches swap originals (both saved copies exist).
+    "originals swapped across patches": (_swap, "_aiter_ops.py", CONNECTOR, "original"),
+    # Two files of one patch (moriio-group-routing, on fork tree "a"), which share names.
+    "originals swapped within a patch": (_swap, COMMON, ENGINE, "original"),
+    # One file's original pointing at another file's saved copy of the same tree.
+    "original of another file": (_point, "_aiter_ops.py", CONNECTOR, "original"),
+    "original of another file of the same patch": (_point, ENGINE, COMMON, "original"),
+    # An "absent" original, whose revert would delete vLLM's file.
+    "original absent": (_absent, "_aiter_ops.py", "", "original"),
+    # The hashes of what k3patch wrote swapped: neither file is "what k3patch wrote".
+    "applied hashes swapped": (_swap, "_aiter_ops.py", CONNECTOR, "applied"),
+}
+
+
+@pytest.mark.parametrize("case", list(TAMPERED_RECORDS))
+def test_a_tampered_record_never_makes_revert_write_one_file_into_another(
+    make_tree, fork_tree, case
+):
+    """A record whose originals do not belong to their files (state.json's two `original`
+    hashes swapped, both still naming saved copies that exist, or the other tamperings of its
+    kind) is refused (exit 3, one line, nothing written): never a revert that writes
+    moriio_connector.py's original into _aiter_ops.py and the other way round, exit 0
+    ('restored'). A record with the applied hashes swapped reads as two files changed since
+    k3patch wrote them (exit 1, nothing written)."""
+    how, a, b, key = TAMPERED_RECORDS[case]
+    site = fork_tree("a") if ENGINE in (a, b) else make_tree("0.31.0")
+    proc = run_cli("apply", "--vllm", str(site), "-q")
+    assert proc.returncode == 0, proc.stderr
+    record = site / "vllm/.k3patch/state.json"
+    data = json.loads(record.read_text())
+    how(data["files"], a, b, key)
+    record.write_text(json.dumps(data, indent=1))
+    snapshot = {p: sha(p) for p in site.rglob("*") if p.is_file()}
+    proc = run_cli("revert", "--vllm", str(site))
+    assert snapshot == {p: sha(p) for p in site.rglob("*") if p.is_file()}, proc.stdout
+    if key == "applied":
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        return
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and "damaged" in proc.stderr, proc.stderr
+    assert "does not belong to its file" in proc.stderr
+
+
+def test_a_tampered_journal_never_makes_recovery_write_one_file_into_another(fork_tree):
+    """The journal's side: an apply killed after its renames leaves a journal whose
+    before-images of moriio_common.py and moriio_engine.py, swapped, would make recovery write
+    each file's original into the other. It is refused as damaged (exit 3, nothing written)."""
+    site = fork_tree("a")
+    killed_after_every_file_was_replaced(site)
+    journal = site / "vllm/.k3patch/journal.json"
+    data = json.loads(journal.read_text())
+    entries = {e["path"]: e for e in data["files"]}
+    common, engine_entry = entries[COMMON], entries[ENGINE]
+    common["before"], engine_entry["before"] = engine_entry["before"], common["before"]
+    journal.write_text(json.dumps(data))
+    snapshot = {p: sha(p) for p in site.rglob("*") if p.is_file()}
+    proc = run_cli("apply", "--vllm", str(site))
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "damaged" in proc.stderr and "does not belong to its file" in proc.stderr
+    assert snapshot == {p: sha(p) for p in site.rglob("*") if p.is_file()}

@@ -389,8 +389,6 @@ def test_an_ascii_stdout_gets_the_report_with_what_it_cannot_encode_replaced(
     the tree's path) is printed whole, every line, that character replaced; never dropped for
     one 'could not write the output' line, a traceback or silence. (Under the C locale Python
     reads the path in as surrogate escapes and writes them back as the same bytes.)"""
-    import shutil
-
     site = tmp_path / "sit\u00e9"
     shutil.copytree(make_tree("0.31.0"), site)
     env = ASCII_OUTPUT[output]

@@ -335,3 +335,29 @@ def test_no_command_says_applied_while_an_in_tree_unchecked_pyc_holds_the_old_co
     if plugin.returncode == 0:
         problems.append("plugin (fail) passed")
     assert not problems, f"old code of {stale} runs, yet: {problems}"
+
+
+def test_recovery_leaves_no_bytecode_that_runs_other_code_than_the_source(make_tree):
+    """An apply killed after its renames, then an unchecked-hash compile of the patched files
+    (a `compileall --invalidation-mode unchecked-hash` image step, before anything ran k3patch
+    again), then `revert`: recovery rolls the sources back to the originals and must remove
+    that pyc too, which Python loads without looking at the source; left, the reverted tree
+    runs the patched code."""
+    site = make_tree("0.31.0")
+    proc = run_cli(
+        "apply", "--vllm", str(site), "-q", env={"K3PATCH_TEST_CRASH_AT": "kept-removed"}
+    )
+    assert proc.returncode == 137
+    source = site / "vllm/_aiter_ops.py"
+    pyc = Path(
+        py_compile.compile(
+            str(source), invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH
+        )
+    )
+    proc = run_cli("revert", "--vllm", str(site))
+    assert proc.returncode == 0, proc.stderr
+    if pyc.exists():
+        data = pyc.read_bytes()
+        unchecked = int.from_bytes(data[4:8], "little") == 1
+        same = data[8:16] == importlib.util.source_hash(source.read_bytes())
+        assert not unchecked or same, "an unchecked-hash pyc of the patched code outlived revert"
