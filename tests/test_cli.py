@@ -149,7 +149,7 @@ def test_internal_error_is_not_attention(make_tree, monkeypatch):
 @pytest.mark.wheel
 def test_rewrite_bug_refuses_that_patch_alone(make_tree, monkeypatch):
     """A patch whose rewrite does not compile is k3patch's bug: exit 2, named on stdout and in
-    one stderr line; nothing of it is written, the other pending patch is (issue 21 item 3),
+    one stderr line; nothing of it is written, the other pending patch is,
     and with --all-or-nothing nothing at all."""
     site = make_tree("0.31.0")
     patch = next(p for p in all_patches() if p.id == "aiter-mla-gfx942")

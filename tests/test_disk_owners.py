@@ -145,7 +145,7 @@ def test_a_record_this_user_cannot_read_is_named_never_absent(make_tree, hidden)
 def test_status_as_another_user_names_a_record_it_cannot_read(make_tree, hidden):
     """A record left 0600 (an apply under `umask 077` by an older k3patch): `status` as another
     user gives the verdicts from the code, names that it cannot read the record, and exits 3,
-    never a silent "no record" (issue 21 items 5, 11)."""
+    never a silent "no record"."""
     with shared_site(make_tree) as site:
         assert run_cli("apply", "--vllm", str(site)).returncode == 0
         state_dir = site / "vllm" / ".k3patch"

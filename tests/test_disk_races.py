@@ -293,9 +293,7 @@ def test_a_revert_stopped_after_its_commit_finishes_on_the_next_run(make_tree):
 
 
 def test_recovery_puts_every_file_back_before_a_bytecode_sync_can_fail(make_tree):
-    """Issue 13 item 9: a run killed part way; found again by the full CI run (71c8a63).
-
-    A killed apply's recovery whose bytecode sync fails (here `vllm/__pycache__` is a file)
+    """A killed apply's recovery whose bytecode sync fails (here `vllm/__pycache__` is a file)
     still leaves every source as it was before: the files first, then their bytecode. Synced
     file by file, the connector stayed patched behind an `_aiter_ops.py` that was put back."""
     site = make_tree("0.31.0")

@@ -1,8 +1,7 @@
 """Stale bytecode, wherever this interpreter looks for it: apply and revert remove every pyc of a
 changed file before the source changes (an unlink needs no space; Python compiles the new
 source), so an unchecked-hash pyc can never keep the old code running; `status` never calls a site
-good while an unchecked-hash pyc this interpreter would load holds other code (issue 26 item 2,
-issue 27 item 3)."""
+good while an unchecked-hash pyc this interpreter would load holds other code."""
 
 from __future__ import annotations
 

@@ -172,7 +172,7 @@ def test_unchecked_hash_pycs_are_removed_so_patched_code_runs(make_tree, verify_
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 21 item 9: verify tells the truth about its child. A stand-in interpreter (k3patch's own
+# verify tells the truth about its child. A stand-in interpreter (k3patch's own
 # Python behind a script) prints what a broken or hostile one might; no torch needed.
 
 MARKER = "K3PATCH-VERIFY-RESULT "
