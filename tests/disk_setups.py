@@ -1,7 +1,8 @@
 """The set-ups the "trust nothing on disk" tests share, each in one place: what a tree holds
 (`everything`, `source_hashes`, its record), another user (`shared_site`, `as_nobody`,
 `run_as_nobody`), FIFOs and a bound on anything that could block on one, an upgrade over a tree,
-and the one-line checks on what k3patch printed."""
+a run killed or paused at a chosen step, the plugin run as vLLM would start it, and the one-line
+checks on what k3patch printed."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import zipfile
 from collections.abc import Callable, Iterator
@@ -22,13 +24,20 @@ from typing import Any
 
 import crash_campaign
 import pytest
-from conftest import pristine_tree, tree_hashes, vllm_wheel
+from conftest import pristine_tree, run_cli, sha, tree_hashes, vllm_wheel
 
 from k3patch.state import STATE_FILE, registered_targets
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mount, chown, setuid)")
 AITER = "_aiter_ops.py"
 CONNECTOR = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
+# The same files relative to the site-packages dir (the tree's root).
+AITER_FILE, CONNECTOR_FILE = f"vllm/{AITER}", f"vllm/{CONNECTOR}"
+# moriio-group-routing's two files on fork tree "a", relative to the site-packages dir.
+GROUP_ROUTING = [
+    "vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_common.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_engine.py",
+]
 BOUND = 60.0  # seconds: a guard against a hang, not a measurement
 
 
@@ -254,3 +263,60 @@ def run_as_nobody(args: list[str]) -> tuple[int, str, str]:
         stdout, stderr = out.read(), err.read()
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status), stdout, stderr
+
+
+# -- the plugin, as vLLM starts it --------------------------------------------------------------
+
+PREFLIGHT = textwrap.dedent(
+    """
+    import sys, types
+    pkg = sys.argv[1]
+    m = types.ModuleType('vllm'); m.__file__ = pkg + '/__init__.py'; m.__path__ = [pkg]
+    sys.modules['vllm'] = m
+    from k3patch.plugin import preflight
+    preflight()
+    """
+)
+
+
+def preflight_fail(pkg: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The plugin's preflight with K3PATCH_PREFLIGHT=fail, in a fresh interpreter whose `vllm`
+    is the package dir `pkg` (nothing of it imported)."""
+    return subprocess.run(
+        [sys.executable, "-c", PREFLIGHT, str(pkg)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env, "K3PATCH_PREFLIGHT": "fail"},
+    )
+
+
+# -- a run killed or paused at a chosen step ----------------------------------------------------
+# Deterministic, never by timing: strace stops or kills a real process at a real syscall of its
+# commit, or the commit's own test hook (K3PATCH_TEST_CRASH_AT) kills it at a named step.
+
+STRACE = shutil.which("strace")
+needs_strace = pytest.mark.skipif(STRACE is None, reason="strace pauses the run at a syscall")
+
+
+def k3patch_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "k3patch", *args]
+
+
+def apply_killed_at(site: Path, syscall: str, when: int) -> subprocess.CompletedProcess[bytes]:
+    """An apply on `site` killed (SIGKILL, by strace) at its `when`-th `syscall`."""
+    assert STRACE is not None
+    inject = f"inject={syscall}:signal=SIGKILL:when={when}"
+    argv = [STRACE, "-f", "-o", "/dev/null", "-e", f"trace={syscall}", "-e", inject]
+    return subprocess.run([*argv, *k3patch_argv("apply", "--vllm", str(site))], capture_output=True)
+
+
+def killed_after_every_file_was_replaced(site: Path) -> dict[str, tuple[str, str]]:
+    """An apply killed after all its renames (journal still there). Returns, per file of
+    moriio-group-routing, (original hash, patched hash)."""
+    before = {rel: sha(site / rel) for rel in GROUP_ROUTING}
+    proc = run_cli(
+        "apply", "--vllm", str(site), "-q", env={"K3PATCH_TEST_CRASH_AT": "kept-removed"}
+    )
+    assert proc.returncode == 137, proc.stderr
+    assert (site / "vllm/.k3patch/journal.json").exists()
+    return {rel: (before[rel], sha(site / rel)) for rel in GROUP_ROUTING}

@@ -149,7 +149,7 @@ def test_internal_error_is_not_attention(make_tree, monkeypatch):
 @pytest.mark.wheel
 def test_rewrite_bug_refuses_that_patch_alone(make_tree, monkeypatch):
     """A patch whose rewrite does not compile is k3patch's bug: exit 2, named on stdout and in
-    one stderr line; nothing of it is written, the other pending patch is (issue 21 item 3),
+    one stderr line; nothing of it is written, the other pending patch is,
     and with --all-or-nothing nothing at all."""
     site = make_tree("0.31.0")
     patch = next(p for p in all_patches() if p.id == "aiter-mla-gfx942")
@@ -362,3 +362,25 @@ def test_two_output_forms_are_a_usage_error(make_tree):
     for command, first, second in both:
         proc = run_cli(command, first, second, "--vllm", str(site))
         assert proc.returncode == 0, (command, first, second, proc.stderr)
+
+
+@pytest.mark.wheel
+@pytest.mark.parametrize("applied_first", [False, True], ids=["pending", "applied"])
+def test_a_patch_both_selected_and_skipped_is_a_usage_error_on_every_command(
+    make_tree, applied_first
+):
+    """A patch named by both `--only` and `--skip` is a usage error (exit 2, one line on
+    stderr, nothing written) on every command, the no-op path of an applied tree included:
+    never "nothing selected, nothing to do" (exit 0) on one command and "nothing to verify"
+    (exit 3) on another."""
+    site = make_tree("0.31.0")
+    if applied_first:
+        assert run_cli("apply", "--vllm", str(site), "-q").returncode == 0
+    before = tree_hashes(site)
+    pick = ["--only", "aiter-mla-gfx942", "--skip", "aiter-mla-gfx942"]
+    for command in ("status", "apply", "verify"):
+        proc = run_cli(command, "--vllm", str(site), *pick)
+        assert proc.returncode == 2, (command, proc.stdout, proc.stderr)
+        assert len(proc.stderr.splitlines()) == 1, (command, proc.stderr)
+        assert "--only and --skip both name 'aiter-mla-gfx942'" in proc.stderr
+        assert tree_hashes(site) == before, command

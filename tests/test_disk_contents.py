@@ -1,8 +1,8 @@
 """Every file a patch reads must parse: one that does not (a syntax error, binary junk,
 latin-1, a NUL byte, empty, comments only, too deep for the parser) makes its patch drifted,
 named against that file, with nothing written; a patch whose rewrite fails its own checks is
-refused on its own (issue 21 items 2, 3 and 14; issue 13 item 11). The engine runs in-process
-over real trees' files read into memory; the last tests go through the CLI."""
+refused on its own. The engine runs in-process over real trees' files read into memory; the
+last tests go through the CLI."""
 
 from __future__ import annotations
 

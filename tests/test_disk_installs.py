@@ -1,17 +1,24 @@
 """What is installed now decides: an upgrade, a reinstall or a hand edit over a patched tree,
-an uninstall that left `.k3patch`, several dist-infos beside one package. Revert never puts back
-another version's file (it names both hashes instead), and the version is the installed one."""
+an uninstall that left `.k3patch`, several dist-infos beside one package, a build that kept only
+bytecode or put an extension module where a target is. Revert never puts back another version's
+file (it names both hashes instead), the version is the installed one, and a target is judged by
+the file import would load."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import pristine_tree, run_cli
 from disk_setups import (
     AITER,
+    CONNECTOR,
     add_dist_info,
+    preflight_fail,
     record,
     record_b64,
     source_hashes,
@@ -164,3 +171,91 @@ def test_a_dist_info_record_is_parsed_as_pip_writes_it(make_tree):
     (dist / "RECORD").write_text("\n".join(rows) + "\n")
     add_dist_info(site, "0.29.0", record_from="0.29.0")
     assert locate(site).version == "0.31.0"
+
+
+# -- What import loads: a build that kept only bytecode, or an extension named like a target ---
+
+FINDER = (
+    "import importlib.machinery as m, sys\n"
+    "f = m.FileFinder(sys.argv[1], (m.ExtensionFileLoader, m.EXTENSION_SUFFIXES),"
+    " (m.SourceFileLoader, m.SOURCE_SUFFIXES), (m.SourcelessFileLoader, m.BYTECODE_SUFFIXES))\n"
+    "s = f.find_spec(sys.argv[2])\n"
+    "print(type(s.loader).__name__, s.origin)\n"
+)
+
+
+def import_would_load(pkg: Path, module: str) -> tuple[str, str]:
+    """The loader (its class name) and the file that import finds for `module` in `pkg`, as
+    the path finder chooses them (by name, before it opens a file)."""
+    out = subprocess.run(
+        [sys.executable, "-c", FINDER, str(pkg), module], capture_output=True, text=True, check=True
+    ).stdout.split(maxsplit=1)
+    return out[0], out[1].strip()
+
+
+def test_a_target_present_only_as_bytecode_is_drifted(make_tree):
+    """A pyc-only tree (compileall -b, .py removed) imports the unpatched bytecode: every patch
+    whose file is gone is drifted, saying why, in status and apply alike (exit 1), never "not
+    applicable" with exit 0; the plugin refuses too."""
+    site = make_tree("0.31.0")
+    pkg = site / "vllm"
+    listed = run_cli("list", "--json")
+    files = sorted({f for p in json.loads(listed.stdout)["patches"] for f in p["files"]})
+    stripped = []
+    for rel in files:
+        path = pkg / rel
+        if path.is_file():
+            subprocess.run([sys.executable, "-m", "compileall", "-q", "-b", str(path)], check=True)
+            path.unlink()
+            stripped.append(rel)
+    assert AITER in stripped and CONNECTOR in stripped
+    loader, _ = import_would_load(pkg, "vllm._aiter_ops")
+    assert loader == "SourcelessFileLoader", "precondition: import loads the unpatched .pyc"
+
+    status = run_cli("status", "--quiet", "--vllm", str(site))
+    apply = run_cli("apply", "--quiet", "--vllm", str(site))
+    assert status.returncode != 0 and apply.returncode != 0, (
+        f"status rc={status.returncode}: {status.stdout!r}; apply rc={apply.returncode}"
+    )
+    # The verdict: drifted, saying why, in status and apply alike; the plugin refuses too.
+    for proc in (status, apply):
+        assert proc.returncode == 1, proc.stderr
+        assert "aiter-mla-gfx942: drifted" in proc.stdout, proc.stdout
+        text = " ".join(proc.stdout.split())  # the report wraps long lines
+        assert "_aiter_ops.py: present only as bytecode (_aiter_ops.pyc" in text, text
+    assert preflight_fail(pkg, {}).returncode != 0
+
+
+@pytest.mark.parametrize("when", ["after apply", "before apply"])
+def test_an_extension_module_named_like_a_target_makes_it_drifted(make_tree, when):
+    """An extension module named like a target (a Cython/mypyc/Nuitka build that kept the .py)
+    is what import loads, so the patched .py never runs; status must not say applied. An
+    empty file is enough to show k3patch reads it: the path finder picks ExtensionFileLoader by
+    the name's suffix before it opens the file (proven below with FileFinder), so the name alone
+    decides which file import would run; what is inside only decides whether it then loads."""
+    import importlib.machinery
+
+    site = make_tree("0.31.0")
+    pkg = site / "vllm"
+    original = (pkg / AITER).read_bytes()
+    ext = pkg / ("_aiter_ops" + importlib.machinery.EXTENSION_SUFFIXES[0])
+    if when == "after apply":
+        assert run_cli("apply", "--quiet", "--vllm", str(site)).returncode == 0
+    patched = (pkg / AITER).read_bytes()
+    ext.write_bytes(b"")
+    _, origin = import_would_load(pkg, "vllm._aiter_ops")
+    assert origin == str(ext), "precondition: import would load the extension, not the .py"
+
+    status = run_cli("status", "--quiet", "--vllm", str(site))
+    slow = run_cli("status", "--quiet", "--vllm", str(site), env={"K3PATCH_NO_FASTPATH": "1"})
+    plugin = preflight_fail(pkg, {})
+    apply = run_cli("apply", "--quiet", "--vllm", str(site))
+    for proc in (status, slow, apply):
+        assert proc.returncode == 1, (proc.args, proc.stdout, proc.stderr)
+        assert "aiter-mla-gfx942: drifted" in proc.stdout, proc.stdout
+        assert f"compiled extension {ext.name}" in " ".join(proc.stdout.split()), proc.stdout
+    assert plugin.returncode != 0, plugin.stderr
+    if when == "after apply":  # before it there is no record, which the plugin says first
+        assert ext.name in plugin.stderr, plugin.stderr
+    # apply refuses that patch: the .py is as it was (never patched over the extension).
+    assert (pkg / AITER).read_bytes() == (patched if when == "after apply" else original)

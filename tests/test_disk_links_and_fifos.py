@@ -365,3 +365,27 @@ def test_bytecode_is_removed_never_compiled_with_a_blocking_open(make_tree, monk
     monkeypatch.setattr(py_compile, "compile", refuse)
     engine.apply(locate(site))
     assert not pyc.exists()
+
+
+@pytest.mark.parametrize("applied_first", [False, True], ids=["pending", "applied"])
+def test_a_directory_named_like_a_target_is_refused_and_nothing_written(make_tree, applied_first):
+    """`vllm/_aiter_ops.py/` a directory (a package dir named like a target file): every command
+    refuses it in one line, exit 2 (docs/exit-codes.md), nothing written; a FIFO at a target
+    (exit 3) is this file's too."""
+    site = make_tree("0.31.0")
+    if applied_first:
+        assert run_cli("apply", "--vllm", str(site), "-q").returncode == 0
+    target = site / "vllm/_aiter_ops.py"
+    target.unlink()
+    target.mkdir()
+    before = tree_hashes(site)
+    for command in ("status", "apply", "revert", "verify"):
+        proc = run_cli(command, "--vllm", str(site))
+        if command == "revert" and not applied_first:
+            assert proc.returncode == 0 and "nothing to revert" in proc.stdout, proc.stdout
+            continue
+        assert proc.returncode == 2, (command, proc.stdout, proc.stderr)
+        assert proc.stderr.splitlines() == [
+            f"k3patch: error: {target} is a directory, expected a Python file"
+        ], proc.stderr
+        assert tree_hashes(site) == before, command

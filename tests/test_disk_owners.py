@@ -145,7 +145,7 @@ def test_a_record_this_user_cannot_read_is_named_never_absent(make_tree, hidden)
 def test_status_as_another_user_names_a_record_it_cannot_read(make_tree, hidden):
     """A record left 0600 (an apply under `umask 077` by an older k3patch): `status` as another
     user gives the verdicts from the code, names that it cannot read the record, and exits 3,
-    never a silent "no record" (issue 21 items 5, 11)."""
+    never a silent "no record"."""
     with shared_site(make_tree) as site:
         assert run_cli("apply", "--vllm", str(site)).returncode == 0
         state_dir = site / "vllm" / ".k3patch"
@@ -300,3 +300,73 @@ def test_a_full_disk_leaves_nothing_behind(make_tree, tmp_path, headroom_kb):
         assert run_cli("apply", "--vllm", str(mnt / "site")).returncode == 0
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def _owners(site: Path) -> dict[str, tuple[int, int]]:
+    """uid:gid of `.k3patch` and everything in it."""
+    state_dir = site / "vllm/.k3patch"
+    return {
+        p.relative_to(site).as_posix(): (p.lstat().st_uid, p.lstat().st_gid)
+        for p in [state_dir, *state_dir.rglob("*")]
+    }
+
+
+@ROOT_ONLY
+def test_a_state_dir_left_by_a_root_run_killed_after_mkdir_is_given_to_the_tree_owner(make_tree):
+    """A root run killed between `mkdir .k3patch` (0700, root) and its chown leaves `.k3patch`
+    root-owned. Every run that can (root) gives `.k3patch` and its files back to the tree's
+    owner, so the owner reverts: never a record and saved originals written into it as
+    root:root 0600/0700, which the owner can neither revert nor apply again (exit 3) and
+    nobody but root can read."""
+    with shared_site(make_tree) as site:
+        for path in [site, *site.rglob("*")]:
+            os.lchown(path, 65534, 65534)
+        (site / "vllm/.k3patch").mkdir(mode=0o700)  # what the killed root run left
+        proc = run_cli("apply", "--vllm", str(site), "-q")
+        assert proc.returncode == 0, proc.stderr
+        owners = _owners(site)
+        assert "vllm/.k3patch/state.json" in owners and len(owners) > 3, owners
+        assert set(owners.values()) == {(65534, 65534)}, owners
+        code, stdout, stderr = run_as_nobody(["revert", "--vllm", str(site)])
+        assert code == 0, (stdout, stderr)
+        assert not (site / "vllm/.k3patch").exists()
+
+
+# Run k3patch as root with its first chown of a directory killing the process: the step
+# between making a state directory and giving it to the tree's owner.
+_KILLED_AT_FIRST_DIRECTORY_CHOWN = """
+import os, runpy, stat, sys
+real = os.fchown
+def fchown(fd, uid, gid):
+    if stat.S_ISDIR(os.fstat(fd).st_mode):
+        os._exit(137)
+    return real(fd, uid, gid)
+os.fchown = fchown
+sys.argv = ["k3patch", *sys.argv[1:]]
+runpy.run_module("k3patch", run_name="__main__")
+"""
+
+
+@ROOT_ONLY
+def test_a_root_run_killed_before_its_chown_leaves_no_state_dir_the_owner_cannot_use(make_tree):
+    """Root's apply killed right before it gives the new `.k3patch` to the tree's owner. No
+    `.k3patch` of root's may be left (it is made under a temp name and renamed into place once
+    it is the owner's); the owner's own apply then succeeds, removes the temp directory and
+    leaves everything of `.k3patch` the owner's."""
+    with shared_site(make_tree) as site:
+        for path in [site, *site.rglob("*")]:
+            os.lchown(path, 65534, 65534)
+        killed = subprocess.run(
+            [sys.executable, "-c", _KILLED_AT_FIRST_DIRECTORY_CHOWN, "apply", "--vllm", str(site)],
+            capture_output=True,
+            text=True,
+        )
+        assert killed.returncode == 137, killed.stdout + killed.stderr
+        state_dir = site / "vllm/.k3patch"
+        if state_dir.exists():
+            st = state_dir.lstat()
+            assert (st.st_uid, st.st_gid) == (65534, 65534), f".k3patch is {st.st_uid}:{st.st_gid}"
+        code, stdout, stderr = run_as_nobody(["apply", "--vllm", str(site)])
+        assert code == 0, (stdout, stderr)
+        assert set(_owners(site).values()) == {(65534, 65534)}, _owners(site)
+        assert not [p for p in site.rglob("*k3patch-tmp*")], "a temp directory was left"

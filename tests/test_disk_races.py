@@ -9,14 +9,21 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from conftest import run_cli, slow_after
+from conftest import SLOW, run_cli, sha, slow_after
 from disk_setups import (
     AITER,
+    AITER_FILE,
+    CONNECTOR_FILE,
+    STRACE,
+    k3patch_argv,
+    needs_strace,
     source_hashes,
 )
 
@@ -286,9 +293,7 @@ def test_a_revert_stopped_after_its_commit_finishes_on_the_next_run(make_tree):
 
 
 def test_recovery_puts_every_file_back_before_a_bytecode_sync_can_fail(make_tree):
-    """Issue 13 item 9: a run killed part way; found again by the full CI run (71c8a63).
-
-    A killed apply's recovery whose bytecode sync fails (here `vllm/__pycache__` is a file)
+    """A killed apply's recovery whose bytecode sync fails (here `vllm/__pycache__` is a file)
     still leaves every source as it was before: the files first, then their bytecode. Synced
     file by file, the connector stayed patched behind an `_aiter_ops.py` that was put back."""
     site = make_tree("0.31.0")
@@ -306,3 +311,60 @@ def test_recovery_puts_every_file_back_before_a_bytecode_sync_can_fail(make_tree
     assert {k: v for k, v in source_hashes(site).items() if "__pycache__" not in k} == {
         k: v for k, v in original.items() if "__pycache__" not in k
     }
+
+
+@SLOW
+@needs_strace
+def test_status_behind_a_paused_commit_never_reports_half_a_commit(make_tree, tmp_path):
+    """Promise (docs/how-apply-keeps-a-tree-whole.md, locking): "`status` takes the lock shared
+    before it reads anything, so it waits for a live run and reports what that run left, never
+    files read half way through a commit"; README: status never reports a state no run
+    committed; docs/exit-codes.md: a lock timeout is exit 3.
+
+    An apply is paused (as Slurm's `scontrol suspend` or a cgroup freezer stops a job) right
+    after its first atomic exchange: `_aiter_ops.py` is replaced, `moriio_connector.py` not yet.
+    A `status` started then waits for the lock and, when its wait ends, must not report that
+    mix (aiter-mla-gfx942 applied, moriio-chunk-gate pending): no run committed it, and the
+    paused run, once resumed, leaves both applied. It exits 3 (the lock timed out), never 1
+    with that mix and an "interrupted" apply's journal."""
+    site = make_tree("0.31.0")
+    before = sha(site / AITER_FILE)
+    moriio_before = sha(site / CONNECTOR_FILE)
+    # The apply stops for 400 s right after its first renameat2 (RENAME_EXCHANGE) returns.
+    writer = subprocess.Popen(
+        [
+            STRACE,
+            "-f",
+            "-o",
+            str(tmp_path / "strace.out"),
+            "-e",
+            "trace=renameat2",
+            "-e",
+            "inject=renameat2:delay_exit=400000000:when=1",
+            *k3patch_argv("apply", "--vllm", str(site)),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while sha(site / AITER_FILE) == before:
+            assert writer.poll() is None, "the apply ended before its first exchange"
+            assert time.monotonic() < deadline, "the apply never reached its first exchange"
+            time.sleep(0.2)
+        assert sha(site / CONNECTOR_FILE) == moriio_before, "the pause is not between the two files"
+        proc = run_cli("status", "--vllm", str(site), "--json", timeout=400)
+        verdicts = {p["id"]: p["verdict"] for p in json.loads(proc.stdout).get("patches", [])}
+        half = (
+            verdicts.get("aiter-mla-gfx942") == "applied"
+            and verdicts.get("moriio-chunk-gate") == "pending"
+        )
+        assert not half, (proc.returncode, verdicts, proc.stderr)
+        assert proc.returncode == 3, (proc.returncode, verdicts, proc.stderr)
+    finally:
+        # The paused apply (strace's child) is killed, then strace; the tree is a scratch copy.
+        children = Path(f"/proc/{writer.pid}/task/{writer.pid}/children")
+        for pid in children.read_text().split() if children.exists() else []:
+            os.kill(int(pid), signal.SIGKILL)
+        writer.kill()
+        writer.wait(timeout=60)

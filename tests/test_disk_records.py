@@ -14,10 +14,17 @@ import sys
 from typing import Any
 
 import pytest
-from conftest import run_cli, slow_after, tree_hashes
+from conftest import run_cli, sha, slow_after, tree_hashes
 from disk_setups import (
+    AITER_FILE,
+    CONNECTOR,
+    CONNECTOR_FILE,
+    GROUP_ROUTING,
     FakeVllm,
+    apply_killed_at,
     digest,
+    killed_after_every_file_was_replaced,
+    needs_strace,
     record,
     source_hashes,
     write_record,
@@ -303,3 +310,202 @@ def test_status_with_an_unusable_state_dir_gives_the_code_verdicts_and_exits_3(
     data = json.loads(run_cli("status", "--json", "--vllm", str(site)).stdout)
     assert data["exit_code"] == 3 and str(state_dir) in data["error"]
     assert data["patches"][0]["verdict"] == "pending"
+
+
+@pytest.mark.parametrize("damage", ["not-json", "empty-object", "path-outside", "blob-missing"])
+def test_damaged_record_on_an_applied_tree_is_named_by_status_and_apply(make_tree, damage):
+    """Promise (docs/exit-codes.md, 3): "A damaged state record or journal (not JSON, a missing
+    or mistyped field, a path that is not a registered target or leaves the package dir)" is
+    exit 3; docs/json.md: `status` adds `error` when its record cannot be used, as it exits 3;
+    README: the digest tells two nodes apart when their next runs differ.
+
+    On an applied 0.31.0 tree whose record is then damaged, revert rightly refuses (exit 3,
+    "state.json is damaged"), so the record cannot be used: status and apply must say so too
+    (exit 3, `error`, a digest other than a clean applied tree's), or the entrypoint and the
+    Slurm preflight pass a node that cannot be reverted. The same holds when a saved original
+    the record names is deleted (revert: "the saved copy ... is missing or damaged", exit 3)."""
+    site = make_tree("0.31.0")
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    clean = run_cli("status", "--vllm", str(site), "--digest").stdout.strip()
+    record = site / "vllm/.k3patch/state.json"
+    if damage == "not-json":
+        record.write_text("{garbage")
+    elif damage == "empty-object":
+        record.write_text("{}")
+    elif damage == "blob-missing":
+        data = json.loads(record.read_text())
+        (site / "vllm/.k3patch/blobs" / data["files"]["_aiter_ops.py"]["original"]).unlink()
+    else:
+        data = json.loads(record.read_text())
+        first = next(iter(data["files"]))
+        data["files"]["../../../etc/passwd"] = data["files"].pop(first)
+        record.write_text(json.dumps(data))
+    damaged = record.read_bytes()
+    revert = run_cli("revert", "--vllm", str(site), "--json")
+    assert revert.returncode == 3, revert.stderr  # the record cannot be used: documented
+    status = run_cli("status", "--vllm", str(site), "--json")
+    apply = run_cli("apply", "--vllm", str(site))
+    digest = run_cli("status", "--vllm", str(site), "--digest").stdout.strip()
+    assert record.read_bytes() == damaged  # nothing rewritten it in between
+    assert status.returncode == 3, (status.returncode, status.stderr)
+    assert json.loads(status.stdout).get("error"), status.stdout[:300]
+    assert apply.returncode == 3, (apply.returncode, apply.stderr)
+    assert digest != clean
+
+
+@needs_strace
+def test_a_journal_missing_an_entry_is_not_trusted(make_tree, tmp_path):
+    """Promise (docs/how-apply-keeps-a-tree-whole.md, "Nothing on disk is trusted"): a damaged
+    journal is exit 3 with nothing written or pruned, saved originals that no record names are
+    damaged too; README: revert restores the recorded originals byte for byte.
+
+    An apply is killed after both files were exchanged and before its journal was removed
+    (strace kills it at its 7th renameat). A hostile operator deletes the
+    moriio_connector.py entry from that journal; the saved original of that file still lies in
+    `.k3patch/blobs/`. The next apply must refuse that journal (exit 3), or the end state must
+    be byte-exact: never an apply that rolls back `_aiter_ops.py` only and records only it, then
+    a revert that exits 0, removes `.k3patch/` with the unnamed saved original in it, and leaves
+    moriio_connector.py patched with nothing left to revert it."""
+    site = make_tree("0.31.0")
+    pristine = {rel: sha(site / rel) for rel in (AITER_FILE, CONNECTOR_FILE)}
+    killed = apply_killed_at(site, "renameat", 7)
+    assert killed.returncode != 0
+    journal = site / "vllm/.k3patch/journal.json"
+    data = json.loads(journal.read_text())
+    # both exchanged
+    assert all(sha(site / rel) != pristine[rel] for rel in (AITER_FILE, CONNECTOR_FILE))
+    kept = [f for f in data["files"] if "moriio" not in f["path"]]
+    assert len(kept) == len(data["files"]) - 1
+    data["files"] = kept
+    journal.write_text(json.dumps(data))
+    assert (site / "vllm/.k3patch/blobs" / pristine[CONNECTOR_FILE]).is_file()
+    apply = run_cli("apply", "--vllm", str(site))
+    revert = run_cli("revert", "--vllm", str(site))
+    restored = [sha(site / rel) == pristine[rel] for rel in (AITER_FILE, CONNECTOR_FILE)]
+    # Either the tampered journal is refused (exit 3) or the end state is byte-exact.
+    assert apply.returncode == 3 or (revert.returncode == 0 and all(restored)), (
+        apply.returncode,
+        revert.returncode,
+        restored,
+        revert.stdout,
+    )
+
+
+def test_a_record_missing_an_entry_is_not_trusted(make_tree):
+    """Promise (docs/how-apply-keeps-a-tree-whole.md): saved originals that no record names
+    make the record damaged (exit 3, nothing removed); README: revert restores the recorded
+    originals byte for byte, and a tampered record is refused with exit 3.
+
+    On an applied 0.31.0 tree the moriio_connector.py entry is removed from state.json; its
+    saved original stays in `.k3patch/blobs/`. revert must refuse (exit 3) or restore both
+    files: never exit 0 having restored `_aiter_ops.py` only, removed `.k3patch/` (the unnamed
+    saved original with it) and left moriio_connector.py patched with nothing to revert it."""
+    site = make_tree("0.31.0")
+    pristine = {rel: sha(site / rel) for rel in (AITER_FILE, CONNECTOR_FILE)}
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    record = site / "vllm/.k3patch/state.json"
+    data = json.loads(record.read_text())
+    dropped = next(k for k in data["files"] if k.endswith("moriio_connector.py"))
+    del data["files"][dropped]
+    record.write_text(json.dumps(data))
+    assert (site / "vllm/.k3patch/blobs" / pristine[CONNECTOR_FILE]).is_file()
+    revert = run_cli("revert", "--vllm", str(site))
+    restored = [sha(site / rel) == pristine[rel] for rel in (AITER_FILE, CONNECTOR_FILE)]
+    assert revert.returncode == 3 or all(restored), (revert.returncode, restored, revert.stdout)
+
+
+def test_a_forged_journal_entry_never_deletes_a_vllm_file(make_tree):
+    """A journal that passes every check (registered target, sha256 hashes) but says a target
+    was absent before (`"before": null`, which k3patch itself writes only for its own state
+    record) is refused as damaged (exit 3, nothing written), never obeyed: obeyed, recovery
+    deletes vLLM's file and apply reports aiter-mla-gfx942 `not applicable`, exit 0."""
+    site = make_tree("0.31.0")
+    target = site / "vllm/_aiter_ops.py"
+    state_dir = site / "vllm/.k3patch"
+    state_dir.mkdir()
+    entry = {"path": "_aiter_ops.py", "before": None, "after": sha(target)}
+    (state_dir / "journal.json").write_text(
+        json.dumps({"op": "apply", "pid": 1, "time": 1.0, "files": [entry]})
+    )
+    proc = run_cli("apply", "--vllm", str(site), "-q")
+    assert target.exists(), f"recovery deleted vllm/_aiter_ops.py (exit {proc.returncode})"
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+
+
+COMMON, ENGINE = (rel.removeprefix("vllm/") for rel in GROUP_ROUTING)
+
+
+def _swap(files: dict, a: str, b: str, key: str) -> None:
+    files[a][key], files[b][key] = files[b][key], files[a][key]
+
+
+def _point(files: dict, a: str, b: str, key: str) -> None:
+    files[a][key] = files[b][key]
+
+
+def _absent(files: dict, a: str, b: str, key: str) -> None:
+    files[a][key] = None
+
+
+# (how, file a, file b, field): a state.json tampered so, on an applied 0.31.0 tree.
+TAMPERED_RECORDS = {
+    # Two files of two patches swap originals (both saved copies exist).
+    "originals swapped across patches": (_swap, "_aiter_ops.py", CONNECTOR, "original"),
+    # Two files of one patch (moriio-group-routing, on fork tree "a"), which share names.
+    "originals swapped within a patch": (_swap, COMMON, ENGINE, "original"),
+    # One file's original pointing at another file's saved copy of the same tree.
+    "original of another file": (_point, "_aiter_ops.py", CONNECTOR, "original"),
+    "original of another file of the same patch": (_point, ENGINE, COMMON, "original"),
+    # An "absent" original, whose revert would delete vLLM's file.
+    "original absent": (_absent, "_aiter_ops.py", "", "original"),
+    # The hashes of what k3patch wrote swapped: neither file is "what k3patch wrote".
+    "applied hashes swapped": (_swap, "_aiter_ops.py", CONNECTOR, "applied"),
+}
+
+
+@pytest.mark.parametrize("case", list(TAMPERED_RECORDS))
+def test_a_tampered_record_never_makes_revert_write_one_file_into_another(
+    make_tree, fork_tree, case
+):
+    """A record whose originals do not belong to their files (state.json's two `original`
+    hashes swapped, both still naming saved copies that exist, or the other tamperings of its
+    kind) is refused (exit 3, one line, nothing written): never a revert that writes
+    moriio_connector.py's original into _aiter_ops.py and the other way round, exit 0
+    ('restored'). A record with the applied hashes swapped reads as two files changed since
+    k3patch wrote them (exit 1, nothing written)."""
+    how, a, b, key = TAMPERED_RECORDS[case]
+    site = fork_tree("a") if ENGINE in (a, b) else make_tree("0.31.0")
+    proc = run_cli("apply", "--vllm", str(site), "-q")
+    assert proc.returncode == 0, proc.stderr
+    record = site / "vllm/.k3patch/state.json"
+    data = json.loads(record.read_text())
+    how(data["files"], a, b, key)
+    record.write_text(json.dumps(data, indent=1))
+    snapshot = {p: sha(p) for p in site.rglob("*") if p.is_file()}
+    proc = run_cli("revert", "--vllm", str(site))
+    assert snapshot == {p: sha(p) for p in site.rglob("*") if p.is_file()}, proc.stdout
+    if key == "applied":
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        return
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and "damaged" in proc.stderr, proc.stderr
+    assert "does not belong to its file" in proc.stderr
+
+
+def test_a_tampered_journal_never_makes_recovery_write_one_file_into_another(fork_tree):
+    """The journal's side: an apply killed after its renames leaves a journal whose
+    before-images of moriio_common.py and moriio_engine.py, swapped, would make recovery write
+    each file's original into the other. It is refused as damaged (exit 3, nothing written)."""
+    site = fork_tree("a")
+    killed_after_every_file_was_replaced(site)
+    journal = site / "vllm/.k3patch/journal.json"
+    data = json.loads(journal.read_text())
+    entries = {e["path"]: e for e in data["files"]}
+    common, engine_entry = entries[COMMON], entries[ENGINE]
+    common["before"], engine_entry["before"] = engine_entry["before"], common["before"]
+    journal.write_text(json.dumps(data))
+    snapshot = {p: sha(p) for p in site.rglob("*") if p.is_file()}
+    proc = run_cli("apply", "--vllm", str(site))
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "damaged" in proc.stderr and "does not belong to its file" in proc.stderr
+    assert snapshot == {p: sha(p) for p in site.rglob("*") if p.is_file()}

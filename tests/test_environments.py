@@ -359,3 +359,31 @@ def test_both_entry_points_find_the_same_tree(make_tree, tmp_path):
     assert apply.returncode == 0
     assert status(0) == {"-m": str(site / "vllm"), "script": str(site / "vllm")}
     assert not (elsewhere / "vllm" / ".k3patch").exists()
+
+
+def test_every_command_has_help_on_the_lowest_typer_with_the_newest_click(tmp_path):
+    """The lowest typer pyproject.toml allows, beside the newest click pip gives it: every
+    `COMMAND --help` prints the command's help (typer 0.15.1 under click 8.2+ failed on all but
+    list's, an internal error, exit 2)."""
+    root = Path(__file__).resolve().parents[1]
+    lowest = lower_bounds()["typer"]
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(root)],
+        check=True,
+    )
+    (wheel,) = dist.glob("k3patch-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run(
+        [str(venv / "bin" / "pip"), "install", "-q", str(wheel), f"typer=={lowest}", "click>=8.2"],
+        check=True,
+    )
+    bad = {}
+    for command in ("status", "apply", "revert", "verify"):
+        proc = subprocess.run(
+            [str(venv / "bin" / "k3patch"), command, "--help"], capture_output=True, text=True
+        )
+        if proc.returncode != 0 or "--vllm" not in proc.stdout:
+            bad[command] = (proc.returncode, proc.stderr.strip())
+    assert not bad, bad

@@ -1,8 +1,7 @@
 """What k3patch prints and the code it exits with never lie: exit codes survive whatever
 happens to stdout and stderr (a closed pipe, a full disk behind stdout, SIGINT), a usage error
 is one line and, under --json, an error envelope, an error stays one line on a terminal, a
-drift report reads as code, and verify never passes having verified nothing (issue 21 items 7,
-8, 12, 13; issue 13 items 15, 16).
+drift report reads as code, and verify never passes having verified nothing.
 
 The CLI runs as a subprocess only where the process's own descriptors are the thing tested."""
 

@@ -214,3 +214,15 @@ def test_a_lock_timeout_is_read_as_click_reads_it(make_tree, value):
         assert reference.returncode == 2 or run_cli(*args).returncode == reference.returncode
     else:
         assert code == reference.returncode
+
+
+@pytest.mark.parametrize("value", ["\uff15", "\u0665"])  # FULLWIDTH FIVE, ARABIC-INDIC FIVE
+def test_the_no_op_path_refuses_a_lock_timeout_the_cli_refuses(make_tree, value):
+    """A --lock-timeout of a Unicode digit (which Python's float() reads) is a usage error on
+    the no-op path as on the full path: exit 2 on both, never 0 on one."""
+    site = make_tree("0.31.0")
+    assert run_cli("apply", "--quiet", "--vllm", str(site)).returncode == 0
+    args = ("apply", "--quiet", "--vllm", str(site), "--lock-timeout", value)
+    fast = run_cli(*args)
+    slow = run_cli(*args, env={"K3PATCH_NO_FASTPATH": "1"})
+    assert (fast.returncode, slow.returncode) == (slow.returncode, 2), (fast.stderr, slow.stderr)

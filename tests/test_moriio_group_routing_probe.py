@@ -16,7 +16,7 @@ After `k3patch apply`, `verify` runs the probe and it passes on each; upstream 0
 route natively (satisfied) and pass too. One child per fork tree and state (`routed`), shared with
 the other patches' tests.
 
-The cases issue 19 added: models without a Mamba group (one attention group; full attention and
+Further cases: models without a Mamba group (one attention group; full attention and
 sliding window), decode without external tokens, and both schedulers holding nothing of a
 request once it finished. Where the unpatched code fails them: two attention groups on every
 fork tree (the fork's [0]/[1] choice sends group 1 to group 0's blocks), one attention group over
@@ -24,7 +24,7 @@ fork tree (the fork's [0]/[1] choice sends group 1 to group 0's blocks), one att
 the fork gets them right, and they catch wrong fixes (a per-request entry left after its save,
 group 0 used where no group is Mamba, blocks named without external tokens).
 
-The mutation check's survivors (issue 19 item 2) added three more, failing on every unpatched
+The mutation check's survivors added three more, failing on every unpatched
 fork tree: a one-sided peer on either side (the decode node without the fix, and a save without
 per-group lists, as a prefill scheduler without the fix sends it) must be refused per layer by
 the MoRIIOError that names the side without the fix, not by whatever a missing list raises

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -288,3 +290,140 @@ def test_apply_diff_marks_a_last_line_without_newline(make_tree):
     assert f"return not on_gfx942(){marker}--- a/vllm/distributed/" in planned
     assert run_cli("apply", "--quiet", "--vllm", str(site)).returncode == 0
     assert run_cli("status", "--diff", "--vllm", str(site)).stdout == planned
+
+
+def on_a_terminal(*args: str, columns: str) -> str:
+    """The CLI's output (stdout and stderr) as a terminal of COLUMNS=`columns` shows it, through
+    script(1): the terminal a user's shell gives it, not a pty of the test's own making."""
+    command = shlex.join([sys.executable, "-m", "k3patch", *args])
+    env = {**os.environ, "COLUMNS": columns, "NO_COLOR": "1"}
+    proc = subprocess.run(
+        ["script", "-qec", command, "/dev/null"], capture_output=True, text=True, env=env
+    )
+    return proc.stdout.replace("\r\n", "\n")
+
+
+@pytest.mark.wheel
+@pytest.mark.skipif(shutil.which("script") is None, reason="needs script(1) for a terminal")
+def test_columns_0_on_a_terminal_still_prints_every_line(make_tree, tmp_path):
+    """COLUMNS=0 on a terminal is no width: the report falls back to the log's width, and the
+    report and an error line are still printed, never an empty screen or a traceback."""
+    site = make_tree("0.31.0")
+    out = on_a_terminal("status", "--vllm", str(site), columns="0")
+    assert "aiter-mla-gfx942" in out and "digest " in out, out
+    err = on_a_terminal("status", "--vllm", str(tmp_path / "nowhere"), columns="0")
+    assert "k3patch: error:" in err, err
+
+
+@pytest.mark.wheel
+def test_a_tree_path_with_spaces_is_never_cut_in_a_log(make_tree, tmp_path):
+    """The header names the tree whole on one line, however many spaces its path has, even
+    where the line is longer than the log's 100 columns."""
+    deep = tmp_path / ("a dir with spaces " * 4).strip() / "my site"
+    deep.parent.mkdir(parents=True)
+    shutil.copytree(make_tree("0.31.0"), deep)
+    package = str(deep / "vllm")
+    for args in (["status"], ["apply"]):
+        proc = run_cli(*args, "--vllm", str(deep))
+        lines = proc.stdout.splitlines()
+        assert any(line.endswith(package) for line in lines), proc.stdout
+
+
+@pytest.mark.wheel
+def test_status_diff_with_a_form_feed_is_a_patch_that_applies(make_tree):
+    """A file holding a form feed (Python reads it as whitespace): the diff counts lines as
+    `patch` does, so `patch -R` gives back the original byte for byte."""
+    if shutil.which("patch") is None:
+        pytest.skip("needs patch(1)")
+    site = make_tree("0.31.0")
+    target = site / "vllm" / "_aiter_ops.py"
+    text = target.read_text()
+    first = text.index("\n") + 1
+    target.write_text(text[:first] + "# page one\x0c# page two\n" + text[first:])
+    original = target.read_bytes()
+    assert run_cli("apply", "--vllm", str(site), "--only", "aiter-mla-gfx942").returncode == 0
+    target.write_text(target.read_text() + "\x0c# an edit after the form feed\n")
+    diff = run_cli("status", "--diff", "--vllm", str(site)).stdout
+    assert diff.startswith("--- a/vllm/_aiter_ops.py"), diff[:200]
+    proc = subprocess.run(
+        ["patch", "-p1", "-R", "--no-backup-if-mismatch"],
+        input=diff,
+        cwd=site,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert target.read_bytes() == original
+
+
+@pytest.mark.wheel
+def test_apply_json_always_has_bugs_and_diff_under_diff(make_tree):
+    """README lists `bugs` and, with --diff, `diff`: present when empty too."""
+    site = make_tree("0.31.0")
+    first = json.loads(run_cli("apply", "--json", "--vllm", str(site)).stdout)
+    assert first["bugs"] == {} and first["written"]
+    again = run_cli("apply", "--json", "--diff", "--vllm", str(site))
+    data = json.loads(again.stdout)
+    assert data["exit_code"] == 0 and data["bugs"] == {} and data["diff"] == ""
+
+
+ASCII_OUTPUT = {
+    "PYTHONIOENCODING=ascii": {"PYTHONIOENCODING": "ascii"},
+    # The C locale with Python's own UTF-8 rescue (PEP 538, PEP 540) turned off.
+    "C locale": {
+        "LC_ALL": "C",
+        "LANG": "C",
+        "PYTHONUTF8": "0",
+        "PYTHONCOERCECLOCALE": "0",
+        "PYTHONIOENCODING": "",
+    },
+}
+
+
+@pytest.mark.wheel
+@pytest.mark.parametrize("output", list(ASCII_OUTPUT))
+def test_an_ascii_stdout_gets_the_report_with_what_it_cannot_encode_replaced(
+    make_tree, tmp_path, output
+):
+    """PYTHONIOENCODING=ascii (or a C locale): a report holding a non-ASCII character (here
+    the tree's path) is printed whole, every line, that character replaced; never dropped for
+    one 'could not write the output' line, a traceback or silence. (Under the C locale Python
+    reads the path in as surrogate escapes and writes them back as the same bytes.)"""
+    site = tmp_path / "sit\u00e9"
+    shutil.copytree(make_tree("0.31.0"), site)
+    env = ASCII_OUTPUT[output]
+    for command, code in (("status", 1), ("apply", 0), ("status", 0), ("revert", 0)):
+        proc = run_cli(command, "--vllm", str(site), env=env)
+        assert proc.returncode == code, (command, proc.stdout, proc.stderr)
+        assert proc.stderr == "", (command, proc.stderr)
+        if command == "revert":
+            assert "restored:\n  vllm/_aiter_ops.py" in proc.stdout, proc.stdout
+        else:
+            # (the C locale gives the path back as the bytes it came in as)
+            assert "aiter-mla-gfx942" in proc.stdout, proc.stdout
+            assert "sit?" in proc.stdout or "sit\u00e9" in proc.stdout, proc.stdout
+
+
+@pytest.mark.wheel
+def test_status_quiet_and_apply_quiet_print_one_line_format(make_tree):
+    """`status --quiet` and `apply --quiet` print one line format, `k3patch: id: verdict`
+    (README's), on the full path and the no-op path alike."""
+    import re
+
+    site = make_tree("0.31.0")
+
+    def lines(*args: str, full: bool = False) -> list[str]:
+        env = {"K3PATCH_NO_FASTPATH": "1"} if full else {}
+        proc = run_cli(*args, "--quiet", "--vllm", str(site), env=env)
+        assert proc.returncode in (0, 1), proc.stderr
+        return proc.stdout.splitlines()
+
+    pending = lines("status")
+    assert pending == lines("apply", "--check")
+    assert lines("apply") == [x.replace(": pending", ": applied") for x in pending]
+    applied = lines("apply", full=True)
+    for run in (lines("status"), lines("status", full=True), lines("apply")):
+        assert run == applied, (run, applied)
+    assert len(applied) == 4 and all(
+        re.fullmatch(r"k3patch: [a-z0-9-]+: [a-z ]+", x) for x in applied
+    )

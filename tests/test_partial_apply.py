@@ -98,7 +98,7 @@ def test_a_partial_apply_records_what_the_full_path_reads(fork_tree, select):
     """After `apply --only X`, a left-out patch whose file X rewrote (on fork tree a,
     moriio-group-routing's pending sites in moriio_connector.py, below the chunk gate's) has
     moved: the record must hold its sites as they read now, so the no-op path's answers, line
-    numbers included, are the full path's (issue 21 item 10)."""
+    numbers included, are the full path's."""
     from k3patch import engine, scan
     from k3patch.registry import select as chosen
     from k3patch.tree import locate

@@ -1,8 +1,7 @@
 """Stale bytecode, wherever this interpreter looks for it: apply and revert remove every pyc of a
 changed file before the source changes (an unlink needs no space; Python compiles the new
 source), so an unchecked-hash pyc can never keep the old code running; `status` never calls a site
-good while an unchecked-hash pyc this interpreter would load holds other code (issue 26 item 2,
-issue 27 item 3)."""
+good while an unchecked-hash pyc this interpreter would load holds other code."""
 
 from __future__ import annotations
 
@@ -13,11 +12,12 @@ import py_compile
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 from conftest import run_cli, slow_after, tree_hashes
-from disk_setups import ROOT_ONLY, run_as_nobody, shared_site
+from disk_setups import CONNECTOR, ROOT_ONLY, preflight_fail, run_as_nobody, shared_site
 
 pytestmark = pytest.mark.wheel
 MODES = {
@@ -201,3 +201,162 @@ def test_no_run_writes_a_temp_file_into_pycache(make_tree, command):
     )
     assert proc.returncode == 0, (proc.returncode, proc.stderr)
     assert not [p for p in site.rglob("*") if ".k3patch-tmp." in p.name]
+
+
+# -- The code import runs, judged as import judges it -------------------------------------------
+# SourceFileLoader.get_code() finds and validates the pyc exactly as an import would
+# (PYTHONPYCACHEPREFIX included); its code object is compared with compile() of the .py on disk.
+
+TARGETS = [AITER, CONNECTOR]
+
+RUNS_CURRENT = textwrap.dedent(
+    """
+    import sys, os, importlib.machinery as m
+    def key(co):
+        return (co.co_code, co.co_names, co.co_varnames, co.co_freevars, co.co_cellvars,
+                tuple(key(c) if hasattr(c, 'co_code') else (type(c).__name__, repr(c))
+                      for c in co.co_consts))
+    pkg = sys.argv[1]; stale = []
+    for rel in sys.argv[2:]:
+        path = os.path.abspath(os.path.join(pkg, rel))
+        loader = m.SourceFileLoader(rel[:-3].replace('/', '.'), path)
+        code = loader.get_code(loader.name)
+        fresh = compile(open(path, 'rb').read(), path, 'exec', dont_inherit=True,
+                        optimize=sys.flags.optimize)
+        if key(code) != key(fresh):
+            stale.append(rel)
+    print(' '.join(stale))
+    """
+)
+
+
+def _stale(pkg: Path, env: dict[str, str]) -> list[str]:
+    """The targets whose import would run other code than their .py on disk now."""
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNS_CURRENT, str(pkg), *TARGETS],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        check=True,
+    )
+    return proc.stdout.split()
+
+
+def _compile_unchecked(files: list[Path], env: dict[str, str]) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compileall",
+            "-q",
+            "--invalidation-mode",
+            "unchecked-hash",
+            *map(str, files),
+        ],
+        env={**os.environ, **env},
+        check=True,
+    )
+
+
+@pytest.fixture
+def prefix_tree(make_tree, tmp_path) -> tuple[Path, dict[str, str]]:
+    """A 0.31.0 package dir whose targets have unchecked-hash pycs of their original code under
+    PYTHONPYCACHEPREFIX, and the environment that sets that prefix (for k3patch too)."""
+    pkg = make_tree("0.31.0") / "vllm"
+    env = {"PYTHONPYCACHEPREFIX": str(tmp_path / "pycache-prefix")}
+    _compile_unchecked([pkg / rel for rel in TARGETS], env)
+    return pkg, env
+
+
+def test_status_never_says_applied_while_a_pycache_prefix_pyc_holds_the_old_code(prefix_tree):
+    """With PYTHONPYCACHEPREFIX (set for k3patch too) holding unchecked-hash pycs of the
+    original code, apply and status never leave "applied" standing while the interpreter
+    would run those pycs."""
+    pkg, env = prefix_tree
+    site = pkg.parent
+    applied = run_cli("apply", "--quiet", "--vllm", str(site), env=env)
+    status = run_cli("status", "--quiet", "--vllm", str(site), env=env)
+    stale = _stale(pkg, env)
+    says_applied = status.returncode == 0 and "aiter-mla-gfx942: applied" in status.stdout
+    assert not (says_applied and stale), (
+        f"apply rc={applied.returncode}, status rc={status.returncode} says applied, but import "
+        f"runs the old code of {stale} (pycs under PYTHONPYCACHEPREFIX)"
+    )
+
+
+def test_the_plugin_refuses_a_tree_whose_pycache_prefix_holds_the_old_code(prefix_tree, tmp_path):
+    """K3PATCH_PREFLIGHT=fail never lets vLLM start on the old code of a pycache prefix. apply
+    removes the prefix's pycs, so they are put back after it, as an image layer or a restored
+    build cache would: the unchecked-hash pycs of the original code under the prefix."""
+    pkg, env = prefix_tree
+    site = pkg.parent
+    prefix = Path(env["PYTHONPYCACHEPREFIX"])
+    saved = tmp_path / "saved-prefix"
+    shutil.copytree(prefix, saved)
+    assert run_cli("apply", "--quiet", "--vllm", str(site), env=env).returncode == 0
+    shutil.copytree(saved, prefix, dirs_exist_ok=True)  # the old pycs come back after apply
+    stale = _stale(pkg, env)
+    assert stale, "precondition: the prefix pycs are stale"
+    proc = preflight_fail(pkg, env)
+    assert proc.returncode != 0, f"preflight passed while {stale} run old code"
+
+
+def test_no_command_says_applied_while_an_in_tree_unchecked_pyc_holds_the_old_code(
+    make_tree, tmp_path
+):
+    """An unchecked-hash pyc of the original code in the tree's own __pycache__ after the
+    apply: import runs the old code, so status (both paths), a no-op apply and the plugin must
+    not say applied."""
+    site = make_tree("0.31.0")
+    pkg = site / "vllm"
+    orig = tmp_path / "orig"
+    orig.mkdir()
+    (orig / "_aiter_ops.py").write_bytes((pkg / AITER).read_bytes())
+    _compile_unchecked([orig / "_aiter_ops.py"], {})
+    assert run_cli("apply", "--quiet", "--vllm", str(site)).returncode == 0
+    (pkg / "__pycache__").mkdir(exist_ok=True)
+    for pyc in (orig / "__pycache__").iterdir():
+        (pkg / "__pycache__" / pyc.name).write_bytes(pyc.read_bytes())
+    stale = _stale(pkg, {})
+    assert stale == [AITER], "precondition: the old pyc is what import runs"
+
+    status = run_cli("status", "--quiet", "--vllm", str(site))
+    slow = run_cli("status", "--quiet", "--vllm", str(site), env={"K3PATCH_NO_FASTPATH": "1"})
+    plugin = preflight_fail(pkg, {})  # before the apply below, which removes the pyc
+    again = run_cli("apply", "--quiet", "--vllm", str(site))
+    problems = [
+        name
+        for name, proc in [("status", status), ("status (no fast path)", slow)]
+        if proc.returncode == 0 and "aiter-mla-gfx942: applied" in proc.stdout
+    ]
+    if again.returncode == 0 and _stale(pkg, {}):
+        problems.append("apply exit 0 leaving the old code running")
+    if plugin.returncode == 0:
+        problems.append("plugin (fail) passed")
+    assert not problems, f"old code of {stale} runs, yet: {problems}"
+
+
+def test_recovery_leaves_no_bytecode_that_runs_other_code_than_the_source(make_tree):
+    """An apply killed after its renames, then an unchecked-hash compile of the patched files
+    (a `compileall --invalidation-mode unchecked-hash` image step, before anything ran k3patch
+    again), then `revert`: recovery rolls the sources back to the originals and must remove
+    that pyc too, which Python loads without looking at the source; left, the reverted tree
+    runs the patched code."""
+    site = make_tree("0.31.0")
+    proc = run_cli(
+        "apply", "--vllm", str(site), "-q", env={"K3PATCH_TEST_CRASH_AT": "kept-removed"}
+    )
+    assert proc.returncode == 137
+    source = site / "vllm/_aiter_ops.py"
+    pyc = Path(
+        py_compile.compile(
+            str(source), invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH
+        )
+    )
+    proc = run_cli("revert", "--vllm", str(site))
+    assert proc.returncode == 0, proc.stderr
+    if pyc.exists():
+        data = pyc.read_bytes()
+        unchecked = int.from_bytes(data[4:8], "little") == 1
+        same = data[8:16] == importlib.util.source_hash(source.read_bytes())
+        assert not unchecked or same, "an unchecked-hash pyc of the patched code outlived revert"

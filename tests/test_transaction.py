@@ -1,5 +1,7 @@
 """The commit is a transaction: a fault at any step, in-process or a real kill, leaves a tree
-that the next apply brings to fully patched and revert to fully original, byte for byte."""
+that the next apply brings to fully patched and revert to fully original, byte for byte; a
+recovery that cannot finish (a file edited since the kill, a saved copy gone) changes nothing and
+never leaves a patch half applied."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ import shutil
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import run_cli, slow_after, tree_hashes
+from conftest import run_cli, sha, slow_after, tree_hashes
+from disk_setups import GROUP_ROUTING, killed_after_every_file_was_replaced
 
 from k3patch import engine, scan
 from k3patch.errors import EnvironmentProblem
@@ -204,3 +208,40 @@ def test_recover_refuses_a_file_changed_by_someone_else(make_tree):
     assert "changed by something else" in proc.stderr
     assert target.read_text() == "# someone else\n"
     assert Transaction(site / "vllm").pending_journal() is not None
+
+
+def _assert_whole(site: Path, pairs: dict[str, tuple[str, str]]) -> None:
+    now = {rel: sha(site / rel) for rel in pairs}
+    all_original = all(now[rel] == pairs[rel][0] for rel in pairs)
+    all_patched = all(now[rel] != pairs[rel][0] for rel in pairs)  # patched (maybe + hand edit)
+    assert all_original or all_patched, f"moriio-group-routing half-patched: {now}"
+
+
+def test_recovery_that_fails_on_a_hand_edited_file_leaves_no_half_patched_patch(fork_tree):
+    """A killed apply's recovery that meets a journalled file changed since (an operator's edit
+    after the crash) exits 3 with nothing written: it checks every file before it puts any
+    back, so it never rolls back the files before that one and stops there, leaving
+    moriio-group-routing half applied (common original, engine patched)."""
+    site = fork_tree("a")
+    pairs = killed_after_every_file_was_replaced(site)
+    edited = site / GROUP_ROUTING[1]  # moriio_engine.py
+    edited.write_bytes(edited.read_bytes() + b"# operator note\n")
+    snapshot = {p: sha(p) for p in (site / "vllm").rglob("*.py")}
+    proc = run_cli("apply", "--vllm", str(site))
+    assert proc.returncode == 3
+    # An error leaves no change on disk ...
+    assert snapshot == {p: sha(p) for p in (site / "vllm").rglob("*.py")}, "error changed files"
+    # ... and, in any case, never a half-patched patch.
+    _assert_whole(site, pairs)
+
+
+def test_recovery_that_fails_on_a_missing_saved_copy_leaves_no_half_patched_patch(fork_tree):
+    """The same with one saved copy (blob) missing: exit 3 ('the saved copy ... is missing'),
+    and never the files journalled before it rolled back, moriio-group-routing half applied."""
+    site = fork_tree("a")
+    pairs = killed_after_every_file_was_replaced(site)
+    blob = site / "vllm/.k3patch/blobs" / pairs[GROUP_ROUTING[1]][0]
+    blob.unlink()
+    proc = run_cli("apply", "--vllm", str(site))
+    assert proc.returncode == 3
+    _assert_whole(site, pairs)

@@ -9,11 +9,15 @@ import json
 import os
 import py_compile
 import shlex
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 from conftest import run_cli
+from disk_setups import apply_killed_at, needs_strace
 
 from k3patch import scan
 from k3patch import verify as verify_mod
@@ -168,7 +172,7 @@ def test_unchecked_hash_pycs_are_removed_so_patched_code_runs(make_tree, verify_
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 21 item 9: verify tells the truth about its child. A stand-in interpreter (k3patch's own
+# verify tells the truth about its child. A stand-in interpreter (k3patch's own
 # Python behind a script) prints what a broken or hostile one might; no torch needed.
 
 MARKER = "K3PATCH-VERIFY-RESULT "
@@ -263,3 +267,84 @@ def test_a_selection_that_leaves_nothing_verified_nothing(make_tree):
     )
     assert result.exit_code == 3, result.output
     assert "kda-gather-diagnostic not applicable" in result.stderr
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter (R, S, Z, ...), None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return None
+    return fields[0]
+
+
+def test_sigterm_during_verify_ends_its_child_too(make_tree, tmp_path):
+    """`docker stop` while verify's child imports torch: the child goes with k3patch (as it
+    does for SIGINT), and k3patch ends as SIGTERM ends a process."""
+    site = make_tree("0.31.0")
+    pid_file = tmp_path / "child.pid"
+    python = stand_in(
+        tmp_path,
+        f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "k3patch", "verify", "--vllm", str(site), "--python", python],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while _state(child) not in (None, "Z") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _state(child) in (None, "Z"), f"the verify child {child} still runs"
+    finally:
+        if _state(child) not in (None, "Z"):
+            os.kill(child, signal.SIGKILL)
+
+
+@needs_strace
+@pytest.mark.parametrize("journal", ["fifo", "interrupted-apply"])
+def test_verify_does_not_pass_a_tree_with_a_pending_or_unusable_journal(
+    make_tree, verify_python, journal
+):
+    """Promise (docs/exit-codes.md): a FIFO at the journal is "refused without being opened,
+    never waited on, by every command"; exit 1 covers "an interrupted run's journal is
+    waiting"; README: k3patch never reports a state the tree is not in.
+
+    `verify` is the last gate of the Dockerfile (`apply && status && verify`) and of an audit.
+    On a tree whose `.k3patch/journal.json` is a FIFO, status, apply and revert exit 3; on one
+    an apply was killed in (after `_aiter_ops.py` was exchanged, before the journal was
+    removed: its next apply or revert rolls that file back), `status --only aiter-mla-gfx942`
+    exits 1 and names the journal. `verify` on either must not exit 0 nor print "verified"
+    (under `--json`, never exit_code 0 beside `error` or `interrupted`)."""
+    site = make_tree("0.31.0", full=True)
+    if journal == "fifo":
+        assert run_cli("apply", "--vllm", str(site)).returncode == 0
+        os.mkfifo(site / "vllm/.k3patch/journal.json")
+        assert run_cli("status", "--vllm", str(site)).returncode == 3
+    else:
+        killed = apply_killed_at(site, "renameat2", 2)
+        assert killed.returncode != 0
+        assert (site / "vllm/.k3patch/journal.json").is_file()
+        status = run_cli("status", "--vllm", str(site), "--only", "aiter-mla-gfx942")
+        assert status.returncode == 1, status.stdout
+    proc = run_cli(
+        "verify",
+        "--vllm",
+        str(site),
+        "--python",
+        verify_python,
+        "--only",
+        "aiter-mla-gfx942",
+        "--json",
+        timeout=600,
+    )
+    data = json.loads(proc.stdout)
+    assert proc.returncode != 0, (data.get("error"), data.get("interrupted"), proc.stderr)

@@ -1,4 +1,4 @@
-"""The write path against the classes of issue 26 item 2: a full disk at every fill level, a
+"""The write path under what a node does to it: a full disk at every fill level, a
 status racing a live apply, a killed run's journal on a node that otherwise reads clean, a hand
 edit under a re-apply, and a tree whose owner is not the user who runs k3patch."""
 
@@ -117,7 +117,7 @@ def test_status_during_a_live_apply_reports_what_that_apply_left(make_tree, tmp_
             text=True,
             env=env,
         )
-        time.sleep(3)  # status is well into its run: on main it has read both files by now
+        time.sleep(3)  # status is well into its run: a status that took no lock has read both files
         go_on.touch()
         out, _ = status.communicate(timeout=120)
         assert writer.wait(timeout=120) == 0
@@ -207,14 +207,14 @@ def test_an_owner_outside_the_files_group_applies_with_one_warning(make_tree):
         assert tree_hashes(site) == pristine
 
 
-# -- Litter that outlived its journal (FAULTS-FOUND F1) ---------------------------------------
+# -- Litter that outlived its journal -----------------------------------------------------------
 
 
 @pytest.mark.parametrize("command", ["apply", "revert"])
 def test_a_temp_file_beside_a_target_without_a_journal_is_removed(make_tree, command):
     """A run that died (or whose unlink failed) after its journal was gone left the old file's
-    copy beside the target: the next locked run removes it, journal or not. On main only the
-    directories a journal named were looked at, so it stayed for good."""
+    copy beside the target: the next locked run removes it, journal or not, never only in the
+    directories a journal names (without one, the copy would stay for good)."""
     site = make_tree("0.31.0")
     if command == "revert":
         assert run_cli("apply", "--vllm", str(site)).returncode == 0
@@ -230,14 +230,14 @@ def test_a_temp_file_beside_a_target_without_a_journal_is_removed(make_tree, com
     assert not [p for p in site.rglob("*") if ".k3patch-tmp." in p.name]
 
 
-# -- A replacement whose rename or close fails (FAULTS-FOUND F2) -------------------------------
+# -- A replacement whose rename or close fails ---------------------------------------------------
 
 
 @pytest.mark.parametrize("call", ["os.replace", "os.close"])
 def test_a_failed_rename_or_close_leaves_no_temp_file(make_tree, monkeypatch, call):
     """ENOSPC from the rename of a saved copy into place, or EIO from closing a temp file (NFS
     reports a failed write there): exit 3 (an environment problem), the tree whole, and not
-    one temp file left. On main the run's own temp file stayed."""
+    one temp file left, the run's own included."""
     import errno
 
     from k3patch import engine
@@ -279,7 +279,7 @@ def test_a_failed_rename_or_close_leaves_no_temp_file(make_tree, monkeypatch, ca
     assert not (site / "vllm/.k3patch").exists()
 
 
-# -- An I/O error while finding the tree (FAULTS-FOUND F3) --------------------------------------
+# -- An I/O error while finding the tree ---------------------------------------------------------
 
 
 @ROOT_ONLY
@@ -294,14 +294,14 @@ def test_a_tree_this_user_may_not_search_is_an_environment_problem_not_a_wrong_p
             assert len(stderr.splitlines()) == 1 and "permission denied" in stderr, stderr
 
 
-# -- A rollback on a full disk where fsync fails too (FAULTS-FOUND F4) ---------------------------
+# -- A rollback on a full disk where fsync fails too ---------------------------------------------
 
 
 def test_a_rollback_whose_fsyncs_fail_puts_back_every_file(make_tree, monkeypatch):
     """The disk fills up at the record's temp file, the last of the commit, and from then on
     every fsync fails too (ext4 reports a full disk there). Every file already replaced is put
-    back all the same (a rename each); the next run, with space, ends in the applied tree. On
-    the code before, the first failed fsync stopped the rollback: one patch applied, one not."""
+    back all the same (a rename each), never left one patch applied and one not by the first
+    failed fsync; the next run, with space, ends in the applied tree."""
     import errno
 
     from k3patch import engine
