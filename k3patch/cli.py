@@ -322,15 +322,16 @@ def status(
             help="Print the unified diff from the originals k3patch recorded to the files now.",
         ),
     ] = False,
+    lock_timeout: LockOpt = 120.0,
 ) -> int:
-    from k3patch import engine, exitcodes, plaintext, render, scan
+    from k3patch import exitcodes, plaintext, render, scan
     from k3patch.changes import recorded_diff
     from k3patch.registry import select
     from k3patch.tree import locate
 
     tree = locate(vllm)
     # A journal of a live run is not an interrupted one: wait for that run, then look.
-    report = scan.scan(tree, select(only, skip), wait_for_live=engine.DEFAULT_LOCK_TIMEOUT)
+    report = scan.scan(tree, select(only, skip), wait_for_live=lock_timeout)
     code = exitcodes.for_status(report)
     if report.state_problem:
         render.error_line(report.state_problem)

@@ -22,7 +22,7 @@ from k3patch.tree import locate
 _COMMON = {"--json": "json", "--quiet": "quiet", "-q": "quiet", "--sites": "sites"}
 _FLAGS = {"status": {**_COMMON, "--digest": "digest"}, "apply": _COMMON}
 _VALUES = {
-    "status": ("--vllm", "--only", "--skip"),
+    "status": ("--vllm", "--only", "--skip", "--lock-timeout"),
     "apply": ("--vllm", "--only", "--skip", "--lock-timeout"),
 }
 

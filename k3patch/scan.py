@@ -177,17 +177,18 @@ def scan(
     patches: tuple[Patch, ...] | None = None,
     *,
     use_record: bool = True,
-    wait_for_live: float = 0.0,
+    wait_for_live: float | None = None,
 ) -> Report:
     """Classify every site of `patches` (default: all). With a state record whose file hashes
     all match, its classification is reused without parsing anything. `wait_for_live`: seconds
-    to wait for a live run (status): every file is read after it, under the lock, shared."""
+    to wait for a live run (status; 0: not at all): every file is read after it, under the lock,
+    shared."""
     patches = all_patches() if patches is None else patches
     sources = Sources(tree.read, tree.version)
     targets = target_files(all_patches())
     # A live writer first, then every read: a status must never report files read half way
     # through another run's commit, nor that run's journal as an interrupted one.
-    with lock.shared(tree.package, wait_for_live) if wait_for_live > 0 else nullcontext():
+    with nullcontext() if wait_for_live is None else lock.shared(tree.package, wait_for_live):
         interrupted, problem = _interrupted(tree)
         hashes = file_hashes(sources, targets)
         stale = {

@@ -353,7 +353,9 @@ def test_status_behind_a_paused_commit_never_reports_half_a_commit(make_tree, tm
             assert time.monotonic() < deadline, "the apply never reached its first exchange"
             time.sleep(0.2)
         assert sha(site / CONNECTOR_FILE) == moriio_before, "the pause is not between the two files"
-        proc = run_cli("status", "--vllm", str(site), "--json", timeout=400)
+        # status waits its --lock-timeout (default 120 s; 5 here) for the stopped run, then
+        # gives up: exit 3, never the mix.
+        proc = run_cli("status", "--vllm", str(site), "--json", "--lock-timeout", "5")
         verdicts = {p["id"]: p["verdict"] for p in json.loads(proc.stdout).get("patches", [])}
         half = (
             verdicts.get("aiter-mla-gfx942") == "applied"

@@ -140,6 +140,7 @@ def test_sigint_is_one_line_and_130(make_tree, tmp_path):
         (["apply", "--lock-timeout", "nan"], "nan is not a finite number of seconds"),
         (["apply", "--lock-timeout", "abc"], "Invalid value for '--lock-timeout'"),
         (["revert", "--lock-timeout", "inf"], "inf is not a finite number of seconds"),
+        (["status", "--lock-timeout", "nan"], "nan is not a finite number of seconds"),
         (["status", "--only", "no-such-patch"], "unknown patch 'no-such-patch'"),
         (["status", "--bogus"], "No such option: --bogus"),
         (["revert", "--sites"], "No such option: --sites"),  # an option revert does not have

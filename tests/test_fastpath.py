@@ -63,6 +63,7 @@ COMMANDS = [
     # Options as click reads them: `=` values, repeated ids, the last value winning.
     ["status", "-q", "--skip=kda-gather-diagnostic", "--skip", "moriio-chunk-gate"],
     ["apply", "--json", "--lock-timeout", "5", "--lock-timeout=7", "--only=aiter-mla-gfx942"],
+    ["status", "--digest", "--lock-timeout=0"],
 ]
 
 
@@ -109,7 +110,7 @@ def test_fast_path_steps_aside_when_a_byte_changes(make_tree):
             ["status", "--only", "no-such-patch"],
             ["verify"],
             ["status", "--bogus"],
-            ["status", "--lock-timeout", "5"],  # not an option of status: the CLI says so
+            ["status", "--lock-timeout", "-1"],  # the CLI's refusal
             ["apply", "--lock-timeout", "nan"],
             ["apply", "--lock-timeout=-1"],
             ["apply", "--all-or-nothing"],
