@@ -288,3 +288,22 @@ def test_apply_diff_marks_a_last_line_without_newline(make_tree):
     assert f"return not on_gfx942(){marker}--- a/vllm/distributed/" in planned
     assert run_cli("apply", "--quiet", "--vllm", str(site)).returncode == 0
     assert run_cli("status", "--diff", "--vllm", str(site)).stdout == planned
+
+
+@pytest.mark.wheel
+def test_status_quiet_names_an_interrupted_runs_journal(make_tree):
+    """`status --quiet` on a tree whose revert was killed: every patch still reads applied, yet
+    the exit is 1 (the journal: the next run rolls back); its lines must say why, as the full
+    `status` does, not hide the journal behind "applied"."""
+    site = make_tree("0.31.0")
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    killed = run_cli("revert", "--vllm", str(site), env={"K3PATCH_TEST_CRASH_AT": "blobs-written"})
+    assert killed.returncode == 137 and (site / "vllm/.k3patch/journal.json").exists()
+    full, quiet = (
+        run_cli("status", "--vllm", str(site)),
+        run_cli("status", "-q", "--vllm", str(site)),
+    )
+    journal = "an interrupted k3patch revert left a journal"
+    assert full.returncode == quiet.returncode == 1 and journal in full.stdout
+    assert journal in quiet.stdout, quiet.stdout
+    assert "k3patch: aiter-mla-gfx942: applied" in quiet.stdout
