@@ -356,9 +356,9 @@ def revert(
             elif current != fs.applied:
                 conflicts.append(
                     f"vllm/{rel} changed since k3patch applied it and is not the recorded "
-                    f"original either (now {current and current[:12]}, k3patch wrote "
-                    f"{fs.applied and fs.applied[:12]}, original "
-                    f"{fs.original and fs.original[:12]})"
+                    f"original either (now {(current or 'absent')[:12]}, k3patch wrote "
+                    f"{(fs.applied or 'nothing')[:12]}, original "
+                    f"{(fs.original or 'absent')[:12]})"
                 )
             else:
                 original = None if fs.original is None else txn.blobs.load(fs.original)
