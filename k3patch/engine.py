@@ -27,6 +27,7 @@ from k3patch.state import (
     StateRecord,
     damaged,
     load,
+    missing_original,
     patch_set,
     read_bytes,
 )
@@ -339,6 +340,8 @@ def revert(
                 "Nothing was removed: restore state.json from a backup, or reinstall vLLM and "
                 "then remove the .k3patch directory"
             )
+        if record is not None and (why := missing_original(record, tree.package_dir)):
+            raise EnvironmentProblem(why)  # as status, apply and verify say it (scan)
         if record is not None and (why := txn.unnamed_original(record)):
             raise damaged(str(tree.state_dir / STATE_FILE), why)
         changed = {rel: fs for rel, fs in (record.files.items() if record else []) if fs.applied}
