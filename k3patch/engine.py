@@ -27,8 +27,8 @@ from k3patch.state import (
     StateRecord,
     damaged,
     load,
-    missing_original,
     patch_set,
+    planted_copy,
     read_bytes,
 )
 from k3patch.transaction import FaultHook, FileEdit, Transaction, sha256
@@ -340,8 +340,10 @@ def revert(
                 "Nothing was removed: restore state.json from a backup, or reinstall vLLM and "
                 "then remove the .k3patch directory"
             )
-        if record is not None and (why := missing_original(record, tree.package_dir)):
-            raise EnvironmentProblem(why)  # as status, apply and verify say it (scan)
+        # (Not missing_original: a revert stopped before removing its record leaves one
+        # naming copies it already pruned, and the next revert finishes.)
+        if why := planted_copy(tree.package_dir, set(txn.blobs.names())):
+            raise EnvironmentProblem(why)
         if record is not None and (why := txn.unnamed_original(record)):
             raise damaged(str(tree.state_dir / STATE_FILE), why)
         changed = {rel: fs for rel, fs in (record.files.items() if record else []) if fs.applied}
