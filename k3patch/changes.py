@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 
 from k3patch import state
-from k3patch.blobs import Blobs
+from k3patch.transaction import Transaction, moves_only_sites, sha256
 from k3patch.tree import VllmTree
 
 
@@ -39,16 +39,23 @@ def recorded_diff(tree: VllmTree) -> str | None:
     """The unified diff from every recorded original to the file now: None when there is no
     state record (k3patch never changed this tree), "" when every recorded file holds its
     original again. Raises the record's own errors (damaged, other schema) and
-    EnvironmentProblem for a missing or damaged saved original."""
+    EnvironmentProblem for a missing or damaged saved original. Each original is checked as
+    revert checks it before writing it back, so a diff is never from bytes that are not one."""
     record = state.load(tree.state_dir, package_dir=tree.package_dir)
     if record is None:
         return None
-    blobs = Blobs(tree.package_dir)
-    chunks: list[str] = []
+    txn = Transaction(tree.package_dir)
+    where = str(tree.state_dir / state.STATE_FILE)
+    if why := txn.unnamed_original(record):
+        raise state.damaged(where, why)
+    images = []
     for rel, recorded in sorted(record.files.items()):
-        before = None if recorded.original is None else blobs.load(recorded.original)
-        now = tree.read(rel)
-        if before == now:
-            continue
-        chunks.extend(file_diff(rel, before, now))
-    return "".join(chunks)
+        before = None if recorded.original is None else txn.blobs.load(recorded.original)
+        images.append((rel, tree.read(rel), before))
+    # What k3patch wrote binds to its original by its sites (a file edited since cannot).
+    held = [i for i in images if i[1] and sha256(i[1]) == record.files[i[0]].applied]
+    if why := moves_only_sites(tree.package_dir, held):
+        raise state.damaged(where, f"an original it names does not belong to its file ({why})")
+    return "".join(
+        "".join(file_diff(rel, before, now)) for rel, now, before in images if before != now
+    )

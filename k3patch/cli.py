@@ -337,11 +337,12 @@ def status(
         render.error_line(report.state_problem)
     payload = report.to_json()  # the human report is made from it too
     if as_json:
-        if diff:
+        if diff and not report.state_problem:  # no diff from a record no revert could use
             payload["diff"] = recorded_diff(tree) or ""
         render.emit_json("status", code, payload)
     elif diff:
-        render.print_recorded_diff(recorded_diff(tree))
+        if not report.state_problem:
+            render.print_recorded_diff(recorded_diff(tree))
     elif digest:
         print(report.digest)
     elif quiet:

@@ -28,6 +28,7 @@ from k3patch.state import (
     damaged,
     load,
     patch_set,
+    planted_copy,
     read_bytes,
 )
 from k3patch.transaction import FaultHook, FileEdit, Transaction, sha256
@@ -339,6 +340,10 @@ def revert(
                 "Nothing was removed: restore state.json from a backup, or reinstall vLLM and "
                 "then remove the .k3patch directory"
             )
+        # (Not missing_original: a revert stopped before removing its record leaves one
+        # naming copies it already pruned, and the next revert finishes.)
+        if why := planted_copy(tree.package_dir, set(txn.blobs.names())):
+            raise EnvironmentProblem(why)
         if record is not None and (why := txn.unnamed_original(record)):
             raise damaged(str(tree.state_dir / STATE_FILE), why)
         changed = {rel: fs for rel, fs in (record.files.items() if record else []) if fs.applied}
@@ -356,9 +361,9 @@ def revert(
             elif current != fs.applied:
                 conflicts.append(
                     f"vllm/{rel} changed since k3patch applied it and is not the recorded "
-                    f"original either (now {current and current[:12]}, k3patch wrote "
-                    f"{fs.applied and fs.applied[:12]}, original "
-                    f"{fs.original and fs.original[:12]})"
+                    f"original either (now {(current or 'absent')[:12]}, k3patch wrote "
+                    f"{(fs.applied or 'nothing')[:12]}, original "
+                    f"{(fs.original or 'absent')[:12]})"
                 )
             else:
                 original = None if fs.original is None else txn.blobs.load(fs.original)

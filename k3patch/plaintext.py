@@ -165,18 +165,22 @@ def interrupted(op: str, then: str) -> Line:
 
 def status_lines(report: Mapping[str, Any], *, every_site: bool = False) -> list[Line]:
     """`status` from its JSON (`formats.report_json`)."""
-    out = [header(report["vllm"]), *patches_block(report, every_site, {})]
-    if report["interrupted"]:
-        then = "the next apply or revert rolls it back first"
-        out.append(interrupted(report["interrupted"], then))
+    out = [header(report["vllm"]), *patches_block(report, every_site, {}), *_journal(report)]
     digest = f"digest {report['digest']}"
     return [*out, line(digest + ("  (from the state record)" if report["from_record"] else ""))]
 
 
+def _journal(report: Mapping[str, Any]) -> list[Line]:
+    """The line of an interrupted run's journal that `status` found, if any."""
+    then = "the next apply or revert rolls it back first"
+    return [interrupted(report["interrupted"], then)] if report["interrupted"] else []
+
+
 def quiet_lines(report: Mapping[str, Any]) -> list[Line]:
     """`status --quiet`: one line per patch, `k3patch: id: verdict`, as `apply --quiet` prints
-    it (one format for logs, README)."""
-    return [line("k3patch: " + quiet_line(p["id"], p["sites"])) for p in report["patches"]]
+    it (one format for logs, README), and the journal line: the exit 1 it causes is named."""
+    out = [line("k3patch: " + quiet_line(p["id"], p["sites"])) for p in report["patches"]]
+    return out + _journal(report)
 
 
 def _refusals(report: Mapping[str, Any]) -> list[str]:

@@ -223,17 +223,20 @@ def read_in(root: Path | str, rel: str, *, what: str = "file") -> bytes | None:
 
 def regular_files(root: Path | str, rel_dir: str, pattern: re.Pattern[str]) -> list[str]:
     """The names matching `pattern` of the regular files in `root/rel_dir` (none when absent)."""
-    return _names(root, rel_dir, pattern, directories=False)
+    return _names(root, rel_dir, pattern, "is_file")
 
 
 def directories(root: Path | str, rel_dir: str, pattern: re.Pattern[str]) -> list[str]:
     """The names matching `pattern` of the directories (not links) in `root/rel_dir`."""
-    return _names(root, rel_dir, pattern, directories=True)
+    return _names(root, rel_dir, pattern, "is_dir")
 
 
-def _names(
-    root: Path | str, rel_dir: str, pattern: re.Pattern[str], directories: bool
-) -> list[str]:
+def entries(root: Path | str, rel_dir: str, pattern: re.Pattern[str]) -> list[str]:
+    """The names matching `pattern` in `root/rel_dir`, whatever each is (a link: not followed)."""
+    return _names(root, rel_dir, pattern, "")
+
+
+def _names(root: Path | str, rel_dir: str, pattern: re.Pattern[str], kind: str) -> list[str]:
     dfd = open_dir_if_there(root, rel_dir)
     if dfd is None:
         return []
@@ -241,8 +244,7 @@ def _names(
         return [
             e.name
             for e in os.scandir(dfd)
-            if pattern.match(e.name)
-            and (e.is_dir if directories else e.is_file)(follow_symlinks=False)
+            if pattern.match(e.name) and (not kind or getattr(e, kind)(follow_symlinks=False))
         ]
     finally:
         os.close(dfd)

@@ -260,10 +260,27 @@ def saved_copy_names(package_dir: Path | str) -> list[str]:
     return safefs.regular_files(package_dir, ".k3patch/blobs", _DIGEST)
 
 
+def planted_copy(package_dir: Path | str, present: set[str]) -> str | None:
+    """Why `.k3patch/blobs/` holds an entry named like a saved copy that is not one of the
+    regular files `present` (a link, FIFO or directory), or None: k3patch never follows, opens
+    or removes it, so no revert could leave the tree without `.k3patch`."""
+    names = safefs.entries(package_dir, ".k3patch/blobs", _DIGEST)
+    if planted := sorted(set(names) - present):
+        return (
+            f"{Path(package_dir) / '.k3patch' / 'blobs' / planted[0]} is not a regular file, so "
+            "not a saved copy k3patch made; k3patch never follows or removes it, and no revert "
+            "could leave the tree clean: remove it"
+        )
+    return None
+
+
 def missing_original(record: StateRecord, package_dir: Path | str) -> str | None:
     """Why `record` cannot be reverted for want of a saved original it names (gone, or not a
-    regular file), or None. A listing only: revert checks each copy's bytes."""
+    regular file), or for an entry planted among them (planted_copy), or None. A listing only:
+    revert checks each copy's bytes."""
     present = set(saved_copy_names(package_dir))
+    if planted := planted_copy(package_dir, present):
+        return planted
     for rel, fs in sorted(record.files.items()):
         if fs.original is not None and fs.original not in present:
             return (

@@ -288,9 +288,9 @@ class Transaction:
         if current_hash != entry["after"]:
             raise EnvironmentProblem(
                 f"{self.package_dir / rel} was changed by something else during an interrupted "
-                f"k3patch run (now {current_hash and current_hash[:12]}, k3patch wrote "
-                f"{entry['after'] and entry['after'][:12]}, before "
-                f"{entry['before'] and entry['before'][:12]}); nothing was rolled back: put "
+                f"k3patch run (now {(current_hash or 'absent')[:12]}, k3patch wrote "
+                f"{(entry['after'] or 'nothing')[:12]}, before "
+                f"{(entry['before'] or 'absent')[:12]}); nothing was rolled back: put "
                 f"that file back as k3patch wrote it or as it was before, then run again"
             )
         before = None if entry["before"] is None else self.blobs.load(entry["before"])

@@ -154,16 +154,22 @@ def locate(path: str | os.PathLike[str] | None = None) -> VllmTree:
                 usage=False,
             )
         else:
+            why = "no vllm/__init__.py and vllm/envs.py"
+            if _looks_like_vllm(given):  # Python imports vLLM only from a dir of that name
+                why = "a package dir like vLLM's, but not named vllm"
             raise TreeError(
-                f"{given}: not a vLLM tree (no vllm/__init__.py and vllm/envs.py); pass the vllm "
-                "package dir, a source checkout holding vllm/, or a site-packages dir",
+                f"{given}: not a vLLM tree ({why}); pass the vllm package dir, a source "
+                "checkout holding vllm/, or a site-packages dir",
                 usage=True,
             )
     if os.path.islink(package_dir):
         real = os.path.realpath(package_dir)
+        where = f"pass --vllm {real}"
+        if os.path.basename(real) != "vllm":
+            where = "it is not named vllm: rename it vllm, point the link there and pass that"
         raise TreeError(
-            f"{package_dir} is a symlink to {real}; pass --vllm {real} so the files are "
-            "patched where they live",
+            f"{package_dir} is a symlink to {real}; k3patch patches files where they live, "
+            f"never through a link: {where}",
             usage=True,
         )
     if not _looks_like_vllm(package_dir):

@@ -384,3 +384,31 @@ def test_a_patch_both_selected_and_skipped_is_a_usage_error_on_every_command(
         assert len(proc.stderr.splitlines()) == 1, (command, proc.stderr)
         assert "--only and --skip both name 'aiter-mla-gfx942'" in proc.stderr
         assert tree_hashes(site) == before, command
+
+
+@pytest.mark.parametrize("name", ["vllm", "vllm-0.31.0"])
+def test_a_symlinked_package_dir_is_refused_with_advice_that_holds(make_tree, tmp_path, name):
+    """`vllm/` a link to the real package dir (Nix- or Bazel-style installs name that dir as
+    they like): a symlinked tree is refused (exit 2), and the line names the link and its
+    target and says what to pass. Following that advice must work: `--vllm TARGET` for a target
+    not named vllm was refused in turn as having "no vllm/__init__.py", with the file there."""
+    site = make_tree("0.31.0")
+    real = tmp_path / "store" / name
+    real.parent.mkdir()
+    (site / "vllm").rename(real)
+    (site / "vllm").symlink_to(real)
+    before = tree_hashes(real)
+    proc = run_cli("status", "--vllm", str(site))
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert f"{site / 'vllm'} is a symlink to {real}" in proc.stderr
+    direct = run_cli("status", "--vllm", str(real))
+    if name == "vllm":
+        assert f"pass --vllm {real}" in proc.stderr and direct.returncode == 1
+    else:
+        assert "--vllm" not in proc.stderr and "rename it vllm" in proc.stderr
+        assert direct.returncode == 2 and "no vllm/__init__.py" not in direct.stderr
+        assert "not named vllm" in direct.stderr, direct.stderr
+        real.rename(real.parent / "vllm")  # as the line says: then it is a package dir
+        assert run_cli("status", "--vllm", str(real.parent / "vllm")).returncode == 1
+        real = real.parent / "vllm"
+    assert tree_hashes(real) == before

@@ -389,3 +389,33 @@ def test_a_directory_named_like_a_target_is_refused_and_nothing_written(make_tre
             f"k3patch: error: {target} is a directory, expected a Python file"
         ], proc.stderr
         assert tree_hashes(site) == before, command
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_a_link_or_fifo_named_like_a_saved_copy_is_named_not_left_quietly(
+    make_tree, tmp_path, kind
+):
+    """An entry planted in `blobs/` under a saved copy's name that is no regular file: k3patch
+    never follows, opens or removes it, so a revert cannot remove `.k3patch`. Status said
+    nothing and revert exited 0 leaving `blobs/` behind (a false success). Now status, apply
+    and revert name it (exit 3, one line) before anything is written; once it is removed,
+    revert leaves no `.k3patch`."""
+    site = make_tree("0.31.0")
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    planted = site / "vllm/.k3patch/blobs" / ("ab" * 32)
+    victim = tmp_path / "victim"
+    victim.write_text("keep me\n")
+    if kind == "symlink":
+        planted.symlink_to(victim)
+    else:
+        fifo_at(planted)
+    snapshot = tree_hashes(site)
+    for command in ("status", "apply", "revert"):
+        proc = run_cli(command, "--vllm", str(site), timeout=BOUND)
+        assert proc.returncode == 3, (command, proc.stdout, proc.stderr)
+        assert len(proc.stderr.splitlines()) == 1 and str(planted) in proc.stderr, proc.stderr
+    assert tree_hashes(site) == snapshot and victim.read_text() == "keep me\n"
+    assert planted.is_symlink() if kind == "symlink" else stat.S_ISFIFO(planted.lstat().st_mode)
+    planted.unlink()
+    assert run_cli("revert", "--vllm", str(site)).returncode == 0
+    assert not (site / "vllm/.k3patch").exists()

@@ -509,3 +509,41 @@ def test_a_tampered_journal_never_makes_recovery_write_one_file_into_another(for
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "damaged" in proc.stderr and "does not belong to its file" in proc.stderr
     assert snapshot == {p: sha(p) for p in site.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("tamper", slow_after(["swapped", "absent", "gone", "link"]))
+def test_status_diff_checks_the_originals_as_revert_does(make_tree, tmp_path, tamper):
+    """`status --diff` shows the change from the recorded originals: it must trust them no
+    more than revert does. Originals swapped between the two files, or one called absent, made
+    it print a diff from the wrong file (or from nothing) with exit 0 while revert refused the
+    record as damaged; a saved original gone or replaced by a link printed two error lines.
+    Each is exit 3, one line on stderr, no diff, nothing changed."""
+    site = make_tree("0.31.0")
+    engine.apply(locate(site))
+    data = record(site)
+    aiter, other = sorted(data["files"])
+    blob = site / "vllm/.k3patch/blobs" / data["files"][aiter]["original"]
+    if tamper == "swapped":
+        files = data["files"]
+        files[aiter]["original"], files[other]["original"] = (
+            files[other]["original"],
+            files[aiter]["original"],
+        )
+        write_record(site, data)
+    elif tamper == "absent":
+        data["files"][aiter]["original"] = None
+        write_record(site, data)
+    else:
+        copy = tmp_path / "copy"
+        blob.rename(copy)
+        if tamper == "link":
+            blob.symlink_to(copy)
+    snapshot = tree_hashes(site)
+    revert = run_cli("revert", "--json", "--vllm", str(site))
+    assert revert.returncode == 3, revert.stdout
+    for args in ([], ["--json"]):
+        proc = run_cli("status", "--diff", "--vllm", str(site), *args)
+        assert proc.returncode == 3, (proc.stdout[:300], proc.stderr)
+        assert len(proc.stderr.splitlines()) == 1, proc.stderr
+        assert "@@" not in proc.stdout and "+++" not in proc.stdout
+    assert tree_hashes(site) == snapshot

@@ -427,3 +427,22 @@ def test_status_quiet_and_apply_quiet_print_one_line_format(make_tree):
     assert len(applied) == 4 and all(
         re.fullmatch(r"k3patch: [a-z0-9-]+: [a-z ]+", x) for x in applied
     )
+
+
+@pytest.mark.wheel
+def test_status_quiet_names_an_interrupted_runs_journal(make_tree):
+    """`status --quiet` on a tree whose revert was killed: every patch still reads applied, yet
+    the exit is 1 (the journal: the next run rolls back); its lines must say why, as the full
+    `status` does, not hide the journal behind "applied"."""
+    site = make_tree("0.31.0")
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    killed = run_cli("revert", "--vllm", str(site), env={"K3PATCH_TEST_CRASH_AT": "blobs-written"})
+    assert killed.returncode == 137 and (site / "vllm/.k3patch/journal.json").exists()
+    full, quiet = (
+        run_cli("status", "--vllm", str(site)),
+        run_cli("status", "-q", "--vllm", str(site)),
+    )
+    journal = "an interrupted k3patch revert left a journal"
+    assert full.returncode == quiet.returncode == 1 and journal in full.stdout
+    assert journal in quiet.stdout, quiet.stdout
+    assert "k3patch: aiter-mla-gfx942: applied" in quiet.stdout

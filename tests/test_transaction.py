@@ -245,3 +245,28 @@ def test_recovery_that_fails_on_a_missing_saved_copy_leaves_no_half_patched_patc
     proc = run_cli("apply", "--vllm", str(site))
     assert proc.returncode == 3
     _assert_whole(site, pairs)
+
+
+def test_a_patched_file_deleted_since_is_a_conflict_named_without_none(make_tree):
+    """revert restores only files that still hold what k3patch wrote: a patched file deleted
+    since is "changed since" (exit 1, nothing written, the other file not reverted either), and
+    the message says it is absent, never a Python `None`; so does the rollback of a journal
+    whose file was deleted after the kill (exit 3, nothing rolled back)."""
+    site = make_tree("0.31.0")
+    assert run_cli("apply", "--vllm", str(site)).returncode == 0
+    (site / "vllm/_aiter_ops.py").unlink()
+    before = tree_hashes(site)
+    for args in ([], ["--json"]):
+        proc = run_cli("revert", "--vllm", str(site), *args)
+        assert proc.returncode == 1, proc.stderr
+        assert "vllm/_aiter_ops.py changed since" in proc.stdout and "now absent" in proc.stdout
+        assert "None" not in proc.stdout + proc.stderr
+        assert tree_hashes(site) == before
+    killed = make_tree("0.31.0")
+    crash = {"K3PATCH_TEST_CRASH_AT": "replaced:_aiter_ops.py"}
+    assert run_cli("apply", "--vllm", str(killed), env=crash).returncode == 137
+    (killed / "vllm/_aiter_ops.py").unlink()
+    before = tree_hashes(killed)
+    proc = run_cli("revert", "--vllm", str(killed))
+    assert proc.returncode == 3 and "(now absent, k3patch wrote " in proc.stderr, proc.stderr
+    assert "None" not in proc.stdout + proc.stderr and tree_hashes(killed) == before
