@@ -178,7 +178,7 @@ def test_fast_path_declines_journals(make_tree):
             ["apply", "--lock-timeout", "1e999"],
             ["apply", "--lock-timeout="],
             ["apply", "--json", "--lock-timeout", "-0.5"],
-            ["status", "--lock-timeout", "5"],  # an option status does not have
+            ["status", "--lock-timeout", "-1"],  # status reads it as apply does
             ["status", "--check"],
             ["status", "--all-or-nothing"],
             ["apply", "--digest"],
