@@ -12,6 +12,7 @@ import os
 import re
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from k3patch.errors import EnvironmentProblem
@@ -223,28 +224,29 @@ def read_in(root: Path | str, rel: str, *, what: str = "file") -> bytes | None:
 
 def regular_files(root: Path | str, rel_dir: str, pattern: re.Pattern[str]) -> list[str]:
     """The names matching `pattern` of the regular files in `root/rel_dir` (none when absent)."""
-    return _names(root, rel_dir, pattern, "is_file")
+    return _names(root, rel_dir, pattern, lambda e: e.is_file(follow_symlinks=False))
 
 
 def directories(root: Path | str, rel_dir: str, pattern: re.Pattern[str]) -> list[str]:
     """The names matching `pattern` of the directories (not links) in `root/rel_dir`."""
-    return _names(root, rel_dir, pattern, "is_dir")
+    return _names(root, rel_dir, pattern, lambda e: e.is_dir(follow_symlinks=False))
 
 
 def entries(root: Path | str, rel_dir: str, pattern: re.Pattern[str]) -> list[str]:
     """The names matching `pattern` in `root/rel_dir`, whatever each is (a link: not followed)."""
-    return _names(root, rel_dir, pattern, "")
+    return _names(root, rel_dir, pattern, lambda e: True)
 
 
-def _names(root: Path | str, rel_dir: str, pattern: re.Pattern[str], kind: str) -> list[str]:
+def _names(
+    root: Path | str,
+    rel_dir: str,
+    pattern: re.Pattern[str],
+    keep: Callable[[os.DirEntry[str]], bool],
+) -> list[str]:
     dfd = open_dir_if_there(root, rel_dir)
     if dfd is None:
         return []
     try:
-        return [
-            e.name
-            for e in os.scandir(dfd)
-            if pattern.match(e.name) and (not kind or getattr(e, kind)(follow_symlinks=False))
-        ]
+        return [e.name for e in os.scandir(dfd) if pattern.match(e.name) and keep(e)]
     finally:
         os.close(dfd)
